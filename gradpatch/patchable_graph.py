@@ -1,0 +1,264 @@
+"""PatchableGraph: a module equivalent to the wrapped model in which every intermediate value is patchable."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence, Union
+
+import torch
+from torch import nn
+
+from .errors import InputSignatureError
+from .extraction import Extractor
+from .graph_modules import CompiledGraphModule, PatchTable
+from .node_path import NodeData, NodeTree
+from .options import ExtractionOptions
+from .patches import Patch
+
+PatchSpec = Union[Patch, Sequence[Patch]]
+PatchMap = Mapping[Union[str, NodeData], PatchSpec]
+
+
+class PatchableGraph(nn.Module):
+    """Wrap ``module`` so that every intermediate tensor operation is a named, patchable node.
+
+    ``PatchableGraph([options,] module, *example_args, **example_kwargs)`` runs ``module`` once on the example
+    inputs and extracts a graph per submodule call (see :mod:`gradpatch.extraction`). Calling the
+    PatchableGraph runs those graphs: outside a :meth:`patch` block it returns what ``module`` returns (same
+    values, same gradients), on inputs of other batch sizes and sequence lengths too. Parameters are shared
+    with ``module``. Arguments that held tensors in the example are graph inputs; the others (``use_cache=False``,
+    say) are fixed by the example.
+
+    Args:
+        options: optional :class:`ExtractionOptions` as the first positional argument.
+        module: the model, any ``nn.Module`` (transformers models included; pass ``use_cache=False``).
+        example_args, example_kwargs: one valid call of ``module``.
+
+    Raises:
+        ExtractionError: with ``error_on_compilation_failure=True``, for a module whose graph cannot be extracted.
+    """
+
+    def __init__(self, *args: Any, **example_kwargs: Any) -> None:
+        super().__init__()
+        if args and isinstance(args[0], ExtractionOptions):
+            options, module, *example_args = args
+        else:
+            options = ExtractionOptions()
+            module, *example_args = args
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"PatchableGraph wraps an nn.Module, got {type(module).__name__}")
+        object.__setattr__(self, "_original", module)
+        self._options = options
+        self._example = (tuple(example_args), dict(example_kwargs))
+        self._signature = inspect.signature(module.forward)
+        self._example_call = self._signature.bind(*example_args, **example_kwargs).arguments
+        self._graphs: dict[bool, nn.Module] = {}
+        self._trees: dict[bool, NodeTree] = {}
+        self._active: list[list[tuple[nn.Module, str, tuple[str, ...], Patch]]] = []
+        self._patched_owners: set[nn.Module] = set()
+        self.training = module.training
+        self._graph_module = self._extracted(module.training)
+
+    # --- extraction ----------------------------------------------------------------------------------------
+
+    def _extracted(self, training: bool) -> nn.Module:
+        if training not in self._graphs:
+            module = self._original
+            was_training = module.training
+            module.train(training)
+            saved = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+            try:
+                with torch.enable_grad():
+                    args, kwargs = self._example
+                    self._graphs[training], _ = Extractor(self._options).extract(module, args, kwargs, "")
+            finally:
+                with torch.no_grad():
+                    for name, buffer in module.named_buffers():
+                        buffer.copy_(saved[name])
+                module.train(was_training)
+        return self._graphs[training]
+
+    def train(self, mode: bool = True) -> "PatchableGraph":
+        """Set training mode everywhere: the wrapped model and every wrapper.
+
+        Graphs bake in ``self.training`` branches (dropout, for one), so the first switch to a mode extracts the
+        graphs for that mode once; active patches carry over.
+        """
+        self.training = mode
+        self._original.train(mode)
+        if self._graph_module is not self._extracted(mode):
+            for owner in self._patched_owners:
+                owner.set_patch_table({})
+            self._patched_owners = set()
+            self._graph_module = self._graphs[mode]
+            self._install_patches()
+        self._graph_module.train(mode)
+        return self
+
+    # --- calling -------------------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self._graph_module, CompiledGraphModule):
+            self._check_call(args, kwargs)
+        return self._graph_module(*args, **kwargs)
+
+    def _check_call(self, args: tuple, kwargs: dict) -> None:
+        inputs = set(self._graph_module.input_names)
+        call = self._signature.bind(*args, **kwargs).arguments
+        for name, value in call.items():
+            if name in inputs:
+                continue
+            example = self._example_call.get(name, inspect.Parameter.empty)
+            if isinstance(value, torch.Tensor) or not _same_constant(value, example):
+                shown = "not given" if example is inspect.Parameter.empty else f"{example!r}"
+                raise InputSignatureError(
+                    f"argument '{name}' differs in kind from the example inputs ({shown}); the graph was extracted "
+                    f"without it as an input: build PatchableGraph(model, ..., {name}=...) with an example of it"
+                )
+        missing = inputs - set(call)
+        if missing:
+            raise InputSignatureError(
+                f"missing argument(s) {sorted(missing)}: they held tensors in the example inputs, so the graph "
+                f"takes them as inputs; pass them"
+            )
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``transformers`` generation running this graph, so active patches apply at every step.
+
+        Takes the arguments of the wrapped model's ``generate``; ``use_cache`` is forced to ``False`` (each step
+        runs the graph on the whole sequence). Arguments that the graph does not take as inputs are dropped when
+        they hold their default meaning (an all-ones ``attention_mask``, a ``cache_position``).
+
+        Raises:
+            TypeError: the wrapped model has no ``generate`` method.
+            InputSignatureError: ``generate`` passes a padding ``attention_mask`` the graph was not built with.
+        """
+        original = self._original
+        if not hasattr(original, "generate"):
+            raise TypeError(f"{type(original).__name__} has no generate(); it is not a transformers generation model")
+        kwargs["use_cache"] = False
+        graph_forward = self._generation_forward()
+        original.forward = graph_forward
+        try:
+            return original.generate(*args, **kwargs)
+        finally:
+            del original.forward
+
+    def _generation_forward(self) -> Any:
+        inputs = set(getattr(self._graph_module, "input_names", ()))
+        signature = self._signature
+
+        @functools.wraps(type(self._original).forward)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            call = signature.bind(*args, **kwargs).arguments
+            passed = {name: value for name, value in call.items() if name in inputs}
+            mask = call.get("attention_mask")
+            if "attention_mask" not in inputs and isinstance(mask, torch.Tensor) and not bool(mask.all()):
+                raise InputSignatureError(
+                    "generate() passes a padding attention_mask, but the graph was built without one: build "
+                    "PatchableGraph(model, input_ids, attention_mask=mask, use_cache=False)"
+                )
+            return self(**passed)
+
+        forward.__signature__ = signature  # type: ignore[attr-defined]
+        return forward
+
+    # --- NodePaths and patching ----------------------------------------------------------------------------
+
+    @property
+    def graph(self) -> NodeData:
+        """The navigable NodePath tree (see :class:`~gradpatch.node_path.NodeData`)."""
+        return self._tree.root
+
+    @property
+    def _tree(self) -> NodeTree:
+        if self.training not in self._trees:
+            self._trees[self.training] = NodeTree(self._graph_module)
+        return self._trees[self.training]
+
+    def original_module(self, path: str | NodeData) -> nn.Module:
+        """The original submodule behind the graph node at NodePath ``path`` (e.g. ``"model.layers_5.mlp"``).
+
+        Raises:
+            KeyError: unknown NodePath (the message lists the closest valid ones).
+            ValueError: the path names a leaf, not a submodule's graph.
+        """
+        node = self._tree.find(_path_string(path))
+        if not node._is_graph:
+            raise ValueError(f"NodePath '{path}' is a leaf; name a submodule's graph, e.g. its parent")
+        if node._module is self._graph_module:
+            return self._original
+        return node._module.original_module  # type: ignore[union-attr]
+
+    @contextmanager
+    def patch(self, patch_map: PatchMap | Any) -> Iterator["PatchableGraph"]:
+        """Apply patches while the block runs: ``with pg.patch({"lm_head.output": ZeroPatch()}): pg(x)``.
+
+        Args:
+            patch_map: NodePath (string or ``pg.graph`` node) -> patch or list of patches (applied in order);
+                or an :class:`~gradpatch.intervention.Intervention`. Blocks nest; inner patches apply after outer.
+
+        Raises:
+            KeyError: an unknown NodePath (the message lists the closest valid ones).
+            ValueError: a NodePath naming a graph or a container value without a ``|sub_i`` dig, or a value that
+                is not a Patch.
+        """
+        if hasattr(patch_map, "patch_map"):
+            patch_map = patch_map.patch_map()
+        entries = self._resolve(patch_map)
+        self._active.append(entries)
+        self._install_patches()
+        try:
+            yield self
+        finally:
+            self._active.remove(entries)
+            self._install_patches()
+
+    def _resolve(self, patch_map: PatchMap) -> list[tuple[nn.Module, str, tuple[str, ...], Patch]]:
+        if not isinstance(patch_map, Mapping):
+            raise ValueError(f"patch() takes a mapping NodePath -> patch(es), got {type(patch_map).__name__}")
+        entries = []
+        for path, spec in patch_map.items():
+            node = self._tree.find(_path_string(path))
+            if node._is_graph:
+                raise ValueError(
+                    f"NodePath '{path}' names a graph, not a value; patch one of its nodes, e.g. '{path}.output'"
+                )
+            if node._info is not None and node._info.items and node._info.shape is None:
+                first = next(iter(node._children))
+                raise ValueError(
+                    f"NodePath '{path}' holds a {node._info.kind}; dig into it, e.g. '{node._children[first]._path}'"
+                )
+            patches = [spec] if isinstance(spec, Patch) else list(spec) if isinstance(spec, (list, tuple)) else [spec]
+            for patch in patches:
+                if not isinstance(patch, Patch):
+                    raise ValueError(f"value for NodePath '{path}' must be a Patch or a list of Patches, "
+                                     f"got {type(patch).__name__}")
+                entries.append((node._owner, node._key, node._dig, patch))
+        return entries
+
+    def _install_patches(self) -> None:
+        tables: dict[nn.Module, PatchTable] = {}
+        for entries in self._active:
+            for owner, key, dig, patch in entries:
+                tables.setdefault(owner, {}).setdefault(key, []).append((dig, patch))
+        for owner in self._patched_owners - set(tables):
+            owner.set_patch_table({})
+        for owner, table in tables.items():
+            owner.set_patch_table(table)
+        self._patched_owners = set(tables)
+
+
+def _same_constant(value: Any, example: Any) -> bool:
+    if value is example:
+        return True
+    try:
+        return bool(value == example)
+    except Exception:  # objects without a usable equality are compared by identity only
+        return False
+
+
+def _path_string(path: str | NodeData) -> str:
+    return path._path if isinstance(path, NodeData) else str(path)

@@ -1,0 +1,288 @@
+"""A torch.fx tracer whose proxies carry the concrete value computed on the example inputs.
+
+Plain ``torch.fx.symbolic_trace`` cannot follow model code that unpacks shapes (``view(*shape, -1)``), reads
+``x.ndim`` or branches on sizes. Here every proxy also holds the real value its node produced on the example
+inputs, so such code traces: sizes stay symbolic graph nodes where they feed tensor operations, and Python
+branches on sizes are decided by the example (a shape specialisation, as in graphpatch and torch.compile).
+Branches on tensor *values* (``if x.sum() > 0``, ``x.item()``) raise
+:class:`~gradpatch.errors.DataDependentControlFlow`, and so do changes of grad mode or autocast inside a
+forward (a ``torch.no_grad()`` context manager, say) that a graph would silently drop: the caller then falls
+back to an opaque module.
+
+Each submodule call is a leaf: :class:`ValueTracer` hands it to a callback that extracts the child's own graph
+from the concrete arguments of that call and returns the child's output value.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from .errors import DataDependentControlFlow
+
+#: Tensor attributes whose values are fixed by the example (rank, dtype, device) and are returned concretely.
+_STATIC_TENSOR_ATTRIBUTES = frozenset(
+    {"dtype", "device", "ndim", "layout", "is_cuda", "is_sparse", "is_quantized", "is_meta", "is_complex",
+     "is_floating_point", "dim", "element_size", "is_contiguous", "requires_grad"}
+)
+#: Tensor methods that move tensor values into Python: the graph could not follow what happens next.
+_VALUE_ESCAPING_METHODS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"})
+
+ChildCallback = Callable[["ValueTracer", nn.Module, str, tuple[Any, ...], dict[str, Any]], Any]
+
+
+class ValueProxy(fx.Proxy):
+    """An fx proxy that also knows the value its node produced on the example inputs."""
+
+    @property
+    def value(self) -> Any:
+        return self.tracer.values[self.node]  # type: ignore[attr-defined]
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        # isinstance(proxy, torch.Tensor) answers as the real value would, so model code that checks types takes
+        # the same branch during tracing as at run time. type(proxy) is unchanged.
+        value = self.tracer.values.get(self.node)  # type: ignore[attr-defined]
+        return torch.Tensor if isinstance(value, torch.Tensor) else ValueProxy
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _STATIC_TENSOR_ATTRIBUTES:
+            value = self.value
+            if isinstance(value, torch.Tensor):
+                return getattr(value, name)
+        return super().__getattr__(name)
+
+    def __len__(self) -> int:
+        value = self.value
+        if isinstance(value, torch.Tensor):
+            raise DataDependentControlFlow(f"len() of tensor {self.node.name} would fix its first dimension")
+        return len(value)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.tracer.iter(self)
+
+    def __int__(self) -> int:
+        return int(self.tracer.concrete_scalar(self))
+
+    def __index__(self) -> int:
+        return operator.index(self.tracer.concrete_scalar(self))
+
+    def __float__(self) -> float:
+        return float(self.tracer.concrete_scalar(self))
+
+    def __repr__(self) -> str:
+        return f"ValueProxy({self.node.name})"
+
+
+class ValueTracer(fx.Tracer):
+    """Traces one module's forward into an fx graph, computing every node's value on the example inputs.
+
+    Args:
+        on_child_call: ``(module, qualified_name, args, kwargs) -> output proxy`` called for every submodule
+            call; it must emit the call node (``create_proxy("call_module", ...)``) and return its proxy.
+        placeholders: ``(name, value)`` pairs for the graph inputs, in order.
+        call: ``(placeholder_proxies) -> output`` runs the module's forward with the proxies in place.
+    """
+
+    def __init__(self, on_child_call: ChildCallback) -> None:
+        super().__init__(autowrap_modules=(), param_shapes_constant=False)
+        self.proxy_buffer_attributes = True
+        self.values: dict[fx.Node, Any] = {}
+        self._on_child_call = on_child_call
+        self._placeholders: list[tuple[str, Any]] = []
+        self._call: Callable[[list[ValueProxy]], Any] | None = None
+        self._grad_enabled = True
+        self._autocast_state: tuple[bool, ...] = ()
+
+    def trace_call(
+        self,
+        root: nn.Module,
+        placeholders: list[tuple[str, Any]],
+        call: Callable[[list[ValueProxy]], Any],
+    ) -> fx.Graph:
+        """Trace ``call`` with placeholder proxies; returns the graph (values in :attr:`values`)."""
+        self._placeholders = placeholders
+        self._call = call
+        self._grad_enabled = torch.is_grad_enabled()
+        self._autocast_state = _autocast_state()
+        return self.trace(root)
+
+    # --- fx.Tracer hooks -------------------------------------------------------------------------------------
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> tuple[Any, list]:
+        # Every named input defaults to None: compiled parents pass only tensor-holding arguments, and constants
+        # are baked into the graph, so callers keep the original calling convention.
+        proxies = [
+            self.create_proxy("placeholder", name, () if name.startswith("*") else (None,), {})
+            for name, _ in self._placeholders
+        ]
+        for proxy, (_, value) in zip(proxies, self._placeholders):
+            self.values[proxy.node] = value
+        call = self._call
+        assert call is not None
+
+        def run(*_):  # type: ignore[no-untyped-def]  # no annotation: fx would copy it into the code
+            return self._lower_output(call(proxies))
+
+        return run, []
+
+    def proxy(self, node: fx.Node) -> ValueProxy:
+        return ValueProxy(node, self)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        try:
+            qualified_name = self.path_of_module(m)
+        except NameError:
+            return forward(*args, **kwargs)  # a module outside the hierarchy: trace through its code
+        return self._on_child_call(self, m, qualified_name, args, kwargs)
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, fx.Proxy):
+            return a.node
+        return super().create_arg(a)
+
+    def create_proxy(self, kind: str, target: Any, args: tuple, kwargs: dict, name: str | None = None,
+                     type_expr: Any = None, proxy_factory_fn: Any = None) -> ValueProxy:
+        if kind == "placeholder":
+            return super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        self._check_global_state(target)
+        if kind == "call_method" and target in _VALUE_ESCAPING_METHODS:
+            raise DataDependentControlFlow(f"'.{target}()' moves a tensor value into Python control flow")
+        value = self._evaluate(kind, target, args, kwargs)
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        self.values[proxy.node] = value
+        return proxy
+
+    def create_proxy_with_value(self, kind: str, target: Any, args: tuple, kwargs: dict, value: Any) -> ValueProxy:
+        """Emit a node whose value is already known (a submodule call extracted separately)."""
+        proxy = super().create_proxy(kind, target, args, kwargs)
+        self.values[proxy.node] = value
+        return proxy
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        return bool(self.concrete_scalar(obj))
+
+    def iter(self, obj: fx.Proxy) -> Iterator[Any]:
+        value = self.values[obj.node]
+        if isinstance(value, torch.Tensor):
+            raise DataDependentControlFlow(f"iterating over tensor {obj.node.name} would fix its first dimension")
+        if isinstance(value, dict):
+            return iter(value.keys())
+        return iter([obj[index] for index in range(len(value))])
+
+    def keys(self, obj: fx.Proxy) -> Any:
+        return self.values[obj.node].keys()
+
+    # --- helpers ---------------------------------------------------------------------------------------------
+
+    def concrete_scalar(self, obj: fx.Proxy) -> Any:
+        """The example value of a Python-scalar proxy (a size, a flag); tensors raise."""
+        value = self.values[obj.node]
+        if isinstance(value, torch.Tensor):
+            raise DataDependentControlFlow(
+                f"Python control flow on the value of tensor {obj.node.name} (e.g. 'if x.sum() > 0')"
+            )
+        return value
+
+    def value_of(self, argument: Any) -> Any:
+        """Replace every proxy inside ``argument`` (nested containers too) by its example value."""
+        return _map_proxies(argument, lambda proxy: self.values[proxy.node])
+
+    def _evaluate(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
+        if kind == "get_attr":
+            return resolve_attribute(self.root, target)
+        args, kwargs = self.value_of(args), self.value_of(kwargs)
+        if kind == "call_function":
+            return target(*args, **kwargs)
+        if kind == "call_method":
+            return getattr(args[0], target)(*args[1:], **kwargs)
+        if kind == "call_module":
+            return self.root.get_submodule(target)(*args, **kwargs)
+        raise AssertionError(f"unexpected node kind {kind}")
+
+    def _check_global_state(self, target: Any) -> None:
+        if torch.is_grad_enabled() != self._grad_enabled or _autocast_state() != self._autocast_state:
+            raise DataDependentControlFlow(
+                f"the forward changes grad mode or autocast (a context manager or decorator such as "
+                f"torch.no_grad()) around {getattr(target, '__name__', target)}; a graph would drop it"
+            )
+
+    def _lower_output(self, output: Any) -> Any:
+        """Return values that fx cannot store as constants (ModelOutput dataclasses) are rebuilt by a node."""
+        if isinstance(output, (fx.Proxy, tuple, list)) or type(output) is dict or output is None:
+            return output
+        leaves, spec = pytree.tree_flatten(output)
+        if spec.is_leaf():
+            return output
+        return self.create_proxy("call_function", _OutputRebuilder(spec), (list(leaves),), {}, name="output_value")
+
+
+class _OutputRebuilder:
+    """Rebuilds a pytree return value (e.g. a transformers ``ModelOutput``) from its leaves in generated code."""
+
+    def __init__(self, spec: pytree.TreeSpec) -> None:
+        self.spec = spec
+        self.__name__ = "rebuild_output"  # fx names the generated global after this
+
+    def __call__(self, leaves: list[Any]) -> Any:
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+def _map_proxies(argument: Any, fn: Callable[[fx.Proxy], Any]) -> Any:
+    if isinstance(argument, fx.Proxy):
+        return fn(argument)
+    if isinstance(argument, (tuple, list)):
+        mapped = [_map_proxies(item, fn) for item in argument]
+        if isinstance(argument, tuple) and hasattr(argument, "_fields"):
+            return type(argument)(*mapped)
+        return type(argument)(mapped) if isinstance(argument, (tuple, list)) else mapped
+    if isinstance(argument, dict):
+        return type(argument)((key, _map_proxies(item, fn)) for key, item in argument.items())
+    if isinstance(argument, slice):
+        return slice(*(_map_proxies(part, fn) for part in (argument.start, argument.stop, argument.step)))
+    return argument
+
+
+def resolve_attribute(root: nn.Module, target: str) -> Any:
+    """The parameter, buffer, submodule or plain attribute at dotted ``target``, without ``__getattr__`` hooks."""
+    obj: Any = root
+    for part in target.split("."):
+        for registry in ("_parameters", "_buffers", "_modules"):
+            entries = getattr(obj, "__dict__", {}).get(registry, {})
+            if part in entries:
+                obj = entries[part]
+                break
+        else:
+            obj = obj.__dict__[part] if part in getattr(obj, "__dict__", {}) else getattr(obj, part)
+    return obj
+
+
+def contains_proxy(argument: Any) -> bool:
+    """Whether a (possibly nested) argument holds any proxy."""
+    found = False
+
+    def mark(proxy: fx.Proxy) -> None:
+        nonlocal found
+        found = True
+
+    _map_proxies(argument, mark)
+    return found
+
+
+def _autocast_state() -> tuple[bool, ...]:
+    return tuple(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+
+
+def forward_signature(module: nn.Module) -> inspect.Signature:
+    """The signature of ``module.forward`` (decorators unwrapped)."""
+    return inspect.signature(inspect.unwrap(type(module).forward)).replace(
+        parameters=list(inspect.signature(inspect.unwrap(type(module).forward)).parameters.values())[1:]
+    )

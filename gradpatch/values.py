@@ -1,0 +1,43 @@
+"""Light descriptions of example values (shapes and container structure) kept for the NodePath tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """What a node produced on the example inputs, without holding the tensors.
+
+    Attributes:
+        kind: ``"Tensor"``, a container type name (``"tuple"``, ``"dict"``, ``"CausalLMOutputWithPast"``) or the
+            type name of another Python value.
+        shape: the tensor's ``torch.Size``; ``None`` for non-tensors.
+        items: dig part (``sub_0`` or a key) -> description, for containers.
+    """
+
+    kind: str
+    shape: torch.Size | None = None
+    items: dict[str, "ValueInfo"] = field(default_factory=dict)
+
+    def label(self) -> str:
+        """``Tensor(3, 2)``, ``tuple(2)``, ``int`` — as the tree shows it."""
+        if self.shape is not None:
+            return f"Tensor({', '.join(str(size) for size in self.shape)})"
+        if self.items:
+            return f"{self.kind}({len(self.items)})"
+        return self.kind
+
+
+def describe(value: Any) -> ValueInfo:
+    """Describe ``value`` (a tensor, a container of tensors, or any other object) for the tree."""
+    if isinstance(value, torch.Tensor):
+        return ValueInfo("Tensor", value.shape)
+    if isinstance(value, (tuple, list)):
+        return ValueInfo(type(value).__name__, None, {f"sub_{i}": describe(item) for i, item in enumerate(value)})
+    if isinstance(value, dict):
+        return ValueInfo(type(value).__name__, None, {str(key): describe(item) for key, item in value.items()})
+    return ValueInfo(type(value).__name__)
