@@ -10,8 +10,11 @@ from .errors import (
     GradpatchError,
     InputSignatureError,
     PatchShapeError,
+    ShapeSpecializationError,
 )
+from .fingerprint import model_fingerprint
 from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
+from .intervention import Intervention
 from .node_path import NodeData
 from .options import ExtractionOptions
 from .patchable_graph import PatchableGraph
@@ -26,6 +29,7 @@ __all__ = [
     "ExtractionOptions",
     "GradpatchError",
     "InputSignatureError",
+    "Intervention",
     "MultiplyInvokedModule",
     "NodeData",
     "OpaqueGraphModule",
@@ -35,5 +39,7 @@ __all__ = [
     "ProbePatch",
     "RecordPatch",
     "ReplacePatch",
+    "ShapeSpecializationError",
     "ZeroPatch",
+    "model_fingerprint",
 ]

@@ -25,3 +25,7 @@ class PatchShapeError(GradpatchError, ValueError):
 
 class InputSignatureError(GradpatchError, TypeError):
     """A call passes arguments that differ in kind from the example inputs the graph was extracted with."""
+
+
+class ShapeSpecializationError(GradpatchError, RuntimeError):
+    """A call's shapes change a Python decision that the model's code made on the example's shapes."""

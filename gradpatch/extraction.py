@@ -15,12 +15,11 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx._symbolic_trace import _maybe_revert_all_patches
 
 from .errors import ExtractionError
 from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
 from .options import ExtractionOptions
-from .tracer import ValueTracer, contains_proxy, resolve_attribute
+from .tracer import ValueTracer, concrete_execution, contains_proxy, resolve_attribute
 from .values import ValueInfo, describe
 
 #: Placeholder defaults in generated signatures; compiled graphs never read arguments that were constant.
@@ -75,14 +74,12 @@ class Extractor:
         children: dict[fx.Node, nn.Module] = {}
 
         def on_child_call(tracer: ValueTracer, child: nn.Module, name: str, args: tuple, kwargs: dict) -> Any:
-            child_path = f"{path}.{name}" if path else name
-            with _maybe_revert_all_patches():  # the child runs concretely, outside this tracer's patches
-                wrapper, output = self.extract(child, tracer.value_of(args), tracer.value_of(kwargs), child_path)
+            node_name = name.replace(".", "_")
+            child_path = f"{path}.{node_name}" if path else node_name
+            wrapper, output = self.extract(child, tracer.value_of(args), tracer.value_of(kwargs), child_path)
             # Compiled parents pass what holds tensors; constants are baked into the child (or kept by it).
             node_kwargs = {key: value for key, value in kwargs.items() if contains_proxy(value)}
-            proxy = tracer.create_proxy_with_value(
-                "call_module", name.replace(".", "_"), tuple(args), node_kwargs, output
-            )
+            proxy = tracer.create_proxy_with_value("call_module", node_name, tuple(args), node_kwargs, output)
             children[proxy.node] = wrapper
             return proxy
 
@@ -93,6 +90,7 @@ class Extractor:
 
         tracer = ValueTracer(on_child_call)
         graph = tracer.trace_call(root, plan.placeholders, call)
+        tracer.insert_guards(path)
         output = fx.map_arg(graph.output_node().args[0], tracer.values.__getitem__)
         for node in graph.nodes:
             node.meta["gp_info"] = describe(output if node.op == "output" else tracer.values.get(node))
@@ -111,7 +109,8 @@ class Extractor:
         for name, child in module._modules.items():
             if child is not None:
                 copy._modules[name] = self._stand_in(child, name, path, recorders)
-        output = copy(*args, **kwargs)
+        with concrete_execution():  # runs concretely, outside the patches of the tracers of its parents
+            output = copy(*args, **kwargs)
         wrappers = {name: recorder.finish() for name, recorder in recorders.items()}
         for container_path, recorder in recorders.items():
             _replace_in(copy, container_path, wrappers[container_path] or recorder.module)
@@ -142,7 +141,8 @@ class Extractor:
                 if item is not None:
                     container._modules[item_name] = self._stand_in(item, f"{name}.{item_name}", path, recorders)
             return container
-        recorder = _Recorder(self, child, f"{path}.{name}" if path else name)
+        node_name = name.replace(".", "_")
+        recorder = _Recorder(self, child, f"{path}.{node_name}" if path else node_name)
         recorders[name] = recorder
         return recorder
 
@@ -293,10 +293,6 @@ def _install_multiply_invoked(wrapper: CompiledGraphModule, children: dict[fx.No
             groups.setdefault(base, []).append(children[node])
     for base, invocations in groups.items():
         setattr(wrapper, base, MultiplyInvokedModule(invocations))
-    if groups:
-        wrapper.recompile()
-        type(wrapper).__call__ = nn.Module.__call__
-        wrapper._gp_clean_forward = type(wrapper).forward
 
 
 def _replace_in(module: nn.Module, path: str, replacement: nn.Module) -> None:

@@ -79,11 +79,23 @@ class CompiledGraphModule(fx.GraphModule):
 
     def __init__(self, root: dict[str, Any], graph: fx.Graph, class_name: str) -> None:
         super().__init__(root, graph, class_name)
-        cls = type(self)
-        cls.__call__ = nn.Module.__call__  # skip fx's error-reporting wrapper on the hot path
-        self._gp_clean_forward: Callable[..., Any] = cls.forward
         self._gp_patched_forwards: dict[frozenset[str], Callable[..., Any]] = {}
         setattr(self, PATCH_TABLE_ATTRIBUTE, {})
+
+    def recompile(self) -> Any:
+        """Generate this graph's code only.
+
+        ``GraphModule.recompile`` also recompiles every GraphModule below (quadratic in the depth of a model's
+        hierarchy) and wraps ``__call__`` in an error reporter that costs a call per module on the hot path.
+        """
+        code = self._graph.python_code(root_module="self")
+        self._code = code.src
+        self._lineno_map = code._lineno_map
+        self._prologue_start = code._prologue_start
+        self._gp_clean_forward = _forward_from_src(self._code, code.globals, getattr(self._graph, "_co_fields", {}))
+        self._gp_patched_forwards = {}
+        type(self).forward = self._gp_clean_forward
+        return code
 
     def set_patch_table(self, table: PatchTable) -> None:
         """Activate ``table`` (node name -> patches); an empty table restores the clean, hook-free code."""

@@ -11,7 +11,7 @@ import difflib
 import inspect
 from typing import Any, Iterator
 
-from torch import nn
+from torch import fx, nn
 
 from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, placeholder_leaf_name
 from .values import ValueInfo
@@ -32,7 +32,8 @@ class NodeData:
     """
 
     def __init__(self, path: str, name: str, *, module: nn.Module | None = None, owner: nn.Module | None = None,
-                 key: str = "", dig: tuple[str, ...] = (), info: ValueInfo | None = None, code: str = "") -> None:
+                 key: str = "", dig: tuple[str, ...] = (), info: ValueInfo | None = None, code: str = "",
+                 op: str = "") -> None:
         self._path = path
         self._name = name
         self._module = module
@@ -41,6 +42,7 @@ class NodeData:
         self._dig = dig
         self._info = info
         self._code = code
+        self._op = op
         self._children: dict[str, NodeData] = {}
 
     # --- navigation ----------------------------------------------------------------------------------------
@@ -155,14 +157,14 @@ class NodeTree:
                 continue
             info: ValueInfo = node.meta.get("gp_info", ValueInfo("?"))
             code = lines.get(node.name, "") if node.op != "output" else lines.get("return", "")
-            self._add_leaf(parent, name, module, name, info, code or node.format_node())
+            self._add_leaf(parent, name, module, name, info, code or node.format_node(), _operation(node))
 
     def _fill_opaque(self, parent: NodeData, module: OpaqueGraphModule) -> None:
         infos: dict[str, ValueInfo] = getattr(module, "infos", {})
         for name, info in infos.items():
             if name == "output":
                 continue
-            self._add_leaf(parent, name, module, name, info, f"{name}  # opaque module input / parameter")
+            self._add_leaf(parent, name, module, name, info, f"{name}  # opaque module input / parameter", name)
         for child_name, child in module.named_children():
             if isinstance(child, MultiplyInvokedModule):
                 for index, invocation in enumerate(child.children()):
@@ -170,15 +172,17 @@ class NodeTree:
             else:
                 self._add_module(parent, child_name, child)
         if "output" in infos:
-            self._add_leaf(parent, "output", module, "output", infos["output"], "return  # opaque module output")
+            self._add_leaf(parent, "output", module, "output", infos["output"], "return  # opaque module output",
+                           "output")
 
     def _add_module(self, parent: NodeData, name: str, module: nn.Module) -> None:
         node = NodeData(_join(parent._path, name), name, module=module, code=_module_code(module))
         parent._children[name] = node
         self._fill_module(node, module)
 
-    def _add_leaf(self, parent: NodeData, name: str, owner: nn.Module, key: str, info: ValueInfo, code: str) -> None:
-        leaf = NodeData(_join(parent._path, name), name, owner=owner, key=key, info=info, code=code)
+    def _add_leaf(self, parent: NodeData, name: str, owner: nn.Module, key: str, info: ValueInfo, code: str,
+                  op: str) -> None:
+        leaf = NodeData(_join(parent._path, name), name, owner=owner, key=key, info=info, code=code, op=op)
         parent._children[name] = leaf
         _add_digs(leaf, info, ())
 
@@ -187,9 +191,15 @@ def _add_digs(node: NodeData, info: ValueInfo, dig: tuple[str, ...]) -> None:
     for part, item in info.items.items():
         path = f"{node._path}{'.' if dig else '|'}{part}"
         child = NodeData(path, part, owner=node._owner, key=node._key, dig=dig + (part,), info=item,
-                         code=node._code)
+                         code=node._code, op=f"{node._op}|{part}")
         node._children[part] = child
         _add_digs(child, item, dig + (part,))
+
+
+def _operation(node: fx.Node) -> str:
+    """What a node computes, independent of its numbering: ``call_method:view``, ``placeholder:input``."""
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", repr(node.target))
+    return f"{node.op}:{target}"
 
 
 def _join(prefix: str, name: str) -> str:

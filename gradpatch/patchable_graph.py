@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence, Union
 
 import torch
 from torch import nn
 
-from .errors import InputSignatureError
+from .errors import InputSignatureError, ShapeSpecializationError
 from .extraction import Extractor
 from .graph_modules import CompiledGraphModule, PatchTable
 from .node_path import NodeData, NodeTree
@@ -54,52 +55,80 @@ class PatchableGraph(nn.Module):
         self._example = (tuple(example_args), dict(example_kwargs))
         self._signature = inspect.signature(module.forward)
         self._example_call = self._signature.bind(*example_args, **example_kwargs).arguments
-        self._graphs: dict[bool, nn.Module] = {}
-        self._trees: dict[bool, NodeTree] = {}
-        self._active: list[list[tuple[nn.Module, str, tuple[str, ...], Patch]]] = []
+        self._variants: dict[tuple[bool, tuple], nn.Module] = {}
+        self._trees: dict[int, NodeTree] = {}
+        self._active: list[list[tuple[str, Patch, str]]] = []
         self._patched_owners: set[nn.Module] = set()
         self.training = module.training
-        self._graph_module = self._extracted(module.training)
+        self._graph_module = self._variant(module.training, self._example)
 
     # --- extraction ----------------------------------------------------------------------------------------
 
-    def _extracted(self, training: bool) -> nn.Module:
-        if training not in self._graphs:
-            module = self._original
-            was_training = module.training
-            module.train(training)
-            saved = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
-            try:
-                with torch.enable_grad():
-                    args, kwargs = self._example
-                    self._graphs[training], _ = Extractor(self._options).extract(module, args, kwargs, "")
-            finally:
-                with torch.no_grad():
-                    for name, buffer in module.named_buffers():
-                        buffer.copy_(saved[name])
-                module.train(was_training)
-        return self._graphs[training]
+    def _variant(self, training: bool, example: tuple[tuple, dict]) -> nn.Module:
+        """The graphs for this training mode and the size class of ``example`` (extracted on first use).
+
+        Model code branches on sizes (``if batch_size != position_ids.shape[0]``, ``if q_len > 1``), and a graph
+        holds the branch its example took. Graphs are therefore kept per size class: each input dimension counted
+        as 1 or as larger, as torch.compile does. A guard in each graph still raises
+        :class:`~gradpatch.errors.ShapeSpecializationError` if a call breaks a decision within its class.
+        """
+        key = (training, _size_class(*example))
+        if key not in self._variants:
+            if self._variants:
+                warnings.warn(f"gradpatch: extracting graphs for a new size class {key} (once per class)",
+                              stacklevel=3)
+                example = self._with_example_constants(*example)
+            self._variants[key] = self._extract(training, example)
+        return self._variants[key]
+
+    def _extract(self, training: bool, example: tuple[tuple, dict]) -> nn.Module:
+        module = self._original
+        was_training = module.training
+        module.train(training)
+        saved = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+        try:
+            with torch.enable_grad():
+                wrapper, _ = Extractor(self._options).extract(module, example[0], example[1], "")
+        finally:
+            with torch.no_grad():
+                for name, buffer in module.named_buffers():
+                    buffer.copy_(saved[name])
+            module.train(was_training)
+        return wrapper
+
+    def _with_example_constants(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A call completed with the example's non-tensor arguments (``use_cache=False``) that it leaves out."""
+        call = self._signature.bind(*args, **kwargs).arguments
+        kwargs = dict(kwargs)
+        for name, value in self._example_call.items():
+            if name not in call and not isinstance(value, torch.Tensor):
+                kwargs[name] = value
+        return args, kwargs
 
     def train(self, mode: bool = True) -> "PatchableGraph":
         """Set training mode everywhere: the wrapped model and every wrapper.
 
-        Graphs bake in ``self.training`` branches (dropout, for one), so the first switch to a mode extracts the
+        Graphs bake in ``self.training`` branches (dropout, for one), so the first call in a mode extracts the
         graphs for that mode once; active patches carry over.
         """
         self.training = mode
         self._original.train(mode)
-        if self._graph_module is not self._extracted(mode):
+        self._use(self._variant(mode, self._example))
+        return self
+
+    def _use(self, wrapper: nn.Module) -> None:
+        if wrapper is not self._graph_module:
             for owner in self._patched_owners:
                 owner.set_patch_table({})
             self._patched_owners = set()
-            self._graph_module = self._graphs[mode]
+            self._graph_module = wrapper
             self._install_patches()
-        self._graph_module.train(mode)
-        return self
+        wrapper.train(self.training)
 
     # --- calling -------------------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._use(self._variant(self.training, (args, kwargs)))
         if isinstance(self._graph_module, CompiledGraphModule):
             self._check_call(args, kwargs)
         return self._graph_module(*args, **kwargs)
@@ -169,14 +198,17 @@ class PatchableGraph(nn.Module):
 
     @property
     def graph(self) -> NodeData:
-        """The navigable NodePath tree (see :class:`~gradpatch.node_path.NodeData`)."""
-        return self._tree.root
+        """The navigable NodePath tree (see :class:`~gradpatch.node_path.NodeData`) of the example's graphs."""
+        return self._tree_of(self._variant(self.training, self._example)).root
+
+    def _tree_of(self, wrapper: nn.Module) -> NodeTree:
+        if id(wrapper) not in self._trees:
+            self._trees[id(wrapper)] = NodeTree(wrapper)
+        return self._trees[id(wrapper)]
 
     @property
     def _tree(self) -> NodeTree:
-        if self.training not in self._trees:
-            self._trees[self.training] = NodeTree(self._graph_module)
-        return self._trees[self.training]
+        return self._tree_of(self._variant(self.training, self._example))
 
     def original_module(self, path: str | NodeData) -> nn.Module:
         """The original submodule behind the graph node at NodePath ``path`` (e.g. ``"model.layers_5.mlp"``).
@@ -188,8 +220,6 @@ class PatchableGraph(nn.Module):
         node = self._tree.find(_path_string(path))
         if not node._is_graph:
             raise ValueError(f"NodePath '{path}' is a leaf; name a submodule's graph, e.g. its parent")
-        if node._module is self._graph_module:
-            return self._original
         return node._module.original_module  # type: ignore[union-attr]
 
     @contextmanager
@@ -207,48 +237,63 @@ class PatchableGraph(nn.Module):
         """
         if hasattr(patch_map, "patch_map"):
             patch_map = patch_map.patch_map()
-        entries = self._resolve(patch_map)
+        entries = self._validate(patch_map)
         self._active.append(entries)
-        self._install_patches()
         try:
+            self._install_patches()
             yield self
         finally:
             self._active.remove(entries)
             self._install_patches()
 
-    def _resolve(self, patch_map: PatchMap) -> list[tuple[nn.Module, str, tuple[str, ...], Patch]]:
+    def _validate(self, patch_map: PatchMap) -> list[tuple[str, Patch, str]]:
+        """Check a patch map against the current graphs; returns ``(NodePath, patch, node operation)`` entries."""
         if not isinstance(patch_map, Mapping):
             raise ValueError(f"patch() takes a mapping NodePath -> patch(es), got {type(patch_map).__name__}")
+        tree = self._tree_of(self._graph_module)
         entries = []
-        for path, spec in patch_map.items():
-            node = self._tree.find(_path_string(path))
+        for key, spec in patch_map.items():
+            path = _path_string(key)
+            node = tree.find(path)
             if node._is_graph:
                 raise ValueError(
                     f"NodePath '{path}' names a graph, not a value; patch one of its nodes, e.g. '{path}.output'"
                 )
             if node._info is not None and node._info.items and node._info.shape is None:
-                first = next(iter(node._children))
-                raise ValueError(
-                    f"NodePath '{path}' holds a {node._info.kind}; dig into it, e.g. '{node._children[first]._path}'"
-                )
+                first = next(iter(node._children.values()))
+                raise ValueError(f"NodePath '{path}' holds a {node._info.kind}; dig into it, e.g. '{first._path}'")
             patches = [spec] if isinstance(spec, Patch) else list(spec) if isinstance(spec, (list, tuple)) else [spec]
             for patch in patches:
                 if not isinstance(patch, Patch):
                     raise ValueError(f"value for NodePath '{path}' must be a Patch or a list of Patches, "
                                      f"got {type(patch).__name__}")
-                entries.append((node._owner, node._key, node._dig, patch))
+                entries.append((path, patch, node._op))
         return entries
 
     def _install_patches(self) -> None:
+        tree = self._tree_of(self._graph_module)
         tables: dict[nn.Module, PatchTable] = {}
         for entries in self._active:
-            for owner, key, dig, patch in entries:
-                tables.setdefault(owner, {}).setdefault(key, []).append((dig, patch))
+            for path, patch, operation in entries:
+                node = tree.find(path)
+                if node._op != operation:
+                    raise ShapeSpecializationError(
+                        f"NodePath '{path}' is '{operation}' in the graphs the patch was checked against but "
+                        f"'{node._op}' in the graphs for this call's sizes; patch a module input, output or weight"
+                    )
+                tables.setdefault(node._owner, {}).setdefault(node._key, []).append((node._dig, patch))
         for owner in self._patched_owners - set(tables):
             owner.set_patch_table({})
         for owner, table in tables.items():
             owner.set_patch_table(table)
         self._patched_owners = set(tables)
+
+
+def _size_class(args: tuple, kwargs: dict) -> tuple:
+    """Each tensor argument's dimensions counted as 1 or as larger (``None`` for non-tensors)."""
+    values = [*args, *(kwargs[name] for name in sorted(kwargs))]
+    return tuple(tuple(min(size, 2) for size in value.shape) if isinstance(value, torch.Tensor) else None
+                 for value in values)
 
 
 def _same_constant(value: Any, example: Any) -> bool:

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import inspect
 import operator
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx, nn
+from torch.fx import _symbolic_trace
 from torch.utils import _pytree as pytree
 
-from .errors import DataDependentControlFlow
+from .errors import DataDependentControlFlow, ShapeSpecializationError
 
 #: Tensor attributes whose values are fixed by the example (rank, dtype, device) and are returned concretely.
 _STATIC_TENSOR_ATTRIBUTES = frozenset(
@@ -42,13 +44,6 @@ class ValueProxy(fx.Proxy):
     @property
     def value(self) -> Any:
         return self.tracer.values[self.node]  # type: ignore[attr-defined]
-
-    @property  # type: ignore[misc]
-    def __class__(self) -> type:
-        # isinstance(proxy, torch.Tensor) answers as the real value would, so model code that checks types takes
-        # the same branch during tracing as at run time. type(proxy) is unchanged.
-        value = self.tracer.values.get(self.node)  # type: ignore[attr-defined]
-        return torch.Tensor if isinstance(value, torch.Tensor) else ValueProxy
 
     def __getattr__(self, name: str) -> Any:
         if name in _STATIC_TENSOR_ATTRIBUTES:
@@ -93,6 +88,8 @@ class ValueTracer(fx.Tracer):
         super().__init__(autowrap_modules=(), param_shapes_constant=False)
         self.proxy_buffer_attributes = True
         self.values: dict[fx.Node, Any] = {}
+        #: (node, example value) for each Python decision made on a size during tracing.
+        self.guards: list[tuple[fx.Node, Any]] = []
         self._on_child_call = on_child_call
         self._placeholders: list[tuple[str, Any]] = []
         self._call: Callable[[list[ValueProxy]], Any] | None = None
@@ -170,6 +167,12 @@ class ValueTracer(fx.Tracer):
     def to_bool(self, obj: fx.Proxy) -> bool:
         return bool(self.concrete_scalar(obj))
 
+    def insert_guards(self, where: str) -> None:
+        """After each node the trace decided on, check at run time that it still has its example value."""
+        for node, value in self.guards:
+            with self.graph.inserting_after(node):
+                self.graph.call_function(check_shape_guard, (node, value, f"{node.name} in '{where or '<root>'}'"))
+
     def iter(self, obj: fx.Proxy) -> Iterator[Any]:
         value = self.values[obj.node]
         if isinstance(value, torch.Tensor):
@@ -184,12 +187,13 @@ class ValueTracer(fx.Tracer):
     # --- helpers ---------------------------------------------------------------------------------------------
 
     def concrete_scalar(self, obj: fx.Proxy) -> Any:
-        """The example value of a Python-scalar proxy (a size, a flag); tensors raise."""
+        """The example value of a Python-scalar proxy (a size, a flag), recorded as a guard; tensors raise."""
         value = self.values[obj.node]
         if isinstance(value, torch.Tensor):
             raise DataDependentControlFlow(
                 f"Python control flow on the value of tensor {obj.node.name} (e.g. 'if x.sum() > 0')"
             )
+        self.guards.append((obj.node, value))
         return value
 
     def value_of(self, argument: Any) -> Any:
@@ -249,6 +253,37 @@ def _map_proxies(argument: Any, fn: Callable[[fx.Proxy], Any]) -> Any:
     if isinstance(argument, slice):
         return slice(*(_map_proxies(part, fn) for part in (argument.start, argument.stop, argument.step)))
     return argument
+
+
+@contextmanager
+def concrete_execution() -> Iterator[None]:
+    """Run real module code inside a trace: undo every active tracer's patches of ``nn.Module`` for the block.
+
+    Nested traces (a module traced while its parent is traced) stack their patches of ``nn.Module.__call__`` and
+    ``__getattr__``; fx's own revert undoes only the innermost tracer's.
+    """
+    patched = (nn.Module.__call__, nn.Module.__getattr__)
+    try:
+        with _symbolic_trace._maybe_revert_all_patches():
+            nn.Module.__call__ = _symbolic_trace._orig_module_call  # type: ignore[method-assign]
+            nn.Module.__getattr__ = _symbolic_trace._orig_module_getattr  # type: ignore[method-assign]
+            yield
+    finally:
+        nn.Module.__call__, nn.Module.__getattr__ = patched  # type: ignore[method-assign]
+
+
+def check_shape_guard(value: Any, expected: Any, where: str) -> None:
+    """Raise :class:`ShapeSpecializationError` when a size-dependent Python decision differs from the example's.
+
+    Raises:
+        ShapeSpecializationError: the graph does not hold for this call's shapes.
+    """
+    if value != expected:
+        raise ShapeSpecializationError(
+            f"the model's code decides on {where} from input shapes; the graph was extracted where it was "
+            f"{expected!r} and this call gives {value!r}. Build the PatchableGraph with example inputs shaped like "
+            f"this call (for transformers models, batch size >= 2 and sequence length >= 2 cover other sizes)"
+        )
 
 
 def resolve_attribute(root: nn.Module, target: str) -> Any:
