@@ -59,6 +59,7 @@ class PatchableGraph(nn.Module):
         self._trees: dict[int, NodeTree] = {}
         self._active: list[list[tuple[str, Patch, str]]] = []
         self._patched_owners: set[nn.Module] = set()
+        self._checked_calls: set[tuple] = set()
         self.training = module.training
         self._graph_module = self._variant(module.training, self._example)
 
@@ -130,17 +131,24 @@ class PatchableGraph(nn.Module):
             self._patched_owners = set()
             self._graph_module = wrapper
             self._install_patches()
-        wrapper.train(self.training)
+        if wrapper.training != self.training:
+            wrapper.train(self.training)
 
     # --- calling -------------------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._use(self._variant(self.training, (args, kwargs)))
         if isinstance(self._graph_module, CompiledGraphModule):
-            self._check_call(args, kwargs)
+            call_kind = (len(args), tuple((name, _kind(value)) for name, value in kwargs.items()),
+                         id(self._graph_module))
+            if call_kind not in self._checked_calls:
+                self._check_call(args, kwargs)
+                self._checked_calls.add(call_kind)
         return self._graph_module(*args, **kwargs)
 
     def _check_call(self, args: tuple, kwargs: dict) -> None:
+        """Raise InputSignatureError for a call whose arguments differ in kind from the example's (checked once per
+        kind of call: which arguments, tensors or which constant objects)."""
         inputs = set(self._graph_module.input_names)
         call = self._signature.bind(*args, **kwargs).arguments
         for name, value in call.items():
@@ -294,6 +302,15 @@ class PatchableGraph(nn.Module):
         for owner, table in tables.items():
             owner.set_patch_table(table)
         self._patched_owners = set(tables)
+
+
+def _kind(value: Any) -> Any:
+    """What must stay the same between two calls for one argument check to cover both."""
+    if isinstance(value, torch.Tensor):
+        return torch.Tensor
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return (type(value), value)
+    return object()  # other objects: never equal, so checked on every call
 
 
 def _size_class(args: tuple, kwargs: dict) -> tuple:
