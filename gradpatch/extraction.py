@@ -20,11 +20,7 @@ from .errors import ExtractionError
 from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
 from .options import ExtractionOptions
 from .tracer import ValueTracer, concrete_execution, contains_proxy, resolve_attribute
-from .values import ValueInfo, describe
-
-#: Placeholder defaults in generated signatures; compiled graphs never read arguments that were constant.
-_UNUSED_DEFAULT = None
-
+from .values import describe
 
 @dataclass
 class _InputPlan:
@@ -119,9 +115,7 @@ class Extractor:
         signature = inspect.signature(copy.forward)
         bound = signature.bind(*args, **kwargs)
         inputs = [name for name, value in bound.arguments.items() if _holds_tensor(value)]
-        constants = {
-            name: value for name, value in kwargs.items() if not _holds_tensor(value)
-        }
+        constants = {name: value for name, value in kwargs.items() if not _holds_tensor(value)}
         wrapper = OpaqueGraphModule(copy, inputs, constants, reason)
         for name, child_wrapper in wrappers.items():
             if child_wrapper is not None:
@@ -210,7 +204,7 @@ def _plan_inputs(module: nn.Module, args: tuple, kwargs: dict) -> _InputPlan:
     for index, parameter in enumerate(signature.parameters.values()):
         if index == 0:
             continue  # self
-        value = bound.arguments.get(parameter.name, _UNUSED_DEFAULT)
+        value = bound.arguments.get(parameter.name)
         if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
             for item_index, item in enumerate(value or ()):
                 target = f"{parameter.name}_{item_index}"

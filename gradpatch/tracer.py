@@ -15,7 +15,6 @@ from the concrete arguments of that call and returns the child's output value.
 
 from __future__ import annotations
 
-import inspect
 import operator
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -54,8 +53,8 @@ class ValueProxy(fx.Proxy):
 
     def __len__(self) -> int:
         value = self.value
-        if isinstance(value, torch.Tensor):
-            raise DataDependentControlFlow(f"len() of tensor {self.node.name} would fix its first dimension")
+        if isinstance(value, torch.Tensor):  # the first dimension's size, guarded like any size decision
+            return self.tracer.concrete_scalar(self.tracer.create_proxy("call_method", "size", (self, 0), {}))
         return len(value)
 
     def __iter__(self) -> Iterator[Any]:
@@ -78,10 +77,8 @@ class ValueTracer(fx.Tracer):
     """Traces one module's forward into an fx graph, computing every node's value on the example inputs.
 
     Args:
-        on_child_call: ``(module, qualified_name, args, kwargs) -> output proxy`` called for every submodule
-            call; it must emit the call node (``create_proxy("call_module", ...)``) and return its proxy.
-        placeholders: ``(name, value)`` pairs for the graph inputs, in order.
-        call: ``(placeholder_proxies) -> output`` runs the module's forward with the proxies in place.
+        on_child_call: ``(tracer, module, qualified_name, args, kwargs) -> output proxy``, called for every
+            submodule call; it emits the call node (:meth:`create_proxy_with_value`) and returns its proxy.
     """
 
     def __init__(self, on_child_call: ChildCallback) -> None:
@@ -102,7 +99,13 @@ class ValueTracer(fx.Tracer):
         placeholders: list[tuple[str, Any]],
         call: Callable[[list[ValueProxy]], Any],
     ) -> fx.Graph:
-        """Trace ``call`` with placeholder proxies; returns the graph (values in :attr:`values`)."""
+        """Trace ``call`` with placeholder proxies; returns the graph (values in :attr:`values`).
+
+        Args:
+            root: the module whose parameters and buffers the graph reads (``get_attr`` nodes).
+            placeholders: ``(name, example value)`` for the graph inputs, in order (``**name`` for a catch-all).
+            call: ``(placeholder proxies) -> output``; runs the module's forward with the proxies in place.
+        """
         self._placeholders = placeholders
         self._call = call
         self._grad_enabled = torch.is_grad_enabled()
@@ -176,11 +179,9 @@ class ValueTracer(fx.Tracer):
 
     def iter(self, obj: fx.Proxy) -> Iterator[Any]:
         value = self.values[obj.node]
-        if isinstance(value, torch.Tensor):
-            raise DataDependentControlFlow(f"iterating over tensor {obj.node.name} would fix its first dimension")
         if isinstance(value, dict):
             return iter(value.keys())
-        return iter([obj[index] for index in range(len(value))])
+        return iter([obj[index] for index in range(len(obj))])
 
     def keys(self, obj: fx.Proxy) -> Any:
         return self.values[obj.node].keys()
@@ -209,9 +210,7 @@ class ValueTracer(fx.Tracer):
             return target(*args, **kwargs)
         if kind == "call_method":
             return getattr(args[0], target)(*args[1:], **kwargs)
-        if kind == "call_module":
-            return self.root.get_submodule(target)(*args, **kwargs)
-        raise AssertionError(f"unexpected node kind {kind}")
+        raise AssertionError(f"unexpected node kind {kind}: submodule calls go through create_proxy_with_value")
 
     def _check_global_state(self, target: Any) -> None:
         if torch.is_grad_enabled() != self._grad_enabled or _autocast_state() != self._autocast_state:
@@ -248,7 +247,7 @@ def _map_proxies(argument: Any, fn: Callable[[fx.Proxy], Any]) -> Any:
         mapped = [_map_proxies(item, fn) for item in argument]
         if isinstance(argument, tuple) and hasattr(argument, "_fields"):
             return type(argument)(*mapped)
-        return type(argument)(mapped) if isinstance(argument, (tuple, list)) else mapped
+        return type(argument)(mapped)
     if isinstance(argument, dict):
         return type(argument)((key, _map_proxies(item, fn)) for key, item in argument.items())
     if isinstance(argument, slice):
@@ -281,9 +280,9 @@ def check_shape_guard(value: Any, expected: Any, where: str) -> None:
     """
     if value != expected:
         raise ShapeSpecializationError(
-            f"the model's code decides on {where} from input shapes; the graph was extracted where it was "
-            f"{expected!r} and this call gives {value!r}. Build the PatchableGraph with example inputs shaped like "
-            f"this call (for transformers models, batch size >= 2 and sequence length >= 2 cover other sizes)"
+            f"the model's code decides on {where} from input sizes; the graph was extracted where it was "
+            f"{expected!r} and this call gives {value!r}, within the same class of sizes (each dimension 1 or "
+            f"larger). Build the PatchableGraph with example inputs shaped like this call"
         )
 
 
@@ -315,10 +314,3 @@ def contains_proxy(argument: Any) -> bool:
 
 def _autocast_state() -> tuple[bool, ...]:
     return tuple(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
-
-
-def forward_signature(module: nn.Module) -> inspect.Signature:
-    """The signature of ``module.forward`` (decorators unwrapped)."""
-    return inspect.signature(inspect.unwrap(type(module).forward)).replace(
-        parameters=list(inspect.signature(inspect.unwrap(type(module).forward)).parameters.values())[1:]
-    )
