@@ -113,6 +113,21 @@ class PatchableGraph(nn.Module):
                 kwargs[name] = value
         return args, kwargs
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "PatchableGraph":
+        """``.to(device)``, ``.half()``, ``.cuda()``…: convert the wrapped model and the example inputs, then
+        extract the graphs again (buffers are new tensors after a conversion, and graphs hold device constants)."""
+        self._original._apply(fn, recurse)
+        args, kwargs = self._example
+        self._example = (tuple(_convert(fn, value) for value in args),
+                         {name: _convert(fn, value) for name, value in kwargs.items()})
+        self._variants.clear()
+        self._trees.clear()
+        self._checked_calls.clear()
+        self._patched_owners = set()
+        self._graph_module = self._variant(self.training, self._example)
+        self._install_patches()
+        return self
+
     def train(self, mode: bool = True) -> "PatchableGraph":
         """Set training mode everywhere: the wrapped model and every wrapper.
 
@@ -302,6 +317,11 @@ class PatchableGraph(nn.Module):
         for owner, table in tables.items():
             owner.set_patch_table(table)
         self._patched_owners = set(tables)
+
+
+def _convert(fn: Any, value: Any) -> Any:
+    """Apply a module conversion function (which leaves integer tensors' dtype alone) to an example input."""
+    return fn(value) if isinstance(value, torch.Tensor) else value
 
 
 def _kind(value: Any) -> Any:

@@ -66,3 +66,12 @@ def test_parameters_are_shared(tiny_llama, token_ids):
     pg = PatchableGraph(tiny_llama, token_ids, use_cache=False)
     originals = {id(p) for p in tiny_llama.parameters()}
     assert {id(p) for p in pg.parameters()} == originals
+
+
+def test_dtype_conversion_reaches_graphs_and_example(tiny_llama, token_ids):
+    pg = PatchableGraph(tiny_llama, token_ids, use_cache=False)
+    pg.double()
+    assert tiny_llama.lm_head.weight.dtype == torch.float64
+    logits = pg(token_ids, use_cache=False).logits
+    assert logits.dtype == torch.float64
+    torch.testing.assert_close(logits, tiny_llama(token_ids, use_cache=False).logits)
