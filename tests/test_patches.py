@@ -133,3 +133,13 @@ def test_patched_intermediate_changes_downstream(tiny_llama, token_ids):
     with pg.patch({"model.layers_1.self_attn.scaled_dot_product_attention": ZeroPatch()}):
         patched = pg(token_ids, use_cache=False).logits
     assert not torch.allclose(clean, patched)
+
+
+def test_calls_that_differ_from_the_example_are_refused(tiny_llama, token_ids):
+    from gradpatch import InputSignatureError
+
+    pg = PatchableGraph(tiny_llama, token_ids, use_cache=False)
+    with pytest.raises(InputSignatureError, match="attention_mask=..."):
+        pg(token_ids, attention_mask=torch.ones_like(token_ids), use_cache=False)
+    with pytest.raises(InputSignatureError, match="use_cache"):
+        pg(token_ids, use_cache=True)
