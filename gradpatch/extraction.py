@@ -20,7 +20,7 @@ from .errors import ExtractionError
 from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
 from .options import ExtractionOptions
 from .tracer import ValueTracer, concrete_execution, contains_proxy, resolve_attribute
-from .values import describe
+from .values import describe, holds_tensor
 
 @dataclass
 class _InputPlan:
@@ -114,8 +114,8 @@ class Extractor:
             _replace_in(copy, container_path, wrappers[container_path] or recorder.module)
         signature = inspect.signature(copy.forward)
         bound = signature.bind(*args, **kwargs)
-        inputs = [name for name, value in bound.arguments.items() if _holds_tensor(value)]
-        constants = {name: value for name, value in kwargs.items() if not _holds_tensor(value)}
+        inputs = [name for name, value in bound.arguments.items() if holds_tensor(value)]
+        constants = {name: value for name, value in kwargs.items() if not holds_tensor(value)}
         wrapper = OpaqueGraphModule(copy, inputs, constants, reason)
         for name, child_wrapper in wrappers.items():
             if child_wrapper is not None:
@@ -179,16 +179,6 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
     return copy
 
 
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, (tuple, list)):
-        return any(_holds_tensor(item) for item in value)
-    if isinstance(value, dict):
-        return any(_holds_tensor(item) for item in value.values())
-    return False
-
-
 def _plan_inputs(module: nn.Module, args: tuple, kwargs: dict) -> _InputPlan:
     """Bind the example call to ``module.forward`` and decide one placeholder per argument.
 
@@ -209,17 +199,17 @@ def _plan_inputs(module: nn.Module, args: tuple, kwargs: dict) -> _InputPlan:
             for item_index, item in enumerate(value or ()):
                 target = f"{parameter.name}_{item_index}"
                 placeholders.append((target, item))
-                if _holds_tensor(item):
+                if holds_tensor(item):
                     dynamic.add(target)
         elif parameter.kind is inspect.Parameter.VAR_KEYWORD:
             var_keyword = parameter.name
             for key, item in (value or {}).items():
                 placeholders.append((key, item))
-                if _holds_tensor(item):
+                if holds_tensor(item):
                     dynamic.add(key)
         else:
             placeholders.append((parameter.name, value))
-            if _holds_tensor(value):
+            if holds_tensor(value):
                 dynamic.add(parameter.name)
     if var_keyword is not None:
         placeholders.append((f"**{var_keyword}", {}))

@@ -13,10 +13,11 @@ from torch import nn
 
 from .errors import InputSignatureError, ShapeSpecializationError
 from .extraction import Extractor
-from .graph_modules import CompiledGraphModule, PatchTable
+from .graph_modules import PatchTable
 from .node_path import NodeData, NodeTree
 from .options import ExtractionOptions
 from .patches import Patch
+from .values import holds_tensor
 
 PatchSpec = Union[Patch, Sequence[Patch]]
 PatchMap = Mapping[Union[str, NodeData], PatchSpec]
@@ -55,6 +56,7 @@ class PatchableGraph(nn.Module):
         self._example = (tuple(example_args), dict(example_kwargs))
         self._signature = inspect.signature(module.forward)
         self._example_call = self._signature.bind(*example_args, **example_kwargs).arguments
+        self._example_inputs = {name for name, value in self._example_call.items() if holds_tensor(value)}
         self._variants: dict[tuple[bool, tuple | None], nn.Module] = {}  # (training, size class or None: any)
         self._trees: dict[int, NodeTree] = {}
         self._active: list[list[tuple[str, Patch, str]]] = []
@@ -122,7 +124,6 @@ class PatchableGraph(nn.Module):
                          {name: _convert(fn, value) for name, value in kwargs.items()})
         self._variants.clear()
         self._trees.clear()
-        self._checked_calls.clear()
         self._patched_owners = set()
         self._graph_module = self._variant(self.training, self._example)
         self._install_patches()
@@ -152,19 +153,17 @@ class PatchableGraph(nn.Module):
     # --- calling -------------------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        call_kind = (tuple(_kind(value) for value in args), tuple((name, _kind(value)) for name, value in kwargs.items()))
+        if call_kind not in self._checked_calls:
+            self._check_call(args, kwargs)
+            self._checked_calls.add(call_kind)
         self._use(self._variant(self.training, (args, kwargs)))
-        if isinstance(self._graph_module, CompiledGraphModule):
-            call_kind = (len(args), tuple((name, _kind(value)) for name, value in kwargs.items()),
-                         id(self._graph_module))
-            if call_kind not in self._checked_calls:
-                self._check_call(args, kwargs)
-                self._checked_calls.add(call_kind)
         return self._graph_module(*args, **kwargs)
 
     def _check_call(self, args: tuple, kwargs: dict) -> None:
         """Raise InputSignatureError for a call whose arguments differ in kind from the example's (checked once per
         kind of call: which arguments, tensors or which constant objects)."""
-        inputs = set(self._graph_module.input_names)
+        inputs = self._example_inputs
         call = self._signature.bind(*args, **kwargs).arguments
         for name, value in call.items():
             if name in inputs:
@@ -206,7 +205,7 @@ class PatchableGraph(nn.Module):
             del original.forward
 
     def _generation_forward(self) -> Any:
-        inputs = set(getattr(self._graph_module, "input_names", ()))
+        inputs = self._example_inputs
         signature = self._signature
 
         @functools.wraps(type(self._original).forward)

@@ -41,3 +41,12 @@ def describe(value: Any) -> ValueInfo:
     if isinstance(value, dict):
         return ValueInfo(type(value).__name__, None, {str(key): describe(item) for key, item in value.items()})
     return ValueInfo(type(value).__name__)
+
+
+def holds_tensor(value: Any) -> bool:
+    """Whether ``value`` is a tensor or a (nested) tuple, list or dict holding one."""
+    if isinstance(value, (tuple, list)):
+        return any(holds_tensor(item) for item in value)
+    if isinstance(value, dict):
+        return any(holds_tensor(item) for item in value.values())
+    return isinstance(value, torch.Tensor)
