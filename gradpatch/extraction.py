@@ -127,6 +127,7 @@ class Extractor:
         infos.update({name: describe(tensor) for name, tensor in module._buffers.items() if tensor is not None})
         infos["output"] = describe(output)
         wrapper.infos = infos
+        wrapper.training = module.training
         object.__setattr__(wrapper, "original_module", module)
         return wrapper, output
 

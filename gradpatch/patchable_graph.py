@@ -57,6 +57,8 @@ class PatchableGraph(nn.Module):
         self._signature = inspect.signature(module.forward)
         self._example_call = self._signature.bind(*example_args, **example_kwargs).arguments
         self._example_inputs = {name for name, value in self._example_call.items() if holds_tensor(value)}
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        self._positional_names = [p.name for p in self._signature.parameters.values() if p.kind in positional]
         self._variants: dict[tuple[bool, tuple | None], nn.Module] = {}  # (training, size class or None: any)
         self._trees: dict[int, NodeTree] = {}
         self._active: list[list[tuple[str, Patch, str]]] = []
@@ -78,7 +80,7 @@ class PatchableGraph(nn.Module):
         size_free = self._variants.get((training, None))
         if size_free is not None:
             return size_free
-        key = (training, _size_class(*example))
+        key = (training, self._size_class(*example))
         if key not in self._variants:
             if any(mode == training for mode, _ in self._variants):
                 warnings.warn(f"gradpatch: extracting graphs for input sizes {key[1]} (the model's code branches "
@@ -118,7 +120,10 @@ class PatchableGraph(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> "PatchableGraph":
         """``.to(device)``, ``.half()``, ``.cuda()``…: convert the wrapped model and the example inputs, then
         extract the graphs again (buffers are new tensors after a conversion, and graphs hold device constants)."""
+        before = _tensor_identities(self._original)
         self._original._apply(fn, recurse)
+        if _tensor_identities(self._original) == before:  # e.g. .to("cpu") on a CPU model: nothing to redo
+            return self
         args, kwargs = self._example
         self._example = (tuple(_convert(fn, value) for value in args),
                          {name: _convert(fn, value) for name, value in kwargs.items()})
@@ -128,6 +133,12 @@ class PatchableGraph(nn.Module):
         self._graph_module = self._variant(self.training, self._example)
         self._install_patches()
         return self
+
+    def _size_class(self, args: tuple, kwargs: dict) -> tuple:
+        """Each tensor argument, by name, with its dimensions counted as 1 or as larger."""
+        named = [*zip(self._positional_names, args), *kwargs.items()]
+        return tuple(sorted((name, tuple(min(size, 2) for size in value.shape))
+                            for name, value in named if isinstance(value, torch.Tensor)))
 
     def train(self, mode: bool = True) -> "PatchableGraph":
         """Set training mode everywhere: the wrapped model and every wrapper.
@@ -332,11 +343,10 @@ def _kind(value: Any) -> Any:
     return object()  # other objects: never equal, so checked on every call
 
 
-def _size_class(args: tuple, kwargs: dict) -> tuple:
-    """Each tensor argument's dimensions counted as 1 or as larger (``None`` for non-tensors)."""
-    values = [*args, *(kwargs[name] for name in sorted(kwargs))]
-    return tuple(tuple(min(size, 2) for size in value.shape) if isinstance(value, torch.Tensor) else None
-                 for value in values)
+def _tensor_identities(module: nn.Module) -> list[tuple[int, int, torch.dtype, torch.device]]:
+    """Which tensors a module's parameters and buffers are (object, storage, dtype, device)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return [(id(t), t.data_ptr(), t.dtype, t.device) for t in tensors]
 
 
 def _same_constant(value: Any, example: Any) -> bool:

@@ -175,3 +175,11 @@ def test_size_guard_raises_when_a_decision_changes():
     torch.testing.assert_close(pg(torch.ones(5, 4)), torch.full((5, 4), 2.0))
     with pytest.raises(ShapeSpecializationError, match="example inputs shaped like this call"):
         pg(torch.ones(2, 4))
+
+
+def test_eval_reaches_opaque_wrappers_and_to_same_device_keeps_graphs(tiny_llama, token_ids):
+    pg = PatchableGraph(tiny_llama, token_ids, use_cache=False).eval()
+    assert not [name for name, module in pg.named_modules() if module.training]
+    graphs = pg._graph_module
+    pg.to("cpu")
+    assert pg._graph_module is graphs

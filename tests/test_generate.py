@@ -25,3 +25,9 @@ def test_generate_matches_and_patches_apply(model_name, token_ids, request):
     assert banned not in patched[0, prompt.shape[1]:].tolist()
     assert torch.equal(pg.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0), expected)
     assert "forward" not in vars(model)  # the original model is left as it was
+
+
+def test_generate_reuses_the_example_graphs(tiny_llama, token_ids, recwarn):
+    pg = PatchableGraph(tiny_llama, token_ids, use_cache=False)
+    pg.generate(token_ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert not [w for w in recwarn if "extracting graphs" in str(w.message)]
