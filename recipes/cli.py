@@ -15,7 +15,8 @@ argparse sub-parsers object, adds its parser and sets ``func`` (a callable ``arg
 Modules named in :data:`SUBCOMMAND_MODULES` are imported (when installed) before the parser is built, so a module
 that registers its subcommands at import time only needs its name added there.
 
-Implemented now: ``gradpatch graph`` (print a model's patchable graph).
+Implemented here: ``gradpatch graph`` (print a model's patchable graph); ``gradpatch fit`` (train an intervention
+from a YAML config with LightningCLI) lives in :mod:`recipes.fit_cli`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ RegisterFn = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], N
 SUBCOMMANDS: list[tuple[str, RegisterFn]] = []
 
 #: Modules imported before the parser is built; each may call :func:`register_subcommand` at import time.
-SUBCOMMAND_MODULES: list[str] = ["editors.cli"]
+SUBCOMMAND_MODULES: list[str] = ["editors.cli", "editors.trace_cli", "recipes.fit_cli"]
 
 DEFAULT_PROMPT = "The Eiffel Tower is located in the city of"
 

@@ -1,0 +1,143 @@
+"""``gradpatch fit``: train a :class:`~recipes.delta_module.DeltaModule` from a YAML config with LightningCLI.
+
+::
+
+    gradpatch fit --config recipes/configs/steer_eiffel.yaml
+    gradpatch fit --config recipes/configs/steer_eiffel.yaml --trainer.max_steps 10 --model.lr 0.2
+    gradpatch fit --config recipes/configs/steer_sentiment.yaml --model path/to/model_dir_or.gguf
+    gradpatch fit --help
+
+Everything after ``fit`` goes to LightningCLI (``--config``, ``--print_config``, ``--trainer.*``, ``--model.*``,
+``--seed_everything``). ``--model PATH`` with a ``.gguf`` file or a model directory is shorthand for
+``--model.model_path PATH``; without it the embedded SmolLM2-135M-Instruct is used. After training, the
+intervention is exported (safetensors + JSON) to ``--export`` (default: ``<log_dir>/intervention``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .cli import register_subcommand
+
+__all__ = ["TRAINER_DEFAULTS", "run_fit", "translate_model_shortcut"]
+
+#: Trainer settings used unless the config or the command line says otherwise.
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "max_steps": 50,
+    "log_every_n_steps": 1,
+    "enable_model_summary": False,
+    "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+               "init_args": {"save_dir": "runs", "name": "fit"}},
+}
+
+_DESCRIPTION = ("Train AddPatch deltas at NodePaths of a frozen causal LM (DeltaModule) from a YAML config; "
+                "see recipes/configs/ and docs/recipes.md. Without --model.model_path (or --model PATH) the "
+                "embedded SmolLM2-135M-Instruct is used.")
+
+
+def translate_model_shortcut(args: Sequence[str]) -> list[str]:
+    """Rewrite ``--model PATH`` (``--model=PATH``) to ``--model.model_path PATH`` when ``PATH`` is a ``.gguf`` file or
+    a model directory; ``--model CONFIG.yaml`` (LightningCLI's own meaning) is left as it is.
+
+    Args:
+        args: the arguments after ``fit``.
+
+    Returns:
+        The arguments to give LightningCLI.
+    """
+    out: list[str] = []
+    items = list(args)
+    i = 0
+    while i < len(items):
+        item = items[i]
+        value: str | None = None
+        if item == "--model" and i + 1 < len(items):
+            value, step = items[i + 1], 2
+        elif item.startswith("--model="):
+            value, step = item.split("=", 1)[1], 1
+        if value is not None and _is_model_path(value):
+            out += ["--model.model_path", value]
+            i += step
+            continue
+        out.append(item)
+        i += 1
+    return out
+
+
+def _is_model_path(value: str) -> bool:
+    path = Path(value).expanduser()
+    return path.suffix.lower() == ".gguf" or path.is_dir()
+
+
+def run_fit(args: Sequence[str]) -> int:
+    """Parse ``args`` with LightningCLI, train, export the intervention.
+
+    Args:
+        args: the arguments after ``fit`` (``--config FILE``, ``--trainer.max_steps N``, ...).
+
+    Returns:
+        0 on success (``--help`` and argument errors exit through ``SystemExit``, as LightningCLI does).
+    """
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from .delta_module import DeltaModule
+    from .logger import InterventionLogger
+
+    class DeltaCLI(LightningCLI):
+        """LightningCLI for DeltaModule with an ``--export`` folder."""
+
+        def add_arguments_to_parser(self, parser: Any) -> None:
+            parser.add_argument("--export", type=str | None, default=None,
+                                help="folder for the trained intervention (default: <log_dir>/intervention)")
+
+    os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")  # raised by Lightning's own calls
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")  # prompts are tokenized upfront
+    warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter")  # we pass the args after 'fit'
+    cli = DeltaCLI(
+        DeltaModule,
+        run=False,
+        auto_configure_optimizers=False,  # DeltaModule.configure_optimizers sees the deltas only
+        args=translate_model_shortcut(args),
+        trainer_defaults=TRAINER_DEFAULTS,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"prog": "gradpatch fit", "description": _DESCRIPTION, "default_env": False},
+    )
+    trainer, module = cli.trainer, cli.model
+    if any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers) and not any(
+            isinstance(cb, InterventionLogger) for cb in trainer.callbacks):
+        trainer.callbacks.append(InterventionLogger())
+    trainer.fit(module)
+    if trainer.is_global_zero:
+        export = cli.config.get("export")
+        folder = Path(export) if export else Path(trainer.log_dir or ".") / "intervention"
+        module.export_intervention(folder)
+        print(f"gradpatch fit: intervention saved to {folder} (Intervention.load(folder, graph=pg) reads it)",
+              file=sys.stderr)
+    return 0
+
+
+def _run_fit_command(args: argparse.Namespace) -> int:
+    return run_fit(args.lightning_args)
+
+
+def _register_fit(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "fit",
+        help="train an intervention (AddPatch deltas) from a YAML config with LightningCLI",
+        description=_DESCRIPTION,
+        add_help=False,  # --help goes to LightningCLI
+        prefix_chars="\0",  # every argument after 'fit' goes to LightningCLI unparsed
+    )
+    p.add_argument("lightning_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_run_fit_command)
+
+
+register_subcommand("fit", _register_fit)

@@ -1,0 +1,172 @@
+"""A LightningModule that optimises a few tensors against a frozen PatchableGraph.
+
+:class:`FrozenGraphModule` is the base of :class:`~recipes.delta_module.DeltaModule` and
+:class:`~recipes.objective_module.ObjectiveModule`. It holds the graph with every model weight frozen (no gradients,
+no optimizer state, no checkpoint entry) and keeps it in ``eval()`` whatever Lightning does with the training flag;
+subclasses register the trainable tensors and implement :meth:`FrozenGraphModule.loss_terms`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from .errors import RecipeConfigError
+
+__all__ = ["FrozenGraphModule", "OptimizerName", "GRAPH_ATTRIBUTE"]
+
+OptimizerName = Literal["adam", "adamw", "sgd"]
+
+#: Attribute (and ``state_dict`` prefix) under which the frozen graph is registered.
+GRAPH_ATTRIBUTE = "pg"
+
+# Lightning warns when modules are in eval mode at the start of fit; the frozen model is, on purpose.
+_EVAL_MODE_WARNING = r"Found \d+ module\(s\) in eval mode at the start of training"
+
+
+class FrozenGraphModule(LightningModule):
+    """Base class: a frozen PatchableGraph (``self.pg``) plus trainable tensors.
+
+    - The graph's parameters get ``requires_grad=False``; :meth:`configure_optimizers` sees only
+      :meth:`trainable_parameters` (every parameter not under ``pg.``).
+    - ``train()`` never switches the graph out of ``eval()`` (no dropout; no extraction of training-mode graphs).
+    - Checkpoints keep only the trainable tensors (:meth:`on_save_checkpoint`); ``strict_loading = False`` lets a
+      module with a freshly loaded model take them back, and :meth:`on_load_checkpoint` checks that none is missing.
+    - Under DDP the frozen weights and buffers are neither broadcast nor synchronised
+      (``_ddp_params_and_buffers_to_ignore``); only the trainable tensors' gradients are all-reduced.
+
+    Args:
+        lr: learning rate.
+        optimizer: ``"adam"``, ``"adamw"`` or ``"sgd"``.
+    """
+
+    strict_loading = False
+
+    def __init__(self, lr: float = 0.05, optimizer: OptimizerName = "adam") -> None:
+        super().__init__()
+        if optimizer not in ("adam", "adamw", "sgd"):
+            raise RecipeConfigError(f"optimizer {optimizer!r} is not one of 'adam', 'adamw', 'sgd'")
+        self.lr = float(lr)
+        self.optimizer_name = optimizer
+
+    # --- the frozen graph ----------------------------------------------------------------------------------
+
+    def attach_graph(self, pg: nn.Module) -> None:
+        """Register ``pg`` as the frozen graph: weights frozen, ``eval()`` mode, ignored by DDP.
+
+        Args:
+            pg: a :class:`gradpatch.PatchableGraph`.
+        """
+        pg.requires_grad_(False)
+        pg.train(False)
+        setattr(self, GRAPH_ATTRIBUTE, pg)
+        prefix = GRAPH_ATTRIBUTE + "."
+        self._ddp_params_and_buffers_to_ignore = [prefix + name for name, _ in pg.named_parameters()] + [
+            prefix + name for name, _ in pg.named_buffers()]
+
+    @property
+    def graph(self) -> nn.Module:
+        """The frozen PatchableGraph.
+
+        Raises:
+            RuntimeError: :meth:`attach_graph` was not called (a subclass bug).
+        """
+        pg = self._modules.get(GRAPH_ATTRIBUTE)
+        if pg is None:
+            raise RuntimeError(f"{type(self).__name__} has no graph; call self.attach_graph(pg) in __init__")
+        return pg
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The parameters the optimizer updates: all but the frozen graph's."""
+        return [p for name, p in self.named_parameters() if not name.startswith(GRAPH_ATTRIBUTE + ".")]
+
+    def train(self, mode: bool = True) -> "FrozenGraphModule":
+        """Set training mode on this module and its children, except the frozen graph, which stays in ``eval()``."""
+        self.training = mode
+        graph = self._modules.get(GRAPH_ATTRIBUTE)
+        for child in self.children():
+            if child is not graph:
+                child.train(mode)
+        return self
+
+    # --- optimisation --------------------------------------------------------------------------------------
+
+    def loss_terms(self, batch: Any) -> dict[str, torch.Tensor]:
+        """The objective on one batch.
+
+        Returns:
+            ``{"loss": scalar to minimise, ...}``; other entries (scalars) are logged as they are, detached.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement loss_terms(batch) -> {{'loss': ...}}")
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        """One step: :meth:`loss_terms`, the loss on the progress bar.
+
+        Returns:
+            ``{"loss": loss, "terms": {name: detached scalar}}`` (``terms`` reaches callbacks'
+            ``on_train_batch_end`` as ``outputs["terms"]``).
+        """
+        terms = self.loss_terms(batch)
+        loss = terms["loss"]
+        self.log("loss", loss.detach(), prog_bar=True, logger=False, on_step=True, on_epoch=False,
+                 batch_size=_batch_size(batch))
+        return {"loss": loss, "terms": {name: value.detach() for name, value in terms.items()}}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """An optimizer over :meth:`trainable_parameters` only.
+
+        Raises:
+            RecipeConfigError: there is nothing to train.
+        """
+        parameters = self.trainable_parameters()
+        if not parameters:
+            raise RecipeConfigError(f"{type(self).__name__} has no trainable tensors; configure at least one delta")
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(parameters, lr=self.lr)
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(parameters, lr=self.lr)
+        return torch.optim.SGD(parameters, lr=self.lr)
+
+    def setup(self, stage: str) -> None:
+        """Silence Lightning's warning about modules in eval mode: the frozen model is in eval mode on purpose."""
+        warnings.filterwarnings("ignore", message=_EVAL_MODE_WARNING)
+
+    # --- checkpoints ---------------------------------------------------------------------------------------
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The ``state_dict`` entries of the trainable tensors (what checkpoints hold)."""
+        return _without_graph(self.state_dict())
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Drop the frozen model's weights from the checkpoint: it keeps the trainable tensors only (kilobytes)."""
+        checkpoint["state_dict"] = _without_graph(checkpoint["state_dict"])
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Check that the checkpoint holds every trainable tensor (loading is not strict, because the frozen model
+        is not in it).
+
+        Raises:
+            RecipeConfigError: trainable tensors missing from the checkpoint (it was saved with other deltas).
+        """
+        missing = sorted(set(self.trainable_state_dict()) - set(checkpoint.get("state_dict", {})))
+        if missing:
+            raise RecipeConfigError(f"checkpoint lacks trainable tensors {missing}: load it with the configuration "
+                                    f"it was trained with (its hyper_parameters)")
+
+
+def _without_graph(state: dict[str, Any]) -> dict[str, Any]:
+    prefix = GRAPH_ATTRIBUTE + "."
+    return {key: value for key, value in state.items() if not key.startswith(prefix)}
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, dict):
+        for value in batch.values():
+            if isinstance(value, torch.Tensor) and value.ndim:
+                return int(value.shape[0])
+    return 1
+

@@ -1,0 +1,75 @@
+"""Tiny random causal LMs with a word-level tokenizer, for tests, benchmarks and smoke runs of the recipes.
+
+Nothing is downloaded: the tokenizer is built in memory from :data:`WORDS` and the model is a randomly initialised
+2-layer Llama (hidden size 64) seeded for reproducibility.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["WORDS", "save_tiny_backbone", "tiny_backbone", "tiny_tokenizer"]
+
+#: The tiny tokenizer's vocabulary after its special tokens (``<pad>`` 0, ``<unk>`` 1, ``<eos>`` 2).
+WORDS: tuple[str, ...] = tuple(
+    "the a an of in on to is was and it city tower located capital country river The Eiffel Tower Rome Paris London "
+    "Berlin Madrid France Italy Germany Spain I you we feel happy sad great terrible good bad movie weather today "
+    "was very not my day food music friend house car dog cat red blue green big small one two three".split())
+
+
+def tiny_tokenizer() -> Any:
+    """A word-level ``PreTrainedTokenizerFast`` over :data:`WORDS` (split on whitespace; spaces are dropped, so
+    ``" Rome"`` and ``"Rome"`` are the same single token; decoding joins words with spaces)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2}
+    for word in WORDS:
+        vocab.setdefault(word, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
+                                   eos_token="<eos>")
+
+
+def tiny_backbone(seed: int = 0, layers: int = 2) -> tuple[nn.Module, Any]:
+    """``(model, tokenizer)``: a random ``LlamaForCausalLM`` (hidden 64, MLP 128, 4 heads) in ``eval()`` mode whose
+    vocabulary is the tiny tokenizer's.
+
+    Args:
+        seed: seed of the weights (same seed, same model, in every process).
+        layers: number of decoder layers (NodePaths ``model.layers_0`` ... ``model.layers_{layers-1}``).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=128,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                             bos_token_id=None)
+        model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return model, tokenizer
+
+
+def save_tiny_backbone(directory: str | Path, seed: int = 0, layers: int = 2) -> Path:
+    """Save :func:`tiny_backbone` with ``save_pretrained`` (model and tokenizer) into ``directory``, a model path
+    that ``gradpatch.models.load_model`` and ``gradpatch fit --model`` accept.
+
+    Returns:
+        ``directory``.
+    """
+    directory = Path(directory)
+    model, tokenizer = tiny_backbone(seed, layers)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
