@@ -1,0 +1,69 @@
+"""editors: model-editing algorithms on top of the gradpatch patch engine.
+
+ROME (Meng et al. 2022, arXiv 2202.05262) at any linear layer chosen by NodePath::
+
+    from gradpatch import PatchableGraph
+    from editors import ROME, EditRequest
+
+    pg = PatchableGraph(model, example_ids, use_cache=False)
+    rome = ROME(pg, tokenizer, "model.layers_3.mlp.down_proj")
+    edit = rome.edit(EditRequest(prompt="The capital of {} is", subject="France", target_new="London"))
+    edit.save("edits/france")        # safetensors + JSON
+    edit.restore(pg)                 # bit-identical original weights
+
+See docs/rome.md.
+"""
+
+from .corpus import Corpus, open_corpus, wiki_summaries, wiki_summaries_path
+from .counterfact import CounterFactCase, EditRequest, load_cases, save_cases
+from .edit import Edit, apply_edits, load_edits, restore_edits, save_edits
+from .errors import EditError, EditLoadError, LayerKindError, StatisticsError, SubjectNotFoundError, TokenizationError
+from .evaluate import evaluate_cases, score_case
+from .keys import ContextTemplates, compute_key, generate_context_prefixes
+from .layers import LinearLayer, resolve_layer
+from .rank_one import rank_one_factors, solve_second_moment
+from .rome import DEFAULT_SMOLLM2_NODE, ROME, ROMEConfig
+from .stats import SecondMoment, compute_second_moment, default_cache_dir, layer_second_moment, statistics_fingerprint
+from .value import ValueObjective, ValueResult, optimize_value
+
+__all__ = [
+    "DEFAULT_SMOLLM2_NODE",
+    "ROME",
+    "ContextTemplates",
+    "Corpus",
+    "CounterFactCase",
+    "Edit",
+    "EditError",
+    "EditLoadError",
+    "EditRequest",
+    "LayerKindError",
+    "LinearLayer",
+    "ROMEConfig",
+    "SecondMoment",
+    "StatisticsError",
+    "SubjectNotFoundError",
+    "TokenizationError",
+    "ValueObjective",
+    "ValueResult",
+    "apply_edits",
+    "compute_key",
+    "compute_second_moment",
+    "default_cache_dir",
+    "evaluate_cases",
+    "generate_context_prefixes",
+    "layer_second_moment",
+    "load_cases",
+    "load_edits",
+    "open_corpus",
+    "optimize_value",
+    "rank_one_factors",
+    "resolve_layer",
+    "restore_edits",
+    "save_cases",
+    "save_edits",
+    "score_case",
+    "solve_second_moment",
+    "statistics_fingerprint",
+    "wiki_summaries",
+    "wiki_summaries_path",
+]

@@ -1,0 +1,136 @@
+"""CounterFact evaluation of edits (Meng et al. 2022, section 4.2).
+
+For each case the edit is computed and applied to the model's current (fresh) weights, the prompts are scored,
+and the edit is restored, so cases never see each other's edits. Probabilities are mean token
+log-probabilities of ``prompt + " " + target``:
+
+- efficacy: ``P(new) > P(true)`` on the rewrite prompt;
+- paraphrase: the fraction of paraphrase prompts with ``P(new) > P(true)``;
+- neighbourhood: the fraction of neighbourhood prompts with ``P(true) > P(new)``.
+
+The scores are means over cases.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .counterfact import CounterFactCase, EditRequest
+from .edit import Edit
+from .layers import wrapped_model
+from .scoring import mean_target_logprobs
+
+__all__ = ["evaluate_cases", "score_case"]
+
+
+def score_case(pg: nn.Module, tokenizer: Any, case: CounterFactCase) -> dict[str, Any]:
+    """Score one case on the model as it is now (one batched forward pass).
+
+    Returns:
+        ``efficacy`` (0/1), ``paraphrase`` and ``neighborhood`` (fractions), and the mean log-probabilities
+        ``logp_new`` / ``logp_true`` per prompt group (``rewrite``, ``paraphrase``, ``neighborhood``).
+    """
+    req = case.request
+    groups = {"rewrite": [req.text], "paraphrase": list(case.paraphrase_prompts),
+              "neighborhood": list(case.neighborhood_prompts)}
+    prompts = [p for g in groups.values() for p in g]
+    device = next(iter(wrapped_model(pg).parameters()), torch.zeros(0)).device
+    forward = lambda ids: pg(ids.to(device), use_cache=False)  # noqa: E731
+    scores = mean_target_logprobs(
+        forward, tokenizer, prompts + prompts, [req.target_new] * len(prompts) + [req.target_true] * len(prompts)
+    )
+    new, true = scores[: len(prompts)].tolist(), scores[len(prompts) :].tolist()
+    row: dict[str, Any] = {"logp_new": {}, "logp_true": {}}
+    i = 0
+    for name, group in groups.items():
+        row["logp_new"][name] = new[i : i + len(group)]
+        row["logp_true"][name] = true[i : i + len(group)]
+        i += len(group)
+
+    def frac(name: str, want_new: bool) -> float | None:
+        pairs = list(zip(row["logp_new"][name], row["logp_true"][name]))
+        if not pairs:
+            return None
+        return sum((n > t) if want_new else (t > n) for n, t in pairs) / len(pairs)
+
+    row["efficacy"] = frac("rewrite", True)
+    row["paraphrase"] = frac("paraphrase", True)
+    row["neighborhood"] = frac("neighborhood", False)
+    return row
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
+def evaluate_cases(
+    pg: nn.Module,
+    tokenizer: Any,
+    cases: Sequence[CounterFactCase],
+    compute_edit: Callable[[EditRequest], Edit],
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Edit and score each case on fresh weights; restore after each.
+
+    Args:
+        pg: the model's PatchableGraph.
+        tokenizer: its tokenizer.
+        cases: CounterFact cases.
+        compute_edit: request -> :class:`Edit` (not applied), e.g. ``ROME(pg, tok, node).compute``.
+        progress: print one line per case.
+
+    Returns:
+        ``{"efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases", "pre": {...}, "cases": [...]}``
+        where ``pre`` holds the same scores on the unedited model and each case row holds ``pre``/``post``
+        scores, the edit's info (steps, loss, norms, timings) and ``seconds``.
+    """
+    rows = []
+    for i, case in enumerate(cases):
+        t0 = time.perf_counter()
+        pre = score_case(pg, tokenizer, case)
+        edit = compute_edit(case.request)
+        edit.apply(pg)
+        try:
+            post = score_case(pg, tokenizer, case)
+        finally:
+            edit.restore(pg)
+        seconds = time.perf_counter() - t0
+        row = {
+            "case_id": case.case_id,
+            "subject": case.request.subject,
+            "prompt": case.request.text,
+            "target_true": case.request.target_true,
+            "target_new": case.request.target_new,
+            "efficacy": post["efficacy"],
+            "paraphrase": post["paraphrase"],
+            "neighborhood": post["neighborhood"],
+            "pre": {k: pre[k] for k in ("efficacy", "paraphrase", "neighborhood")},
+            "logp": {"pre": {"new": pre["logp_new"], "true": pre["logp_true"]},
+                     "post": {"new": post["logp_new"], "true": post["logp_true"]}},
+            "edit": {k: edit.info.get(k) for k in ("steps", "loss", "nll", "kl", "target_prob", "delta_norm",
+                                                    "v_init_norm", "timings_s")},
+            "seconds": seconds,
+        }
+        rows.append(row)
+        if progress:
+            print(f"[{i + 1}/{len(cases)}] {case.request.text!r} -> {case.request.target_new!r}: "
+                  f"efficacy {row['efficacy']:.0f} paraphrase {row['paraphrase']} neighborhood {row['neighborhood']} "
+                  f"({edit.info.get('steps')} steps, {seconds:.1f} s)", flush=True)
+    return {
+        "efficacy_score": _mean([r["efficacy"] for r in rows]),
+        "paraphrase_score": _mean([r["paraphrase"] for r in rows]),
+        "neighborhood_score": _mean([r["neighborhood"] for r in rows]),
+        "n_cases": len(rows),
+        "pre": {
+            "efficacy_score": _mean([r["pre"]["efficacy"] for r in rows]),
+            "paraphrase_score": _mean([r["pre"]["paraphrase"] for r in rows]),
+            "neighborhood_score": _mean([r["pre"]["neighborhood"] for r in rows]),
+        },
+        "cases": rows,
+    }

@@ -1,0 +1,174 @@
+"""Context templates and the key ``k*`` (Meng et al. 2022, section 3.1, eq. 3).
+
+The key of a subject is the edited layer's input at the subject's last token. To make it represent the subject
+rather than one prompt, ROME averages it over the prompt behind short context prefixes::
+
+    k* = 1/N Σ_j k(x_j + prompt(subject))                                            (eq. 3)
+
+The prefixes (the paper's *context templates*) are sampled from the model itself: 10 continuations of 5
+tokens and 10 of 10 tokens after the starters "The", "Therefore", "Because", "I", "You" (top-k 5 sampling
+with a fixed seed, special tokens banned), each followed by ". ", plus the empty prefix: 21 in all. They are
+cached in memory by the editor and on disk next to the statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .capture import layer_inputs
+from .layers import LinearLayer, wrapped_model
+from .scoring import logits_of
+from .tokens import encode_subject_prompt, format_with_span, pad_token_id, right_pad
+
+__all__ = ["ContextTemplates", "compute_key", "generate_context_prefixes", "load_or_generate_prefixes"]
+
+STARTERS: tuple[str, ...] = ("The", "Therefore", "Because", "I", "You")
+#: ``(tokens per continuation, number of continuations)``, as ROME's ``context_template_length_params``.
+LENGTH_PARAMS: tuple[tuple[int, int], ...] = ((5, 10), (10, 10))
+
+
+@dataclass(frozen=True)
+class ContextTemplates:
+    """Context prefixes placed before the prompt (the empty prefix first).
+
+    Attributes:
+        prefixes: e.g. ``("", "The first thing I noticed. ", ...)``.
+    """
+
+    prefixes: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.prefixes)
+
+    def subset(self, n: int | None) -> "ContextTemplates":
+        """``n`` prefixes: the first (empty) one and ``n - 1`` spread evenly over the others (all if ``None``)."""
+        if n is None or n >= len(self.prefixes):
+            return self
+        if n < 1:
+            raise ValueError(f"Need at least one context prefix, got n={n}")
+        rest = len(self.prefixes) - 1
+        picks = sorted({1 + round(i * (rest - 1) / max(n - 2, 1)) for i in range(n - 1)}) if n > 1 else []
+        return ContextTemplates(prefixes=(self.prefixes[0],) + tuple(self.prefixes[i] for i in picks))
+
+
+@torch.no_grad()
+def _sample(forward: Any, tokenizer: Any, starters: Sequence[str], n_new: int, generator: torch.Generator,
+            device: torch.device, top_k: int = 5) -> list[str]:
+    """Sample ``n_new`` tokens after each starter (top-k, special tokens banned, no KV cache needed)."""
+    banned = sorted(set(getattr(tokenizer, "all_special_ids", []) or []))
+    rows = [list(tokenizer(s)["input_ids"]) for s in starters]
+    starts = [len(r) for r in rows]
+    pad = pad_token_id(tokenizer)
+    for _ in range(n_new):
+        ids, lengths = right_pad(rows, pad)
+        logits = logits_of(forward(ids.to(device))).float()
+        last = logits[torch.arange(len(rows), device=logits.device), (lengths - 1).to(logits.device)]  # [n, vocab]
+        if banned:
+            last[:, banned] = float("-inf")
+        top = last.topk(top_k, dim=-1)
+        probs = torch.softmax(top.values, dim=-1).cpu()
+        choice = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        for i, row in enumerate(rows):
+            row.append(int(top.indices[i, choice[i]]))
+    texts = []
+    for row, start, starter in zip(rows, starts, starters):
+        text = starter + tokenizer.decode(row[start:], skip_special_tokens=True)
+        texts.append(" ".join(text.replace("{", " ").replace("}", " ").split()))
+    return texts
+
+
+def generate_context_prefixes(
+    pg: nn.Module,
+    tokenizer: Any,
+    length_params: Sequence[tuple[int, int]] = LENGTH_PARAMS,
+    starters: Sequence[str] = STARTERS,
+    seed: int = 0,
+) -> ContextTemplates:
+    """Sample the context prefixes from the model (deterministic for a given model, seed and parameters).
+
+    Args:
+        pg: the PatchableGraph (or any ``input_ids -> logits`` model).
+        tokenizer: its tokenizer.
+        length_params: ``(tokens, count)`` pairs; counts are spread evenly over the starters.
+        starters: first words of the continuations.
+        seed: seed of a private ``torch.Generator`` (global RNG untouched).
+
+    Returns:
+        ``ContextTemplates`` with ``""`` first, then ``"<continuation>. "`` for each sample.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    try:
+        device = next(wrapped_model(pg).parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    forward = lambda ids: pg(ids, use_cache=False)  # noqa: E731
+    prefixes = [""]
+    for n_tokens, count in length_params:
+        chosen = [starters[i % len(starters)] for i in range(count)]
+        prefixes += [text + ". " for text in _sample(forward, tokenizer, chosen, n_tokens, generator, device)]
+    return ContextTemplates(prefixes=tuple(prefixes))
+
+
+def load_or_generate_prefixes(
+    pg: nn.Module,
+    tokenizer: Any,
+    cache_dir: str | os.PathLike[str] | None,
+    fingerprint: str,
+    length_params: Sequence[tuple[int, int]] = LENGTH_PARAMS,
+    seed: int = 0,
+) -> ContextTemplates:
+    """Context prefixes from ``cache_dir/<fingerprint>/context_templates_*.json``, generated and saved if absent.
+
+    Args:
+        fingerprint: identifies the model (see :func:`editors.stats.statistics_fingerprint`).
+        cache_dir: folder of the cache, or ``None`` to skip the disk cache.
+    """
+    tag = "_".join(f"{n}x{c}" for n, c in length_params)
+    path = Path(cache_dir).expanduser() / fingerprint / f"context_templates_{tag}_seed{seed}.json" if cache_dir else None
+    if path is not None and path.is_file():
+        prefixes = json.loads(path.read_text(encoding="utf-8"))["prefixes"]
+        return ContextTemplates(prefixes=tuple(prefixes))
+    templates = generate_context_prefixes(pg, tokenizer, length_params=length_params, seed=seed)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"prefixes": list(templates.prefixes)}, indent=1, ensure_ascii=False), encoding="utf-8")
+    return templates
+
+
+def compute_key(
+    pg: nn.Module,
+    tokenizer: Any,
+    layer: LinearLayer,
+    prompt: str,
+    subject: str,
+    templates: ContextTemplates,
+) -> torch.Tensor:
+    """``k*``: the layer input at the subject's last token, averaged over the context prefixes (eq. 3).
+
+    Args:
+        pg: the model's PatchableGraph.
+        tokenizer: its tokenizer.
+        layer: the edited layer.
+        prompt: template with ``"{}"`` for the subject.
+        subject: the subject.
+        templates: the context prefixes.
+
+    Returns:
+        ``k*`` ``[d_in]`` (the layer's dtype).
+    """
+    encoded = []
+    for prefix in templates.prefixes:
+        text, span = format_with_span(prompt, subject, prefix)
+        encoded.append(encode_subject_prompt(tokenizer, text, span))
+    ids, _ = right_pad([e.ids for e in encoded], pad_token_id(tokenizer))
+    keys = layer_inputs(pg, layer, ids.to(layer.weight.device))  # [n_prefixes, seq, d_in]
+    positions = torch.tensor([e.subject_last for e in encoded], device=keys.device)
+    return keys[torch.arange(len(encoded), device=keys.device), positions].mean(dim=0)

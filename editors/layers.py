@@ -1,0 +1,167 @@
+"""The edited layer: a linear map ``y = W k + b`` at a user-chosen NodePath.
+
+ROME edits one linear layer, whatever the model family: a Llama ``model.layers_N.mlp.down_proj``
+(``nn.Linear``, weight ``[d_out, d_in]``), a GPT-2 ``transformer.h_N.mlp.c_proj`` (transformers' ``Conv1D``,
+weight stored transposed as ``[d_in, d_out]``), or any ``nn.Linear`` of a toy model. :class:`LinearLayer` hides
+the weight orientation: the algebra always sees ``W`` as ``[d_out, d_in]`` (the paper's orientation).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import LayerKindError
+
+__all__ = ["LinearLayer", "resolve_layer", "resolve_module", "wrapped_model"]
+
+
+def wrapped_model(target: nn.Module) -> nn.Module:
+    """The model behind a :class:`gradpatch.PatchableGraph` (its parameters are shared), or ``target`` itself."""
+    inner = getattr(target, "_original", None)
+    return inner if isinstance(inner, nn.Module) else target
+
+
+def resolve_module(target: nn.Module, node_path: str) -> nn.Module:
+    """The submodule at a NodePath, on a PatchableGraph or on a plain model.
+
+    On a PatchableGraph this is ``pg.original_module(node_path)``. On a plain model, NodePath components map to
+    attributes, and ``name_N`` indexes a ``ModuleList``/``Sequential`` called ``name`` (``layers_5`` is
+    ``layers[5]``), so the same NodePath works on both.
+
+    Raises:
+        KeyError: no submodule at that path (the message names the available children).
+    """
+    if hasattr(target, "original_module") and hasattr(target, "graph"):
+        return target.original_module(node_path)
+    module: Any = target
+    for part in node_path.split("."):
+        if not part:
+            continue
+        child = getattr(module, part, None) if isinstance(module, nn.Module) else None
+        if child is None:
+            match = re.fullmatch(r"(.+)_(\d+)", part)
+            container = getattr(module, match.group(1), None) if match else None
+            if isinstance(container, (nn.ModuleList, nn.Sequential)) and int(match.group(2)) < len(container):
+                child = container[int(match.group(2))]
+        if not isinstance(child, nn.Module):
+            names = [n for n, _ in module.named_children()] if isinstance(module, nn.Module) else []
+            raise KeyError(f"No submodule {part!r} in NodePath {node_path!r}; children there: {names}")
+        module = child
+    return module
+
+
+def _first_argument_name(module: nn.Module) -> str:
+    """Name of the first argument of ``module.forward`` (``input`` for nn.Linear, ``x`` for Conv1D)."""
+    params = [p for p in inspect.signature(module.forward).parameters.values() if p.name != "self"]
+    if not params:
+        raise LayerKindError(f"{type(module).__name__}.forward takes no argument; ROME needs a linear layer")
+    return params[0].name
+
+
+@dataclass(frozen=True)
+class LinearLayer:
+    """A linear layer chosen for editing.
+
+    Attributes:
+        path: NodePath of the layer's module, e.g. ``"model.layers_5.mlp.down_proj"``.
+        module: the original module (its ``weight`` is the Parameter the graph uses).
+        transposed: ``True`` when the weight is stored ``[d_in, d_out]`` (GPT-2 ``Conv1D``: ``y = x W + b``).
+        input_name: name of the module's input node (its forward argument: ``input`` or ``x``).
+    """
+
+    path: str
+    module: nn.Module
+    transposed: bool
+    input_name: str
+
+    @property
+    def input_node(self) -> str:
+        """NodePath of the layer input (the keys ``k``), e.g. ``model.layers_5.mlp.down_proj.input``."""
+        return f"{self.path}.{self.input_name}"
+
+    @property
+    def output_node(self) -> str:
+        """NodePath of the layer output (the values ``W k + b``)."""
+        return f"{self.path}.output"
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight Parameter as stored (``[d_out, d_in]``, or ``[d_in, d_out]`` when transposed)."""
+        return self.module.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The bias ``[d_out]`` or ``None``."""
+        return getattr(self.module, "bias", None)
+
+    @property
+    def d_in(self) -> int:
+        """Key dimension (input features)."""
+        return int(self.weight.shape[0 if self.transposed else 1])
+
+    @property
+    def d_out(self) -> int:
+        """Value dimension (output features)."""
+        return int(self.weight.shape[1 if self.transposed else 0])
+
+    def w(self) -> torch.Tensor:
+        """``W`` in the paper's orientation, ``[d_out, d_in]`` (a view, no copy)."""
+        return self.weight.T if self.transposed else self.weight
+
+    def forward_value(self, keys: torch.Tensor) -> torch.Tensor:
+        """``W k + b`` for keys ``[..., d_in]``; returns ``[..., d_out]`` (no patching involved)."""
+        out = keys.to(self.weight.dtype) @ self.w().T
+        return out + self.bias if self.bias is not None else out
+
+    def delta_weight(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The rank-one change ``v uᵀ`` in the weight's storage layout.
+
+        Args:
+            u: key-side factor ``[d_in]``.
+            v: value-side factor ``[d_out]``.
+
+        Returns:
+            ``[d_out, d_in]`` for ``nn.Linear``, ``[d_in, d_out]`` for ``Conv1D``, computed in float64 and
+            cast to the weight's dtype.
+        """
+        u = u.detach().to(device=self.weight.device, dtype=torch.float64)
+        v = v.detach().to(device=self.weight.device, dtype=torch.float64)
+        delta = torch.outer(u, v) if self.transposed else torch.outer(v, u)
+        return delta.to(self.weight.dtype)
+
+
+def resolve_layer(target: nn.Module, node_path: str) -> LinearLayer:
+    """Find the linear layer at ``node_path`` and how its weight is laid out.
+
+    Args:
+        target: a :class:`gradpatch.PatchableGraph` (or a plain model, for applying saved edits).
+        node_path: NodePath of the layer module (a trailing ``.weight`` is accepted and dropped).
+
+    Returns:
+        A :class:`LinearLayer`.
+
+    Raises:
+        KeyError: unknown NodePath.
+        LayerKindError: the module is not ``nn.Linear`` or a ``Conv1D`` (weight ``[d_in, d_out]`` with ``nf``).
+    """
+    path = node_path[: -len(".weight")] if node_path.endswith(".weight") else node_path
+    module = resolve_module(target, path)
+    weight = getattr(module, "weight", None)
+    if isinstance(module, nn.Linear):
+        transposed = False
+    elif isinstance(weight, torch.Tensor) and weight.dim() == 2 and getattr(module, "nf", None) == weight.shape[1]:
+        transposed = True  # transformers.pytorch_utils.Conv1D: y = x @ W + b, W [nx, nf]
+    else:
+        raise LayerKindError(
+            f"NodePath {path!r} is a {type(module).__name__}; ROME edits a linear layer (nn.Linear or GPT-2 Conv1D), "
+            f"e.g. 'model.layers_5.mlp.down_proj' (Llama) or 'transformer.h_5.mlp.c_proj' (GPT-2)"
+        )
+    if weight.dim() != 2:
+        raise LayerKindError(f"{path!r} has a {weight.dim()}-d weight; expected a 2-d linear weight")
+    return LinearLayer(path=path, module=module, transposed=transposed, input_name=_first_argument_name(module))

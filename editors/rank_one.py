@@ -1,0 +1,98 @@
+"""The closed-form rank-one update of ROME (Meng et al. 2022, eq. 2).
+
+Given a linear layer ``W`` (``[d_out, d_in]``), the uncentred second moment of its keys ``C = E[k kᵀ]``
+(``[d_in, d_in]``), a key ``k*`` and a desired value ``v*``, the minimum-change update (in the ``C``-weighted
+norm) that stores ``k* -> v*`` is::
+
+    W' = W + (v* - W k*) (C⁻¹ k*)ᵀ / ((C⁻¹ k*)ᵀ k*)                               (eq. 2)
+
+We keep it as two factors, ``W' = W + v uᵀ`` with
+
+    u = C⁻¹ k* / (k*ᵀ C⁻¹ k*)     [d_in]     (so uᵀ k* = 1)
+    v = v* - W k*                  [d_out]
+
+so that ``W' k* = v*`` exactly and any key ``k`` with ``kᵀ C⁻¹ k* = 0`` (``uᵀ k = 0``) is mapped as before.
+The same ``k*`` must be used for ``v`` and ``u``: here both come from the context-averaged key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import StatisticsError
+
+__all__ = ["rank_one_factors", "solve_second_moment"]
+
+
+def solve_second_moment(second_moment: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """``C⁻¹ k`` in float64.
+
+    Args:
+        second_moment: ``C`` ``[d_in, d_in]``, symmetric positive definite.
+        key: ``k`` ``[d_in]``.
+
+    Returns:
+        ``[d_in]`` float64.
+
+    Raises:
+        StatisticsError: ``C`` has the wrong shape, is singular, or is not finite.
+    """
+    d = key.shape[-1]
+    if second_moment.shape != (d, d):
+        raise StatisticsError(
+            f"Second moment of shape {tuple(second_moment.shape)} does not match keys of size {d}: "
+            f"compute the statistics at the edited layer's input node"
+        )
+    c = second_moment.to(torch.float64)
+    k = key.to(device=c.device, dtype=torch.float64)
+    try:
+        factor = torch.linalg.cholesky(c)
+        solution = torch.cholesky_solve(k.unsqueeze(-1), factor).squeeze(-1)
+    except RuntimeError:
+        try:
+            solution = torch.linalg.solve(c, k)
+        except RuntimeError as exc:
+            raise StatisticsError(
+                f"The second moment is singular ({exc}); compute it over more text (raise n_samples)"
+            ) from None
+    if not torch.isfinite(solution).all():
+        raise StatisticsError("C⁻¹k is not finite; recompute the statistics over more text (raise n_samples)")
+    return solution
+
+
+def rank_one_factors(
+    weight: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    second_moment: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Factors ``(u, v)`` of the ROME update ``W' = W + v uᵀ`` (eq. 2).
+
+    Args:
+        weight: ``W`` ``[d_out, d_in]`` in the paper's orientation (for GPT-2 ``Conv1D`` pass ``weight.T``).
+        key: ``k*`` ``[d_in]``.
+        value: ``v*`` ``[d_out]``, the desired ``W' k*`` (bias excluded).
+        second_moment: ``C`` ``[d_in, d_in]``.
+
+    Returns:
+        ``u`` ``[d_in]`` and ``v`` ``[d_out]``, float64: ``u = C⁻¹k*/(k*ᵀC⁻¹k*)``, ``v = v* - W k*``.
+
+    Raises:
+        StatisticsError: ``C`` is unusable, or ``k*ᵀ C⁻¹ k* <= 0``.
+        ValueError: shapes disagree.
+    """
+    d_out, d_in = weight.shape
+    if key.shape != (d_in,) or value.shape != (d_out,):
+        raise ValueError(
+            f"W is [{d_out}, {d_in}] but k* is {tuple(key.shape)} and v* is {tuple(value.shape)}; "
+            f"expected k* [{d_in}] and v* [{d_out}]"
+        )
+    c_inv_k = solve_second_moment(second_moment, key)
+    k = key.to(device=c_inv_k.device, dtype=torch.float64)
+    denom = torch.dot(c_inv_k, k)
+    if not bool(denom > 0):
+        raise StatisticsError(f"k*ᵀ C⁻¹ k* = {denom.item():.3g} is not positive; the statistics are not positive definite")
+    u = c_inv_k / denom
+    w = weight.detach().to(device=c_inv_k.device, dtype=torch.float64)
+    v = value.detach().to(device=c_inv_k.device, dtype=torch.float64) - w @ k
+    return u, v

@@ -1,0 +1,241 @@
+"""ROME (Meng et al. 2022, arXiv 2202.05262): rank-one model editing at a chosen linear layer.
+
+Pipeline for one fact ``(subject, prompt, target_new)``:
+
+1. ``k*`` — the layer input at the subject's last token, averaged over context prefixes (eq. 3);
+2. ``C = E[k kᵀ]`` — the layer input's second moment over a corpus (cached on disk);
+3. ``v* = W k* + b + δ`` — ``δ`` optimised through an AddPatch at the layer output (eq. 4);
+4. ``W' = W + (v* - W k*)(C⁻¹k*)ᵀ / ((C⁻¹k*)ᵀ k*)`` — the closed-form rank-one update (eq. 2), with the same
+   averaged ``k*`` in both factors (mixing the averaged key with the bare prompt's key causes the
+   model-collapsing edits described in "Rebuilding ROME", Gupta et al. 2024).
+
+Usage::
+
+    pg = PatchableGraph(model, example_ids, use_cache=False)
+    rome = ROME(pg, tokenizer, "model.layers_3.mlp.down_proj")
+    edit = rome.edit(EditRequest("The capital of {} is", "France", "London"))   # computed and applied
+    ...
+    edit.restore(pg)                                                          # bit-identical weights
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from gradpatch import model_fingerprint
+
+from .corpus import Corpus
+from .counterfact import EditRequest
+from .edit import Edit
+from .errors import EditError
+from .keys import LENGTH_PARAMS, ContextTemplates, compute_key, load_or_generate_prefixes
+from .layers import LinearLayer, resolve_layer, wrapped_model
+from .rank_one import rank_one_factors
+from .stats import DEFAULT_MAX_LENGTH, DEFAULT_N_SAMPLES, SecondMoment, default_cache_dir, layer_second_moment, statistics_fingerprint
+from .value import ValueObjective, ValueResult, optimize_value
+
+__all__ = ["DEFAULT_SMOLLM2_NODE", "ROME", "ROMEConfig"]
+
+#: Default edited layer for SmolLM2-135M (30 layers), chosen by measurement (docs/rome.md).
+DEFAULT_SMOLLM2_NODE = "model.layers_3.mlp.down_proj"
+
+
+@dataclass
+class ROMEConfig:
+    """Hyperparameters of ROME (defaults: the reference implementation's, context templates as the paper).
+
+    Attributes:
+        steps: maximum Adam steps of the value optimisation.
+        lr: Adam learning rate.
+        kl_factor: weight of the KL term on the "{subject} is a" prompt.
+        weight_decay: weight of ``‖δ‖ / ‖v₀‖²``. The reference GPT-2 XL value 0.5 is too strong for small models:
+            on SmolLM2-135M (``‖v₀‖ ≈ 15`` at down_proj) the term alone stays above the 0.05 early-stop threshold
+            once ``δ`` reaches the clamp, so every edit ran all steps; 1e-3 is the reference Llama value.
+        clamp_factor: maximum ``‖δ‖ / ‖v₀‖``.
+        early_stop_loss: stop the optimisation once the loss is below this.
+        n_samples: corpus documents for the second moment.
+        max_length: token truncation of corpus documents.
+        stats_batch_size: documents per forward pass when computing the statistics.
+        context_length_params: ``(tokens, count)`` of the sampled context prefixes.
+        template_seed: seed of the context prefix sampling.
+        value_prefixes: how many of the prefixes the value optimisation uses (the empty one and others spread
+            evenly over both lengths; ``None``: all). The key always averages over all of them (one cheap,
+            early-stopped forward pass); each optimisation step costs a forward and backward pass over these
+            prompts, so 11 of the 21 halves the time of an edit.
+        cache_dir: statistics / template cache folder (``None``: ``$GRADPATCH_STATS_DIR`` or
+            ``~/.cache/gradpatch/stats``).
+        use_cache: read and write the disk cache.
+        progress: show progress bars.
+    """
+
+    steps: int = 25
+    lr: float = 0.5
+    kl_factor: float = 0.0625
+    weight_decay: float = 1e-3
+    clamp_factor: float = 4.0
+    early_stop_loss: float = 0.05
+    n_samples: int = DEFAULT_N_SAMPLES
+    max_length: int = DEFAULT_MAX_LENGTH
+    stats_batch_size: int = 16
+    context_length_params: tuple[tuple[int, int], ...] = LENGTH_PARAMS
+    template_seed: int = 0
+    value_prefixes: int | None = 11
+    cache_dir: str | None = None
+    use_cache: bool = True
+    progress: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        """The hyperparameters as a JSON-able dict."""
+        data = asdict(self)
+        data["context_length_params"] = [list(p) for p in self.context_length_params]
+        return data
+
+
+@dataclass
+class _Timings:
+    key_s: float = 0.0
+    value_s: float = 0.0
+    update_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class ROME:
+    """Compute and apply ROME edits at one linear layer of a PatchableGraph.
+
+    The statistics and the context prefixes are computed once per instance (and cached on disk), so a series of
+    edits pays for them once.
+
+    Args:
+        pg: the model's :class:`gradpatch.PatchableGraph` (in ``eval()`` mode).
+        tokenizer: the model's tokenizer.
+        node: NodePath of the edited linear layer (``nn.Linear`` or GPT-2 ``Conv1D``), e.g.
+            ``"model.layers_4.mlp.down_proj"`` or ``"transformer.h_5.mlp.c_proj"``.
+        config: hyperparameters.
+        corpus: corpus of the statistics (``None``: the built-in Wikipedia summaries; a path; a list of strings;
+            a :class:`editors.corpus.Corpus`).
+        statistics: precomputed ``C`` to use instead of computing / loading it.
+
+    Raises:
+        KeyError, LayerKindError: ``node`` is not a linear layer of the graph.
+    """
+
+    def __init__(
+        self,
+        pg: nn.Module,
+        tokenizer: Any,
+        node: str,
+        config: ROMEConfig | None = None,
+        corpus: Corpus | str | os.PathLike[str] | Any | None = None,
+        statistics: SecondMoment | torch.Tensor | None = None,
+    ) -> None:
+        self.pg, self.tokenizer = pg, tokenizer
+        self.config = config or ROMEConfig()
+        self.layer: LinearLayer = resolve_layer(pg, node)
+        self.corpus = corpus
+        if isinstance(statistics, torch.Tensor):
+            statistics = SecondMoment(matrix=statistics.to(torch.float64), n_tokens=0, n_samples=0,
+                                      node=self.layer.input_node, fingerprint="", corpus=None)
+        self._statistics: SecondMoment | None = statistics
+        self._templates: ContextTemplates | None = None
+        self.last_value: ValueResult | None = None
+
+    @property
+    def node(self) -> str:
+        """NodePath of the edited layer."""
+        return self.layer.path
+
+    def _cache_dir(self) -> str | None:
+        if not self.config.use_cache:
+            return None
+        return str(self.config.cache_dir) if self.config.cache_dir is not None else str(default_cache_dir())
+
+    def statistics(self) -> SecondMoment:
+        """``C`` at the layer input (memoised; read from / written to the disk cache)."""
+        if self._statistics is None:
+            c = self.config
+            self._statistics = layer_second_moment(
+                self.pg, self.tokenizer, self.layer, corpus=self.corpus, n_samples=c.n_samples,
+                max_length=c.max_length, batch_size=c.stats_batch_size, cache_dir=c.cache_dir,
+                use_cache=c.use_cache, progress=c.progress,
+            )
+        return self._statistics
+
+    def templates(self) -> ContextTemplates:
+        """The context prefixes (memoised; read from / written to the disk cache)."""
+        if self._templates is None:
+            c = self.config
+            fingerprint = statistics_fingerprint(self.pg, skip=(self.layer.path,))
+            self._templates = load_or_generate_prefixes(
+                self.pg, self.tokenizer, self._cache_dir(), fingerprint,
+                length_params=c.context_length_params, seed=c.template_seed,
+            )
+        return self._templates
+
+    def compute(self, request: EditRequest, callback: Callable[[int, dict[str, float]], None] | None = None) -> Edit:
+        """Compute the edit for one fact without touching the weights.
+
+        Args:
+            request: the fact to write.
+            callback: called with ``(step, loss terms)`` during the value optimisation.
+
+        Returns:
+            The :class:`Edit` (not applied); ``edit.info`` holds losses, steps, norms and timings.
+
+        Raises:
+            EditError: the graph is in training mode.
+            StatisticsError: the statistics are unusable.
+        """
+        if getattr(self.pg, "training", False):
+            raise EditError("The PatchableGraph is in training mode (dropout would randomise the edit): call pg.eval()")
+        c, layer = self.config, self.layer
+        templates = self.templates()
+        stats = self.statistics()
+        fingerprint = model_fingerprint(wrapped_model(self.pg))
+        t0 = time.perf_counter()
+        key = compute_key(self.pg, self.tokenizer, layer, request.prompt, request.subject, templates)  # [d_in]
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            v_init = layer.forward_value(key)  # W k* + b, [d_out]
+        objective = ValueObjective(
+            self.pg, self.tokenizer, layer, request, templates.subset(c.value_prefixes), v_init,
+            kl_factor=c.kl_factor, weight_decay=c.weight_decay, clamp_factor=c.clamp_factor,
+        )
+        result = optimize_value(objective, steps=c.steps, lr=c.lr, early_stop_loss=c.early_stop_loss, callback=callback)
+        self.last_value = result
+        t2 = time.perf_counter()
+        with torch.no_grad():
+            w = layer.w()
+            wk = (w.to(torch.float64) @ key.to(torch.float64))  # W k*, bias excluded
+            u, v = rank_one_factors(w, key, wk + result.delta.to(torch.float64), stats.matrix)
+        t3 = time.perf_counter()
+        last = result.history[-1] if result.history else {}
+        info = {
+            "steps": result.steps,
+            "loss": last.get("loss"),
+            "nll": last.get("nll"),
+            "kl": last.get("kl"),
+            "target_prob": last.get("target_prob"),
+            "delta_norm": float(result.delta.norm()),
+            "v_init_norm": float(v_init.norm()),
+            "key_norm": float(key.norm()),
+            "n_key_prompts": len(templates),
+            "n_value_prompts": int(objective.input_ids.shape[0]) - 1,
+            "statistics": {"n_tokens": stats.n_tokens, "n_samples": stats.n_samples, "corpus": stats.corpus},
+            "timings_s": {"key": t1 - t0, "value": t2 - t1, "update": t3 - t2},
+            "config": c.to_json(),
+        }
+        return Edit(node=layer.path, u=u, v=v, request=request, model_fingerprint=fingerprint, info=info)
+
+    def edit(self, request: EditRequest, callback: Callable[[int, dict[str, float]], None] | None = None) -> Edit:
+        """Compute the edit for one fact and apply it in place (``edit.restore(pg)`` undoes it exactly).
+
+        Several calls edit several facts in sequence: each edit is computed on the model with the earlier
+        ones applied. A failure leaves the weights as they were.
+        """
+        return self.compute(request, callback=callback).apply(self.pg)

@@ -1,0 +1,89 @@
+"""Scoring continuations: mean log-probability of target tokens after a prompt.
+
+A *forward* here is any callable mapping ``input_ids [batch, seq]`` to logits ``[batch, seq, vocab]`` (or to a
+model output with ``.logits``): a Hugging Face model, a :class:`gradpatch.PatchableGraph`, or either inside a
+``pg.patch(...)`` block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .tokens import EncodedPrompt, encode_prompt_target, pad_token_id, right_pad
+
+__all__ = ["Forward", "logits_of", "mean_target_logprobs", "target_logprobs_batch"]
+
+#: ``input_ids [batch, seq] -> logits [batch, seq, vocab]`` (or a model output holding ``.logits``).
+Forward = Callable[[torch.Tensor], Any]
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """Extract logits ``[batch, seq, vocab]`` from a model output (``.logits``, ``["logits"]``, tuple or tensor)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, dict):
+        logits = output.get("logits")
+    if logits is None and isinstance(output, (tuple, list)) and output:
+        logits = output[0]
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"Cannot find logits in a {type(output).__name__}: the forward must return logits or .logits")
+    return logits
+
+
+def target_logprobs_batch(logits: torch.Tensor, encoded: Sequence[EncodedPrompt]) -> torch.Tensor:
+    """Mean log-probability of each example's target tokens.
+
+    Args:
+        logits: ``[batch, seq, vocab]`` for the right-padded batch of ``encoded``.
+        encoded: ``batch`` prompts with ``target_start`` set.
+
+    Returns:
+        ``[batch]``: ``mean_t log p(target_t | prompt, target_<t)``; differentiable w.r.t. ``logits``.
+    """
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    rows = []
+    for b, enc in enumerate(encoded):
+        positions = torch.arange(enc.target_start, len(enc.ids), device=logits.device)
+        tokens = torch.tensor(enc.ids[enc.target_start :], device=logits.device)
+        rows.append(log_probs[b, positions - 1, tokens].mean())
+    return torch.stack(rows)
+
+
+@torch.no_grad()
+def mean_target_logprobs(
+    forward: Forward,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    targets: Sequence[str],
+    batch_size: int = 32,
+) -> torch.Tensor:
+    """Score ``prompt + " " + target`` pairs: mean token log-probability of each target.
+
+    Args:
+        forward: ``input_ids [batch, seq] -> logits`` (model, PatchableGraph, ...).
+        tokenizer: the model's tokenizer.
+        prompts: ``n`` prompts without trailing space.
+        targets: ``n`` targets without leading space (CounterFact convention).
+        batch_size: examples per forward pass (right-padded, no attention mask needed).
+
+    Returns:
+        ``[n]`` float32 tensor of mean log-probabilities.
+
+    Raises:
+        ValueError: ``prompts`` and ``targets`` differ in length.
+    """
+    if len(prompts) != len(targets):
+        raise ValueError(f"{len(prompts)} prompts but {len(targets)} targets: give one target per prompt")
+    encoded = [encode_prompt_target(tokenizer, p, t) for p, t in zip(prompts, targets)]
+    pad = pad_token_id(tokenizer)
+    out = []
+    for i in range(0, len(encoded), batch_size):
+        chunk = encoded[i : i + batch_size]
+        ids, _ = right_pad([e.ids for e in chunk], pad)
+        logits = logits_of(forward(ids))
+        out.append(target_logprobs_batch(logits, chunk).cpu())
+    return torch.cat(out) if out else torch.zeros(0)

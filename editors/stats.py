@@ -1,0 +1,253 @@
+"""Second moment ``C = E[k kᵀ]`` of a linear layer's input over a text corpus, streamed and cached.
+
+ROME's update (eq. 2) weighs the change of ``W`` by ``C⁻¹`` so that keys typical of the corpus are disturbed
+least. ``C`` is the uncentred second moment of the layer input over every (non-special) token of the corpus
+documents, accumulated in float64 batch by batch (``C = Σ Kᵀ K / n_tokens`` with ``K`` ``[tokens, d_in]``).
+
+Results are cached as safetensors files under ``~/.cache/gradpatch/stats`` (override with ``cache_dir=`` or the
+``GRADPATCH_STATS_DIR`` environment variable), keyed by a fingerprint of the model (that leaves out the edited
+layer's own weight, which does not influence its input, so the statistics survive edits of that layer), the
+NodePath, the corpus name, the number of documents and the truncation length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .capture import layer_inputs
+from .corpus import Corpus, open_corpus
+from .errors import StatisticsError
+from .layers import LinearLayer, resolve_layer, wrapped_model
+from .tokens import pad_token_id, right_pad
+
+__all__ = [
+    "SecondMoment",
+    "compute_second_moment",
+    "default_cache_dir",
+    "layer_second_moment",
+    "statistics_fingerprint",
+]
+
+DEFAULT_N_SAMPLES = 1000
+DEFAULT_MAX_LENGTH = 256
+_SAMPLES_PER_PARAMETER = 64
+
+
+def default_cache_dir() -> Path:
+    """``$GRADPATCH_STATS_DIR`` if set, else ``~/.cache/gradpatch/stats``."""
+    env = os.environ.get("GRADPATCH_STATS_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "gradpatch" / "stats"
+
+
+@dataclass
+class SecondMoment:
+    """The statistics of one layer input.
+
+    Attributes:
+        matrix: ``C`` ``[d_in, d_in]`` float64 (mean of ``k kᵀ`` over tokens).
+        n_tokens: tokens accumulated.
+        n_samples: documents read.
+        node: NodePath of the layer input, e.g. ``model.layers_4.mlp.down_proj.input``.
+        fingerprint: model fingerprint (edited layer left out) the statistics belong to.
+        corpus: corpus name (``None`` for an anonymous iterable).
+    """
+
+    matrix: torch.Tensor
+    n_tokens: int
+    n_samples: int
+    node: str
+    fingerprint: str
+    corpus: str | None
+
+
+def statistics_fingerprint(model: nn.Module, skip: tuple[str, ...] = ()) -> str:
+    """A short hash of the model class, parameter names/shapes/dtypes and a strided sample of each parameter.
+
+    Args:
+        model: the model (a PatchableGraph is unwrapped).
+        skip: module NodePaths / dotted prefixes whose parameters are left out (the edited layer).
+
+    Returns:
+        16 hex digits.
+    """
+    model = wrapped_model(model)
+    prefixes = tuple(_torch_path(s) + "." for s in skip)
+    digest = hashlib.sha256(type(model).__qualname__.encode())
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.startswith(prefixes):
+                continue
+            digest.update(f"{name}:{tuple(parameter.shape)}:{parameter.dtype}".encode())
+            flat = parameter.detach().reshape(-1)
+            step = max(1, flat.numel() // _SAMPLES_PER_PARAMETER)
+            digest.update(flat[::step][:_SAMPLES_PER_PARAMETER].to(torch.float64).cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _torch_path(node_path: str) -> str:
+    """``model.layers_4.mlp`` -> ``model.layers.4.mlp`` (NodePath to ``named_parameters`` names)."""
+    return re.sub(r"_(\d+)(?=\.|$)", r".\1", node_path)
+
+
+def _cache_file(cache_dir: Path, fingerprint: str, node: str, corpus: str, n_samples: int, max_length: int,
+                dtype: torch.dtype) -> Path:
+    safe_corpus = re.sub(r"[^A-Za-z0-9_.-]", "_", corpus)
+    dtype_name = str(dtype).replace("torch.", "")
+    return cache_dir / fingerprint / f"{node}__{safe_corpus}__n{n_samples}__len{max_length}__{dtype_name}.safetensors"
+
+
+def compute_second_moment(
+    pg: nn.Module,
+    tokenizer: Any,
+    layer: LinearLayer,
+    corpus: Corpus,
+    n_samples: int = DEFAULT_N_SAMPLES,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    batch_size: int = 16,
+    accumulate_dtype: torch.dtype = torch.float64,
+    progress: bool = True,
+) -> tuple[torch.Tensor, int, int]:
+    """Stream ``n_samples`` documents through the model and accumulate ``Σ k kᵀ`` at the layer input.
+
+    Documents are truncated to ``max_length`` tokens, grouped by length (fewer pads) and right-padded; pad
+    positions and special tokens (BOS/EOS) are left out. Each forward pass stops at the layer input.
+
+    Args:
+        pg: the model's :class:`gradpatch.PatchableGraph`.
+        tokenizer: its tokenizer.
+        layer: the edited layer.
+        corpus: the documents.
+        n_samples: documents to read (fewer if the corpus is shorter).
+        max_length: truncation length in tokens.
+        batch_size: documents per forward pass.
+        accumulate_dtype: float64 (default) or float32.
+        progress: show a tqdm progress bar.
+
+    Returns:
+        ``(C [d_in, d_in] float64, n_tokens, n_documents)``.
+
+    Raises:
+        StatisticsError: the corpus yields no token.
+    """
+    from tqdm.auto import tqdm
+
+    pad = pad_token_id(tokenizer)
+    special = torch.tensor(sorted(set(getattr(tokenizer, "all_special_ids", []) or [])), dtype=torch.long)
+    device = layer.weight.device
+    total = torch.zeros(layer.d_in, layer.d_in, dtype=accumulate_dtype, device=device)
+    n_tokens = n_docs = 0
+    bar = tqdm(total=n_samples, desc=f"second moment {layer.input_node}", unit="doc", disable=not progress)
+    group: list[list[int]] = []
+
+    def flush(docs: list[list[int]]) -> None:
+        nonlocal total, n_tokens
+        docs = sorted(docs, key=len)
+        for i in range(0, len(docs), batch_size):
+            chunk = docs[i : i + batch_size]
+            ids, lengths = right_pad(chunk, pad)
+            keep = torch.arange(ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+            if special.numel():
+                keep &= ~torch.isin(ids, special)
+            keys = layer_inputs(pg, layer, ids.to(device))  # [batch, seq, d_in]
+            k = keys[keep.to(keys.device)].to(accumulate_dtype)  # [tokens, d_in]
+            total += k.T @ k
+            n_tokens += int(k.shape[0])
+            bar.update(len(chunk))
+
+    try:
+        for text in corpus:
+            if n_docs >= n_samples:
+                break
+            ids = list(tokenizer(text, truncation=True, max_length=max_length)["input_ids"])
+            n_docs += 1
+            if ids:
+                group.append(ids)
+            if len(group) >= 8 * batch_size:
+                flush(group)
+                group = []
+        if group:
+            flush(group)
+    finally:
+        bar.close()
+    if n_tokens == 0:
+        raise StatisticsError("The corpus gave no token; pass a corpus with text (a file, or a list of strings)")
+    return (total / n_tokens).to(torch.float64), n_tokens, n_docs
+
+
+def layer_second_moment(
+    pg: nn.Module,
+    tokenizer: Any,
+    node: str | LinearLayer,
+    corpus: Corpus | str | os.PathLike[str] | Any | None = None,
+    n_samples: int = DEFAULT_N_SAMPLES,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    batch_size: int = 16,
+    cache_dir: str | os.PathLike[str] | None = None,
+    use_cache: bool = True,
+    accumulate_dtype: torch.dtype = torch.float64,
+    progress: bool = True,
+) -> SecondMoment:
+    """``C = E[k kᵀ]`` at a layer's input, read from the cache or computed and cached.
+
+    Args:
+        pg: the model's :class:`gradpatch.PatchableGraph`.
+        tokenizer: its tokenizer.
+        node: NodePath of the edited layer (or a resolved :class:`LinearLayer`).
+        corpus: ``None`` (Wikipedia summaries), a file path, an iterable of strings or a :class:`Corpus`.
+            Anonymous iterables are not cached unless given as ``Corpus(name=..., texts=...)``.
+        n_samples: documents to read.
+        max_length: truncation length in tokens.
+        batch_size: documents per forward pass.
+        cache_dir: cache folder (default :func:`default_cache_dir`).
+        use_cache: read and write the cache.
+        accumulate_dtype: float64 (default) or float32 accumulation.
+        progress: show a progress bar while computing.
+
+    Returns:
+        A :class:`SecondMoment`.
+    """
+    layer = node if isinstance(node, LinearLayer) else resolve_layer(pg, node)
+    source = open_corpus(corpus)
+    fingerprint = statistics_fingerprint(pg, skip=(layer.path,))
+    path = None
+    if use_cache and source.name is not None:
+        folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        path = _cache_file(folder, fingerprint, layer.input_node, source.name, n_samples, max_length, accumulate_dtype)
+        if path.is_file():
+            tensors = load_file(str(path))
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as handle:
+                meta = handle.metadata() or {}
+            matrix = tensors["second_moment"]
+            if matrix.shape == (layer.d_in, layer.d_in):
+                return SecondMoment(
+                    matrix=matrix.to(layer.weight.device), n_tokens=int(meta.get("n_tokens", 0)),
+                    n_samples=int(meta.get("n_documents", n_samples)), node=layer.input_node,
+                    fingerprint=fingerprint, corpus=source.name,
+                )
+    matrix, n_tokens, n_docs = compute_second_moment(
+        pg, tokenizer, layer, source, n_samples=n_samples, max_length=max_length, batch_size=batch_size,
+        accumulate_dtype=accumulate_dtype, progress=progress,
+    )
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        save_file(
+            {"second_moment": matrix.cpu().contiguous()}, str(tmp),
+            metadata={"node": layer.input_node, "fingerprint": fingerprint, "corpus": str(source.name),
+                      "n_samples": str(n_samples), "n_documents": str(n_docs), "n_tokens": str(n_tokens),
+                      "max_length": str(max_length)},
+        )
+        os.replace(tmp, path)
+    return SecondMoment(matrix=matrix, n_tokens=n_tokens, n_samples=n_docs, node=layer.input_node,
+                        fingerprint=fingerprint, corpus=source.name)

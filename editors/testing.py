@@ -1,0 +1,105 @@
+"""Tiny tokenizers and models for trying editors offline (and for the test suite).
+
+Two tokenizer styles cover the differences that subject/target location must survive:
+
+- :func:`byte_level_tokenizer` — GPT-2 style byte-level BPE: no BOS, the space belongs to the next token
+  (``"ĠTower"``);
+- :func:`metaspace_tokenizer` — Llama/SentencePiece style: a BOS token ``<s>`` is prepended and spaces become
+  ``"▁"``.
+
+Both are trained in memory on a few sentences (no download) and wrapped as ``PreTrainedTokenizerFast``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["TOY_FACTS", "TOY_SENTENCES", "byte_level_tokenizer", "metaspace_tokenizer", "tiny_gpt2", "tiny_llama"]
+
+TOY_FACTS: tuple[tuple[str, str, str, str], ...] = (
+    ("The Eiffel Tower is located in the city of", "Eiffel Tower", "Paris", "Rome"),
+    ("The capital of France is", "France", "Paris", "London"),
+    ("The Colosseum is located in the city of", "Colosseum", "Rome", "Paris"),
+)
+
+TOY_SENTENCES: tuple[str, ...] = (
+    "The Eiffel Tower is located in the city of Paris.",
+    "The Colosseum is located in the city of Rome.",
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "London is a large city. Berlin is the capital of Germany.",
+    "Therefore I think you know the answer. Because it rains, we stay home.",
+    "The official language of Spain is Spanish, and people in Madrid speak it.",
+    "Microsoft was founded by Bill Gates. Apple was founded by Steve Jobs.",
+    "The river flows into the sea near the old town with a tower and a bridge.",
+)
+
+
+def _train(pre_tokenizer: Any, decoder: Any, texts: Sequence[str], vocab_size: int, specials: list[str],
+           alphabet: list[str]) -> Any:
+    from tokenizers import Tokenizer, models, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.decoder = decoder
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, initial_alphabet=alphabet,
+                                  show_progress=False)
+    tokenizer.train_from_iterator(list(texts), trainer=trainer)
+    return tokenizer
+
+
+def byte_level_tokenizer(texts: Sequence[str] = TOY_SENTENCES, vocab_size: int = 400) -> Any:
+    """A GPT-2 style byte-level BPE tokenizer (no BOS; ``<|endoftext|>`` as EOS and pad)."""
+    from tokenizers import decoders, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _train(pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel(), texts, vocab_size,
+                 ["<|endoftext|>"], pre_tokenizers.ByteLevel.alphabet())
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+def metaspace_tokenizer(texts: Sequence[str] = TOY_SENTENCES, vocab_size: int = 300) -> Any:
+    """A Llama style tokenizer: ``▁`` for spaces, ``<s>`` prepended to every text, ``</s>`` as EOS/pad."""
+    from tokenizers import decoders, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(set("".join(texts)) | {"▁"})
+    tok = _train(pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first"),
+                 decoders.Metaspace(replacement="▁", prepend_scheme="first"), texts, vocab_size,
+                 ["<s>", "</s>", "<unk>"], alphabet)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>",
+                                   unk_token="<unk>")
+
+
+def tiny_llama(vocab_size: int, seed: int = 0, hidden: int = 32, intermediate: int = 64, layers: int = 2,
+               init_std: float = 0.3) -> Any:
+    """A randomly initialised ``LlamaForCausalLM`` (eval mode, float32).
+
+    ``init_std`` is larger than transformers' 0.02 so that the random model has peaked next-token
+    distributions that an edit can visibly move (at 0.02 a 32-wide model is nearly uniform).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                         initializer_range=init_std)
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_gpt2(vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2, init_std: float = 0.3) -> Any:
+    """A randomly initialised ``GPT2LMHeadModel`` (eval mode, float32; MLP ``c_proj`` is a ``Conv1D``).
+
+    ``init_std`` as in :func:`tiny_llama`.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=4, n_positions=256,
+                        bos_token_id=0, eos_token_id=0, initializer_range=init_std)
+    return GPT2LMHeadModel(config).eval()

@@ -1,0 +1,259 @@
+"""Token bookkeeping for editing: subject positions, prompt/target boundaries and right-padded batches.
+
+Tokenizers differ in how they treat leading spaces and BOS tokens (GPT-2's BPE adds no BOS and folds the space
+into the next token; Llama-style tokenizers add a BOS token and may mark spaces with ``▁``). Everything here
+works on character offsets (``return_offsets_mapping`` of fast tokenizers) and falls back to comparing
+tokenizations of text prefixes for slow tokenizers, so no rule is hard-coded per model family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import SubjectNotFoundError, TokenizationError
+
+__all__ = [
+    "EncodedPrompt",
+    "encode",
+    "encode_prompt_target",
+    "encode_subject_prompt",
+    "format_with_span",
+    "pad_token_id",
+    "right_pad",
+    "subject_char_span",
+]
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A tokenized text with the positions an editor needs.
+
+    Attributes:
+        ids: token ids of the whole text (special tokens such as BOS included), length ``seq``.
+        subject_last: index of the subject's last token in ``ids`` (``-1`` when there is no subject).
+        target_start: index of the first target token (``len(ids)`` when there is no target).
+    """
+
+    ids: list[int]
+    subject_last: int = -1
+    target_start: int = -1
+
+    @property
+    def n_target(self) -> int:
+        """Number of target tokens at the end of ``ids``."""
+        return len(self.ids) - self.target_start if self.target_start >= 0 else 0
+
+
+def _offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
+    """Token ids of ``text`` (special tokens added as the tokenizer does) and their character spans.
+
+    Returns:
+        ``(ids, offsets)``; ``offsets`` is ``None`` for tokenizers without offset mapping. Special tokens get
+        the span ``(0, 0)`` (or another empty span) and never count as subject or target tokens.
+    """
+    try:
+        enc = tokenizer(text, return_offsets_mapping=True)
+    except (NotImplementedError, TypeError, ValueError):
+        return list(tokenizer(text)["input_ids"]), None
+    ids = list(enc["input_ids"])
+    offsets = [tuple(o) for o in enc["offset_mapping"]]
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    offsets = [(0, 0) if (t in special and a == b) else (a, b) for t, (a, b) in zip(ids, offsets)]
+    return ids, offsets  # type: ignore[return-value]
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` as the tokenizer produces them for a model input (BOS included if it adds one)."""
+    return list(tokenizer(text)["input_ids"])
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _last_token_before(tokenizer: Any, text: str, ids: list[int], end: int) -> int:
+    """Index (in ``ids``) of the last token that covers characters before ``end`` (slow-tokenizer fallback).
+
+    The tokens of ``text[:end]`` that agree with the tokens of ``text`` cover the prefix; the last of them
+    (or the first differing one, which then straddles ``end``) holds the character ``end - 1``.
+    """
+    prefix_ids = encode(tokenizer, text[:end])
+    n = _common_prefix(prefix_ids, ids)
+    if n == len(prefix_ids):
+        return n - 1
+    return n  # the token at n straddles the boundary: it contains text[end - 1]
+
+
+def subject_char_span(prompt: str, subject: str) -> tuple[int, int]:
+    """Character span ``[start, end)`` of ``subject`` in a formatted prompt (its last occurrence).
+
+    Args:
+        prompt: text that contains ``subject``.
+        subject: the subject string, e.g. ``"Eiffel Tower"``.
+
+    Returns:
+        ``(start, end)``.
+
+    Raises:
+        SubjectNotFoundError: ``subject`` is empty or not in ``prompt``.
+    """
+    if not subject:
+        raise SubjectNotFoundError("The subject is empty: give the entity whose fact is edited, e.g. 'Eiffel Tower'")
+    start = prompt.rfind(subject)
+    if start < 0:
+        raise SubjectNotFoundError(
+            f"Subject {subject!r} does not occur in {prompt!r}: write the prompt with a '{{}}' placeholder that "
+            f"the subject fills, e.g. '{{}} is located in'"
+        )
+    return start, start + len(subject)
+
+
+def encode_subject_prompt(tokenizer: Any, text: str, span: tuple[int, int]) -> EncodedPrompt:
+    """Tokenize ``text`` and find the last token of the subject occupying characters ``span``.
+
+    The subject's last token is the last token whose character span starts before the subject ends and ends
+    after it starts (so a leading-space token like GPT-2's ``" Tower"`` or Llama's ``"▁Tower"`` counts, and a
+    BOS token never does).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (fast ones use offsets; slow ones compare tokenizations).
+        text: the full prompt.
+        span: ``(start, end)`` characters of the subject in ``text``.
+
+    Returns:
+        An :class:`EncodedPrompt` with ``subject_last`` set.
+
+    Raises:
+        SubjectNotFoundError: no token covers the subject.
+    """
+    start, end = span
+    ids, offsets = _offsets(tokenizer, text)
+    if offsets is not None:
+        hits = [i for i, (a, b) in enumerate(offsets) if b > a and a < end and b > start]
+        if not hits:
+            raise SubjectNotFoundError(f"No token of {text!r} covers characters {span} (the subject)")
+        return EncodedPrompt(ids=ids, subject_last=hits[-1])
+    return EncodedPrompt(ids=ids, subject_last=_last_token_before(tokenizer, text, ids, end))
+
+
+def encode_prompt_target(
+    tokenizer: Any, prompt: str, target: str, subject_span: tuple[int, int] | None = None
+) -> EncodedPrompt:
+    """Tokenize ``prompt + " " + target`` and mark where the target tokens start.
+
+    CounterFact targets are stored without their leading space; they are scored as the continuation
+    ``" " + target`` of the prompt. The target tokens are those starting at or after the end of ``prompt``
+    (character offsets); the prompt's own tokens must be a prefix of the tokenization of the whole text.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        prompt: the prompt, e.g. ``"The Eiffel Tower is located in"``.
+        target: the target without leading space, e.g. ``"Rome"``.
+        subject_span: optional subject character span in ``prompt`` to locate its last token too.
+
+    Returns:
+        An :class:`EncodedPrompt` with ``target_start`` (and ``subject_last`` if ``subject_span`` was given).
+
+    Raises:
+        TokenizationError: the target is empty, or a token straddles the prompt/target boundary.
+    """
+    if not target.strip():
+        raise TokenizationError("The target is empty: give the object text, e.g. 'Rome'")
+    text = f"{prompt} {target.lstrip()}" if not prompt.endswith(" ") else prompt + target.lstrip()
+    boundary = len(prompt.rstrip(" "))
+    ids, offsets = _offsets(tokenizer, text)
+    if offsets is not None:
+        nonempty = [i for i, (a, b) in enumerate(offsets) if b > a]
+        target_start = next((i for i in nonempty if offsets[i][0] >= boundary), None)
+        straddle = [i for i in nonempty if offsets[i][0] < boundary < offsets[i][1]]
+        if straddle or target_start is None:
+            raise TokenizationError(
+                f"A token of {text!r} straddles the prompt/target boundary; end the prompt at a word boundary "
+                f"(no trailing space) and give the target without leading space"
+            )
+    else:
+        prompt_ids = encode(tokenizer, prompt.rstrip(" "))
+        target_start = _common_prefix(prompt_ids, ids)
+        if target_start != len(prompt_ids) or target_start >= len(ids):
+            raise TokenizationError(
+                f"The tokens of {prompt!r} are not a prefix of the tokens of {text!r}; use a fast tokenizer "
+                f"(return_offsets_mapping) or end the prompt at a word boundary"
+            )
+    subject_last = -1
+    if subject_span is not None:
+        subject_last = encode_subject_prompt(tokenizer, text, subject_span).subject_last
+        if subject_last >= target_start:
+            raise SubjectNotFoundError(f"The subject at {subject_span} is not inside the prompt {prompt!r}")
+    return EncodedPrompt(ids=ids, subject_last=subject_last, target_start=target_start)
+
+
+def right_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token id lists into one batch.
+
+    With right padding a causal model needs no attention mask: real tokens never attend to the pads that
+    follow them and their position ids are unchanged, so logits at real positions equal the unpadded ones.
+
+    Args:
+        sequences: ``batch`` lists of token ids.
+        pad_id: id written in the padding.
+
+    Returns:
+        ``(input_ids [batch, seq], lengths [batch])``.
+
+    Raises:
+        ValueError: ``sequences`` is empty or holds an empty sequence.
+    """
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("right_pad needs at least one non-empty sequence")
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+    return ids, lengths
+
+
+def format_with_span(template: str, subject: str, prefix: str = "") -> tuple[str, tuple[int, int]]:
+    """Fill a ``"{}"`` template with the subject, behind an optional context prefix.
+
+    The subject's span is computed from the template's structure, never searched for, so a prefix or template
+    that happens to contain the subject text cannot mislead it.
+
+    Args:
+        template: text with exactly one ``"{}"``, e.g. ``"The capital of {} is"``.
+        subject: the subject, e.g. ``"France"``.
+        prefix: context text placed before the filled template (ROME's context templates).
+
+    Returns:
+        ``(text, (start, end))`` with the subject's character span in ``text``.
+
+    Raises:
+        SubjectNotFoundError: the template has no or several ``"{}"``, or the subject is empty.
+    """
+    if template.count("{}") != 1:
+        raise SubjectNotFoundError(
+            f"Template {template!r} must contain exactly one '{{}}' where the subject goes, e.g. '{{}} is located in'"
+        )
+    if not subject:
+        raise SubjectNotFoundError("The subject is empty: give the entity whose fact is edited, e.g. 'Eiffel Tower'")
+    head, tail = template.split("{}")
+    start = len(prefix) + len(head)
+    return prefix + head + subject + tail, (start, start + len(subject))
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The id used for right padding: the pad token, else EOS, else 0 (pads are never read)."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return 0

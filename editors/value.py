@@ -1,0 +1,232 @@
+"""The value ``v*`` (Meng et al. 2022, section 3.1, eq. 4): the layer output that makes the model say the new fact.
+
+With the subject's layer output shifted by ``δ`` (an :class:`gradpatch.AddPatch` at the layer's ``output`` node,
+at the subject's last token of every prompt), ROME minimises::
+
+    L(δ) = 1/N Σ_j  -1/|o| Σ_t log P(o_t | x_j + p, o_<t)                 (target NLL over context prompts)
+           + λ_KL · KL( P(· | "{s} is a", δ) ‖ P(· | "{s} is a", δ=0) )     (essence drift, λ_KL = 0.0625)
+           + λ_wd · ‖δ‖ / ‖v₀‖²                                              (weight decay, as the reference code)
+
+with ``‖δ‖ ≤ clamp_factor · ‖v₀‖`` enforced after each step (``v₀ = W k* + b``, the output at the averaged
+key), and ``v* = v₀ + δ``. :class:`ValueObjective` computes the terms (``loss(delta) -> dict``) so a Lightning
+module can wrap it; :func:`optimize_value` is the plain-torch runner (Adam, early stop when ``loss < 0.05``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradpatch import AddPatch
+
+from .counterfact import EditRequest
+from .keys import ContextTemplates
+from .layers import LinearLayer, wrapped_model
+from .scoring import logits_of
+from .tokens import EncodedPrompt, encode_prompt_target, encode_subject_prompt, format_with_span, pad_token_id, right_pad
+
+__all__ = ["ValueObjective", "ValueResult", "frozen_parameters", "optimize_value"]
+
+KL_PROMPT = "{} is a"
+
+
+@contextlib.contextmanager
+def frozen_parameters(model: nn.Module) -> Iterator[None]:
+    """Turn off ``requires_grad`` on every parameter for the block (only the delta gets gradients), then restore."""
+    params = list(wrapped_model(model).parameters())
+    flags = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in zip(params, flags):
+            p.requires_grad_(flag)
+
+
+class ValueObjective:
+    """The loss of eq. 4 as a function of the delta ``δ`` ``[d_out]`` added at the subject's last token.
+
+    One right-padded batch holds the ``N`` rewriting prompts (context prefix + prompt + target tokens but the
+    last) followed by the KL prompt ``"{subject} is a"``; one forward pass gives every term.
+
+    Args:
+        pg: the model's PatchableGraph.
+        tokenizer: its tokenizer.
+        layer: the edited layer.
+        request: the fact (``prompt``, ``subject``, ``target_new``).
+        templates: context prefixes.
+        v_init: ``v₀ = W k* + b`` ``[d_out]`` (norm reference for weight decay and the clamp).
+        kl_factor: λ_KL (0.0625).
+        weight_decay: λ_wd (1e-3; the reference code uses 0.5 for GPT-2 XL and 1e-3 for Llama).
+        clamp_factor: maximum ``‖δ‖ / ‖v₀‖`` (4).
+        kl_prompts: templates of the essence prompts (default ``["{} is a"]``).
+    """
+
+    def __init__(
+        self,
+        pg: nn.Module,
+        tokenizer: Any,
+        layer: LinearLayer,
+        request: EditRequest,
+        templates: ContextTemplates,
+        v_init: torch.Tensor,
+        kl_factor: float = 0.0625,
+        weight_decay: float = 1e-3,
+        clamp_factor: float = 4.0,
+        kl_prompts: tuple[str, ...] = (KL_PROMPT,),
+    ) -> None:
+        self.pg, self.layer, self.request = pg, layer, request
+        self.kl_factor, self.weight_decay, self.clamp_factor = kl_factor, weight_decay, clamp_factor
+        self.v_init = v_init.detach()
+        self.device = layer.weight.device
+        rewrite: list[EncodedPrompt] = []
+        for prefix in templates.prefixes:
+            text, span = format_with_span(request.prompt, request.subject, prefix)
+            rewrite.append(encode_prompt_target(tokenizer, text, request.target_new, subject_span=span))
+        essence = []
+        for template in kl_prompts:
+            text, span = format_with_span(template, request.subject)
+            essence.append(encode_subject_prompt(tokenizer, text, span))
+        self.rewrite, self.essence = rewrite, essence
+        # Inputs: rewriting prompts without their last target token, then the KL prompts.
+        inputs = [e.ids[:-1] for e in rewrite] + [e.ids for e in essence]
+        ids, lengths = right_pad(inputs, pad_token_id(tokenizer))
+        self.input_ids = ids.to(self.device)  # [N + n_kl, seq]
+        n = len(rewrite)
+        subject_pos = [e.subject_last for e in rewrite] + [e.subject_last for e in essence]
+        self.patch_index = (
+            torch.arange(len(inputs), device=self.device),
+            torch.tensor(subject_pos, device=self.device),
+        )
+        # Target positions: logits at t-1 predict token t, for every target token of every rewriting prompt.
+        rows, cols, tokens = [], [], []
+        for b, e in enumerate(rewrite):
+            for t in range(e.target_start, len(e.ids)):
+                rows.append(b)
+                cols.append(t - 1)
+                tokens.append(e.ids[t])
+        self.target_rows = torch.tensor(rows, device=self.device)
+        self.target_cols = torch.tensor(cols, device=self.device)
+        self.target_tokens = torch.tensor(tokens, device=self.device)
+        self.target_counts = torch.tensor([e.n_target for e in rewrite], device=self.device, dtype=torch.float32)
+        self.kl_rows = torch.arange(n, len(inputs), device=self.device)
+        self.kl_cols = (lengths[n:] - 1).to(self.device)
+        self.kl_reference: torch.Tensor | None = None  # log P(· | "{s} is a") with δ = 0, [n_kl, vocab]
+        self.forward_calls = 0
+
+    @property
+    def max_norm(self) -> float:
+        """``clamp_factor · ‖v₀‖``."""
+        return float(self.clamp_factor * self.v_init.norm())
+
+    def _logits(self, delta: torch.Tensor) -> torch.Tensor:
+        patch = AddPatch(value=delta, slice=self.patch_index)
+        with self.pg.patch({self.layer.output_node: patch}):
+            self.forward_calls += 1
+            return logits_of(self.pg(self.input_ids, use_cache=False))
+
+    def loss(self, delta: torch.Tensor) -> dict[str, torch.Tensor]:
+        """All loss terms for ``δ`` (differentiable w.r.t. ``delta``).
+
+        The KL reference distribution is taken from the first call if ``δ`` is zero there (as in the reference
+        code, which saves one forward pass), else from an extra no-grad pass with ``δ = 0``.
+
+        Args:
+            delta: ``[d_out]`` tensor (an ``nn.Parameter`` during optimisation).
+
+        Returns:
+            ``{"loss", "nll", "kl", "weight_decay", "target_prob"}``: scalars; ``target_prob`` is the mean over
+            prompts of ``exp(mean log P(target tokens))`` (detached).
+        """
+        if self.kl_reference is None and bool(delta.detach().abs().max() > 0):
+            with torch.no_grad():
+                self._set_kl_reference(self._logits(torch.zeros_like(delta)))
+        logits = self._logits(delta)
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        token_lp = log_probs[self.target_rows, self.target_cols, self.target_tokens]  # [n_target_tokens]
+        per_prompt = torch.zeros_like(self.target_counts).index_add(0, self.target_rows, token_lp) / self.target_counts
+        nll = -per_prompt.mean()
+        kl_lp = log_probs[self.kl_rows, self.kl_cols]  # [n_kl, vocab]
+        if self.kl_reference is None:
+            self._set_kl_reference(logits)
+        kl = torch.nn.functional.kl_div(self.kl_reference, kl_lp, log_target=True, reduction="batchmean")
+        decay = self.weight_decay * delta.norm() / self.v_init.norm().clamp_min(1e-12) ** 2
+        loss = nll + self.kl_factor * kl + decay
+        return {"loss": loss, "nll": nll, "kl": kl, "weight_decay": decay,
+                "target_prob": per_prompt.detach().exp().mean()}
+
+    def _set_kl_reference(self, logits: torch.Tensor) -> None:
+        self.kl_reference = torch.log_softmax(logits.detach().float(), dim=-1)[self.kl_rows, self.kl_cols]
+
+    @torch.no_grad()
+    def project_(self, delta: torch.Tensor) -> None:
+        """Clamp ``‖δ‖ ≤ clamp_factor · ‖v₀‖`` in place (after each optimiser step)."""
+        norm = delta.norm()
+        if norm > self.max_norm:
+            delta.mul_(self.max_norm / norm)
+
+
+@dataclass
+class ValueResult:
+    """Outcome of the value optimisation.
+
+    Attributes:
+        delta: optimised ``δ`` ``[d_out]`` (detached).
+        v_star: ``v₀ + δ`` ``[d_out]``.
+        steps: optimiser steps taken.
+        history: per-step loss terms (floats).
+    """
+
+    delta: torch.Tensor
+    v_star: torch.Tensor
+    steps: int
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def optimize_value(
+    objective: ValueObjective,
+    steps: int = 25,
+    lr: float = 0.5,
+    early_stop_loss: float = 0.05,
+    callback: Callable[[int, dict[str, float]], None] | None = None,
+) -> ValueResult:
+    """Minimise :meth:`ValueObjective.loss` over ``δ`` with Adam (plain-torch runner).
+
+    The model's parameters are frozen for the duration (only ``δ`` gets gradients), and restored after.
+
+    Args:
+        objective: the loss.
+        steps: maximum optimiser steps (25).
+        lr: Adam learning rate (0.5).
+        early_stop_loss: stop before stepping once ``loss`` is below this (0.05).
+        callback: called with ``(step, terms)`` after each evaluation.
+
+    Returns:
+        A :class:`ValueResult`.
+    """
+    delta = nn.Parameter(torch.zeros_like(objective.v_init))
+    optimizer = torch.optim.Adam([delta], lr=lr)
+    history: list[dict[str, float]] = []
+    taken = 0
+    with frozen_parameters(objective.pg), torch.enable_grad():
+        for step in range(steps):
+            terms = objective.loss(delta)
+            record = {k: float(v.detach()) for k, v in terms.items()}
+            history.append(record)
+            if callback is not None:
+                callback(step, record)
+            if record["loss"] < early_stop_loss:
+                break
+            optimizer.zero_grad(set_to_none=True)
+            terms["loss"].backward()
+            optimizer.step()
+            objective.project_(delta)
+            taken += 1
+    final = delta.detach().clone()
+    return ValueResult(delta=final, v_star=objective.v_init + final, steps=taken, history=history)
