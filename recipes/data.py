@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from editors.tokens import pad_token_id
+
 from .errors import RecipeConfigError
 from .specs import Objective
 
@@ -104,15 +106,6 @@ def build_rows(tokenizer: Any, objective: Objective) -> list[Row]:
     for index, prompt_text in enumerate(objective.kl_prompts):
         rows.append(Row(tuple(encode(tokenizer, prompt_text)), KIND_KL, kl_index=index))
     return rows
-
-
-def pad_token_id(tokenizer: Any) -> int:
-    """The tokenizer's pad id, else its eos id, else 0 (padded positions are masked out anyway)."""
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, int):
-            return value
-    return 0
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch.Tensor]:
