@@ -115,7 +115,7 @@ class ROME:
         pg: the model's :class:`gradpatch.PatchableGraph` (in ``eval()`` mode).
         tokenizer: the model's tokenizer.
         node: NodePath of the edited linear layer (``nn.Linear`` or GPT-2 ``Conv1D``), e.g.
-            ``"model.layers_4.mlp.down_proj"`` or ``"transformer.h_5.mlp.c_proj"``.
+            ``"model.layers_3.mlp.down_proj"`` or ``"transformer.h_5.mlp.c_proj"``.
         config: hyperparameters.
         corpus: corpus of the statistics (``None``: the built-in Wikipedia summaries; a path; a list of strings;
             a :class:`editors.corpus.Corpus`).
