@@ -59,7 +59,7 @@ def dig_key(value: Any, part: str) -> Any:
     return part
 
 
-def placeholder_leaf_name(node: fx.Node) -> str:
+def leaf_name(node: fx.Node) -> str:
     """Name of a graph node in NodePaths: placeholders by their argument name, the rest by node name."""
     if node.op == "placeholder":
         return str(node.target).lstrip("*")
@@ -119,8 +119,8 @@ class CompiledGraphModule(fx.GraphModule):
             env[node] = patched.node_copy(node, env.__getitem__)
         table = patched.create_node("get_attr", PATCH_TABLE_ATTRIBUTE, name="_gp_patches")
         for node in placeholders:
-            if placeholder_leaf_name(node) in names:
-                env[node] = patched.call_function(apply_patches, (table, placeholder_leaf_name(node), env[node]))
+            if leaf_name(node) in names:
+                env[node] = patched.call_function(apply_patches, (table, leaf_name(node), env[node]))
         for node in nodes:
             if node.op == "placeholder":
                 continue

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 from torch import fx, nn
 
-from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, placeholder_leaf_name
+from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, leaf_name
 from .tracer import check_shape_guard
 from .values import ValueInfo
 
@@ -150,7 +150,7 @@ class NodeTree:
         inputs = set(getattr(module, "input_names", []))
         lines = _assignment_lines(module.code)
         for node in module.graph.nodes:
-            name = placeholder_leaf_name(node)
+            name = leaf_name(node)
             if (node.op == "placeholder" and name not in inputs) or node.target is check_shape_guard:
                 continue
             if node.op == "call_module":
