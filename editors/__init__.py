@@ -24,7 +24,7 @@ from .layers import LinearLayer, resolve_layer
 from .rank_one import rank_one_factors, solve_second_moment
 from .rome import DEFAULT_SMOLLM2_NODE, ROME, ROMEConfig
 from .stats import SecondMoment, compute_second_moment, default_cache_dir, layer_second_moment, statistics_fingerprint
-from .value import ValueObjective, ValueResult, optimize_value
+from .value import ValueObjective, ValueResult, ValueRunner, optimize_value
 
 __all__ = [
     "DEFAULT_SMOLLM2_NODE",
@@ -45,6 +45,7 @@ __all__ = [
     "TokenizationError",
     "ValueObjective",
     "ValueResult",
+    "ValueRunner",
     "apply_edits",
     "compute_key",
     "compute_second_moment",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ from .keys import LENGTH_PARAMS, ContextTemplates, compute_key, load_or_generate
 from .layers import LinearLayer, resolve_layer, wrapped_model
 from .rank_one import rank_one_factors
 from .stats import DEFAULT_MAX_LENGTH, DEFAULT_N_SAMPLES, SecondMoment, default_cache_dir, layer_second_moment, statistics_fingerprint
-from .value import ValueObjective, ValueResult, optimize_value
+from .value import StepCallback, ValueObjective, ValueResult, ValueRunner, optimize_value
 
 __all__ = ["DEFAULT_SMOLLM2_NODE", "ROME", "ROMEConfig"]
 
@@ -120,6 +120,8 @@ class ROME:
         corpus: corpus of the statistics (``None``: the built-in Wikipedia summaries; a path; a list of strings;
             a :class:`editors.corpus.Corpus`).
         statistics: precomputed ``C`` to use instead of computing / loading it.
+        value_runner: minimises the value objective (default :func:`editors.value.optimize_value`, the plain-torch
+            loop; ``recipes.rome_value.LightningValueRunner`` runs it under ``Trainer.fit`` with TensorBoard logs).
 
     Raises:
         KeyError, LayerKindError: ``node`` is not a linear layer of the graph.
@@ -133,6 +135,7 @@ class ROME:
         config: ROMEConfig | None = None,
         corpus: Corpus | str | os.PathLike[str] | Any | None = None,
         statistics: SecondMoment | torch.Tensor | None = None,
+        value_runner: ValueRunner = optimize_value,
     ) -> None:
         self.pg, self.tokenizer = pg, tokenizer
         self.config = config or ROMEConfig()
@@ -143,6 +146,7 @@ class ROME:
                                       node=self.layer.input_node, fingerprint="", corpus=None)
         self._statistics: SecondMoment | None = statistics
         self._templates: ContextTemplates | None = None
+        self.value_runner = value_runner
         self.last_value: ValueResult | None = None
 
     @property
@@ -177,7 +181,7 @@ class ROME:
             )
         return self._templates
 
-    def compute(self, request: EditRequest, callback: Callable[[int, dict[str, float]], None] | None = None) -> Edit:
+    def compute(self, request: EditRequest, callback: StepCallback | None = None) -> Edit:
         """Compute the edit for one fact without touching the weights.
 
         Args:
@@ -206,7 +210,8 @@ class ROME:
             self.pg, self.tokenizer, layer, request, templates.subset(c.value_prefixes), v_init,
             kl_factor=c.kl_factor, weight_decay=c.weight_decay, clamp_factor=c.clamp_factor,
         )
-        result = optimize_value(objective, steps=c.steps, lr=c.lr, early_stop_loss=c.early_stop_loss, callback=callback)
+        result = self.value_runner(objective, steps=c.steps, lr=c.lr, early_stop_loss=c.early_stop_loss,
+                                   callback=callback)
         self.last_value = result
         t2 = time.perf_counter()
         with torch.no_grad():
@@ -232,7 +237,7 @@ class ROME:
         }
         return Edit(node=layer.path, u=u, v=v, request=request, model_fingerprint=fingerprint, info=info)
 
-    def edit(self, request: EditRequest, callback: Callable[[int, dict[str, float]], None] | None = None) -> Edit:
+    def edit(self, request: EditRequest, callback: StepCallback | None = None) -> Edit:
         """Compute the edit for one fact and apply it in place (``edit.restore(pg)`` undoes it exactly).
 
         Several calls edit several facts in sequence: each edit is computed on the model with the earlier

@@ -8,8 +8,11 @@ at the subject's last token of every prompt), ROME minimises::
            + λ_wd · ‖δ‖ / ‖v₀‖²                                              (weight decay, as the reference code)
 
 with ``‖δ‖ ≤ clamp_factor · ‖v₀‖`` enforced after each step (``v₀ = W k* + b``, the output at the averaged
-key), and ``v* = v₀ + δ``. :class:`ValueObjective` computes the terms (``loss(delta) -> dict``) so a Lightning
-module can wrap it; :func:`optimize_value` is the plain-torch runner (Adam, early stop when ``loss < 0.05``).
+key), and ``v* = v₀ + δ``. :class:`ValueObjective` computes the terms (``loss(delta) -> dict``); a
+:class:`ValueRunner` minimises it. Two runners share that one objective: :func:`optimize_value`, the plain-torch
+loop (Adam, early stop when ``loss < 0.05``) that ``editors`` uses when nothing else is given, and
+``recipes.rome_value.fit_value``, the same optimisation as a LightningModule under ``Trainer.fit`` (used by the
+``gradpatch rome`` / ``eval-rome`` commands and the demo, with TensorBoard logging).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -30,7 +33,7 @@ from .layers import LinearLayer, wrapped_model
 from .scoring import logits_of
 from .tokens import EncodedPrompt, encode_prompt_target, encode_subject_prompt, format_with_span, pad_token_id, right_pad
 
-__all__ = ["ValueObjective", "ValueResult", "frozen_parameters", "optimize_value"]
+__all__ = ["ValueObjective", "ValueResult", "ValueRunner", "frozen_parameters", "optimize_value"]
 
 KL_PROMPT = "{} is a"
 
@@ -189,14 +192,27 @@ class ValueResult:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
+#: ``callback(step, terms)``: called after each loss evaluation with the terms as floats.
+StepCallback = Callable[[int, dict[str, float]], None]
+
+
+class ValueRunner(Protocol):
+    """Minimises a :class:`ValueObjective` over ``δ`` (Adam from ``δ = 0``, :meth:`ValueObjective.project_` after each
+    step, stop before stepping once ``loss < early_stop_loss``) and returns the :class:`ValueResult`."""
+
+    def __call__(self, objective: "ValueObjective", *, steps: int, lr: float, early_stop_loss: float,
+                 callback: StepCallback | None = None) -> "ValueResult": ...
+
+
 def optimize_value(
     objective: ValueObjective,
+    *,
     steps: int = 25,
     lr: float = 0.5,
     early_stop_loss: float = 0.05,
-    callback: Callable[[int, dict[str, float]], None] | None = None,
+    callback: StepCallback | None = None,
 ) -> ValueResult:
-    """Minimise :meth:`ValueObjective.loss` over ``δ`` with Adam (plain-torch runner).
+    """Minimise :meth:`ValueObjective.loss` over ``δ`` with Adam: the plain-torch :class:`ValueRunner`.
 
     The model's parameters are frozen for the duration (only ``δ`` gets gradients), and restored after.
 

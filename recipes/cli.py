@@ -36,7 +36,7 @@ RegisterFn = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], N
 SUBCOMMANDS: list[tuple[str, RegisterFn]] = []
 
 #: Modules imported before the parser is built; each may call :func:`register_subcommand` at import time.
-SUBCOMMAND_MODULES: list[str] = ["editors.cli", "editors.trace_cli", "recipes.fit_cli"]
+SUBCOMMAND_MODULES: list[str] = ["recipes.rome_cli", "recipes.eval_rome_cli", "recipes.trace_cli", "recipes.fit_cli"]
 
 DEFAULT_PROMPT = "The Eiffel Tower is located in the city of"
 
@@ -235,4 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # ``python -m recipes.cli``: the subcommand modules register into ``recipes.cli``, not into ``__main__``.
+    from recipes.cli import main as _main
+
+    sys.exit(_main())

@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from .errors import RecipeConfigError
 
-__all__ = ["InterventionLogger"]
+__all__ = ["InterventionLogger", "markdown_cell"]
 
 _PROBABILITY_TAGS = {"p_target": "prob/target", "p_towards": "prob/towards", "p_away": "prob/away"}
 
@@ -140,7 +140,7 @@ class InterventionLogger(Callback):
         if prompts and self.after:
             lines = ["| prompt | before | after |", "|---|---|---|"]
             for prompt, before, after in zip(prompts, self.before or [""] * len(prompts), self.after):
-                lines.append(f"| {_cell(prompt)} | {_cell(before)} | {_cell(after)} |")
+                lines.append(f"| {markdown_cell(prompt)} | {markdown_cell(before)} | {markdown_cell(after)} |")
             logger.experiment.add_text("generations", "\n".join(lines), step)
         describe = getattr(pl_module, "describe", dict)
         params = {**describe(), "max_steps": trainer.max_steps, "steps": trainer.global_step}
@@ -153,7 +153,7 @@ class InterventionLogger(Callback):
         logger.experiment.flush()
 
 
-def _cell(text: str) -> str:
+def markdown_cell(text: str) -> str:
     """Text fit for a markdown table cell (pipes escaped, newlines as spaces, spaces kept visible)."""
     return "`" + text.replace("|", "\\|").replace("\n", " ").replace("`", "'") + "`"
 

@@ -1,6 +1,6 @@
 """The ``gradpatch trace`` subcommand: causal tracing of one fact (Meng et al. 2022, section 2.1).
 
-Registered with :func:`recipes.cli.register_subcommand` when ``recipes.cli`` imports this module (it is listed
+Registered with :func:`recipes.cli.register_subcommand` when :mod:`recipes.cli` imports this module (it is listed
 in ``recipes.cli.SUBCOMMAND_MODULES``)::
 
     gradpatch trace --subject "The Eiffel Tower" --prompt "{} is located in the city of" --out runs/trace
@@ -14,7 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from .causal_trace import DEFAULT_WINDOWS, KINDS
+from editors.causal_trace import DEFAULT_WINDOWS, KINDS
+
+from .cli import register_subcommand
 
 __all__ = ["register"]
 
@@ -30,14 +32,14 @@ def _run_trace(args: argparse.Namespace) -> int:
     from gradpatch import PatchableGraph
     from gradpatch.models import EMBEDDED_MODEL_NAME, load_model
 
-    from .causal_trace import (
+    from editors.causal_trace import (
         TraceError,
         _prompt_and_span,
         causal_trace,
         log_trace_to_tensorboard,
         save_trace,
     )
-    from .errors import SubjectNotFoundError, TokenizationError
+    from editors.errors import SubjectNotFoundError, TokenizationError
 
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in KINDS]
@@ -138,10 +140,4 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     p.set_defaults(func=_run_trace)
 
 
-def _register_with_cli() -> None:
-    from recipes.cli import register_subcommand
-
-    register_subcommand("trace", register)
-
-
-_register_with_cli()
+register_subcommand("trace", register)
