@@ -1,5 +1,5 @@
 # gradpatch — set up, demo, test, benchmark.
-#   make demo       create .venv (once) and run the main job on the embedded SmolLM2-135M
+#   make demo       create .venv (once) and run the main job: the ROME demo on the embedded SmolLM2-135M
 #   make test       create .venv (once) and run all tests, real-model (slow) ones included
 #   make test-fast  skip the slow real-model tests
 #   make bench      forward-overhead benchmark (prints JSON)
@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 demo: venv
-	$(PY) -m demos.main_job
+	$(PY) -m demos.rome.demo
 
 test: venv
 	$(PY) -m pytest -q

@@ -38,9 +38,10 @@ from .objective_module import ObjectiveModule
 
 __all__ = ["LightningValueRunner", "ROMEValueModule", "trainer_device_args"]
 
-#: Lightning's notices that do not apply to an optimisation without data or validation.
+#: Lightning's notices that do not apply to an optimisation without data or validation (and its own deprecation
+#: notice about torch's pytree ``LeafSpec``, raised inside Lightning on torch 2.13).
 _QUIET = (r".*does not have many workers.*", r".*`training_step` returned `None`.*",
-          r".*no `val_dataloader`.*", r".*`max_epochs` was not set.*")
+          r".*no `val_dataloader`.*", r".*`max_epochs` was not set.*", r".*LeafSpec.*")
 
 
 class ROMEValueModule(ObjectiveModule):
