@@ -34,6 +34,7 @@ from torch import nn
 from editors.value import StepCallback, ValueObjective, ValueResult, frozen_parameters
 
 from .logger import InterventionLogger
+from .frozen import GRAPH_ATTRIBUTE
 from .objective_module import ObjectiveModule
 
 __all__ = ["LightningValueRunner", "ROMEValueModule", "trainer_device_args"]
@@ -83,6 +84,11 @@ class ROMEValueModule(ObjectiveModule):
     def _project(self, values: Mapping[str, nn.Parameter]) -> None:
         self.value_objective.project_(values["delta"])
 
+    def on_train_end(self) -> None:
+        """Let go of the graph before Lightning's teardown, which moves the whole module to the CPU: the edited
+        model stays on its device (and keeps its extracted graphs)."""
+        self._modules.pop(GRAPH_ATTRIBUTE, None)
+
     def delta_names(self) -> list[str]:
         """``["<layer output node>@subject_last"]``."""
         return [f"{self.value_objective.layer.output_node}@subject_last"]
@@ -118,6 +124,13 @@ def _quiet_lightning_info(quiet: bool) -> Iterator[None]:
         yield
     finally:
         log.setLevel(level)
+
+
+def _return_to(pg: nn.Module, device: torch.device) -> None:
+    """Move ``pg`` back to ``device`` if Lightning moved it away."""
+    parameter = next(iter(pg.parameters()), None)
+    if parameter is not None and parameter.device != device:
+        pg.to(device)
 
 
 def trainer_device_args(device: torch.device) -> dict[str, Any]:
@@ -184,9 +197,12 @@ class LightningValueRunner:
                 warnings.filterwarnings("ignore", message=pattern)
             module = ROMEValueModule(objective, lr=lr, early_stop_loss=early_stop_loss, callback=callback)
             trainer = Trainer(**kwargs)
-            with torch.enable_grad():
-                trainer.fit(module)
-        delta = module.values["delta"].detach().clone().to(objective.v_init.dtype)
+            try:
+                with torch.enable_grad():
+                    trainer.fit(module)
+            finally:
+                _return_to(objective.pg, objective.device)  # a failed fit's teardown moved the model to the CPU
+        delta = module.values["delta"].detach().to(objective.v_init.device, objective.v_init.dtype).clone()
         # Every loss evaluation but an early-stopping one was followed by an optimizer step (Lightning's global_step
         # also counts the skipped one).
         steps = len(module.history) - int(module.stopped_early)
