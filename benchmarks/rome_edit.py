@@ -4,6 +4,8 @@ Measured in one run, on the same machine state:
 
 - ``edit_s``: ``ROME.compute(request)`` with the second moment and the context prefixes already cached (the
   usual case: they are computed once per layer and reused by every edit) — key, value optimisation and update;
+  the value optimisation runs under ``Trainer.fit`` as in the recipes (``--runner lightning``, the default) or in
+  the editors' plain-torch loop (``--runner plain``);
 - ``plain_fwd_bwd_s``: the median time of one plain forward + backward pass of the original model (no
   PatchableGraph) on the same batch as one optimisation step (the value-optimisation prompts), with the same
   loss and the gradient flowing only to a delta added at the same layer output (a PyTorch forward hook), i.e.
@@ -12,7 +14,7 @@ Measured in one run, on the same machine state:
   (early stopping included); the target is ``ratio <= 1.5``. ``ratio_per_evaluation`` divides by the number of
   loss evaluations instead (one more than ``steps`` when the optimisation stopped early).
 
-Run: ``.venv/bin/python benchmarks/rome_edit.py [--model PATH --node NODEPATH] [--tiny] [--reps N]``.
+Run: ``.venv/bin/python benchmarks/rome_edit.py [--model PATH --node NODEPATH] [--tiny] [--reps N] [--runner R]``.
 Without ``--model`` it edits the embedded SmolLM2-135M at the default layer; the first run computes the layer
 statistics (a few minutes on 2 CPU cores) and caches them. ``--tiny`` uses a random tiny Llama (seconds).
 """
@@ -35,11 +37,12 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from gradpatch import PatchableGraph
 
-from editors import ROME, EditRequest, ROMEConfig, ValueObjective, compute_key
+from editors import ROME, EditRequest, ROMEConfig, ValueObjective, compute_key, optimize_value
 from editors.corpus import Corpus
 from editors.layers import wrapped_model
 from editors.rome import DEFAULT_SMOLLM2_NODE
 from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
+from recipes.rome_value import LightningValueRunner
 
 REQUEST = EditRequest(prompt="The {} is located in the city of", subject="Eiffel Tower", target_new="Rome",
                       target_true="Paris")
@@ -91,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="plain passes measured before and after the edit")
     parser.add_argument("--n-samples", type=int, default=None, help="corpus documents for the statistics")
     parser.add_argument("--cache-dir", default=None, help="statistics cache folder")
+    parser.add_argument("--runner", choices=("plain", "lightning"), default="lightning",
+                        help="value runner: editors' plain-torch loop or the recipes' Trainer.fit (default %(default)s)")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -112,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         config.n_samples = args.n_samples
     example = torch.randint(0, len(tokenizer), (2, 8))
     pg = PatchableGraph(model, example, use_cache=False).eval()
-    rome = ROME(pg, tokenizer, node, config=config, corpus=corpus)
+    runner = optimize_value if args.runner == "plain" else LightningValueRunner()
+    rome = ROME(pg, tokenizer, node, config=config, corpus=corpus, value_runner=runner)
     t0 = time.perf_counter()
     stats = rome.statistics()
     templates = rome.templates()
@@ -137,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "rome_edit",
         "model": "tiny-llama" if args.tiny else (args.model or "embedded:SmolLM2-135M-Instruct"),
         "node": node,
+        "runner": args.runner,
         "batch_shape": list(objective.input_ids.shape),
         "statistics_and_templates_load_s": cached_s,
         "statistics": {"n_tokens": stats.n_tokens, "n_samples": stats.n_samples, "corpus": stats.corpus},

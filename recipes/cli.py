@@ -15,8 +15,9 @@ argparse sub-parsers object, adds its parser and sets ``func`` (a callable ``arg
 Modules named in :data:`SUBCOMMAND_MODULES` are imported (when installed) before the parser is built, so a module
 that registers its subcommands at import time only needs its name added there.
 
-Implemented here: ``gradpatch graph`` (print a model's patchable graph); ``gradpatch fit`` (train an intervention
-from a YAML config with LightningCLI) lives in :mod:`recipes.fit_cli`.
+Implemented here: ``gradpatch graph`` (print a model's patchable graph). The others: ``gradpatch rome``
+(:mod:`recipes.rome_cli`), ``gradpatch eval-rome`` (:mod:`recipes.eval_rome_cli`), ``gradpatch trace``
+(:mod:`recipes.trace_cli`) and ``gradpatch fit`` (:mod:`recipes.fit_cli`).
 """
 
 from __future__ import annotations

@@ -26,6 +26,21 @@ def test_subcommands_are_registered():
     assert parser.parse_args(["graph", "--depth", "2"]).depth == 2
 
 
+@pytest.mark.parametrize("command, options", [
+    ("graph", ("--model", "--depth", "--node")),
+    ("rome", ("--subject", "--prompt", "--target-new", "--model", "--node", "--device", "--logdir", "--save")),
+    ("eval-rome", ("--cases", "--out", "--model", "--node", "--device", "--limit")),
+    ("trace", ("--subject", "--prompt", "--model", "--out", "--samples", "--logdir")),
+])
+def test_every_subcommand_has_help(command, options, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for option in options:
+        assert option in out, option
+
+
 def test_fit_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["fit", "--help"])
