@@ -103,7 +103,7 @@ class ROMEValueModule(ObjectiveModule):
             "prompt": request.prompt,
             "subject": request.subject,
             "target_new": request.target_new,
-            "n_prompts": int(objective.input_ids.shape[0]),
+            "n_rewrite_prompts": len(objective.rewrite),
             "kl_factor": objective.kl_factor,
             "weight_decay": objective.weight_decay,
             "clamp_factor": objective.clamp_factor,

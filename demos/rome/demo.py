@@ -28,11 +28,11 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
+from tqdm import tqdm
 
 from editors import ROME, CounterFactCase, ROMEConfig, load_cases
 from editors.causal_trace import KINDS, TraceResult, causal_trace, log_trace_to_tensorboard, save_trace
@@ -61,6 +61,16 @@ def _demo_case(cases: Sequence[CounterFactCase]) -> CounterFactCase:
         if case.request.subject == DEMO_SUBJECT:
             return case
     raise SystemExit(f"demo: no case with subject {DEMO_SUBJECT!r} in the cases file")
+
+
+def _advance(bar: tqdm) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` callback that moves ``bar``."""
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    return update
 
 
 def _layer_of(node: str) -> int | None:
@@ -142,7 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"[2/5] causal trace of {TRACE_PROMPT.format(TRACE_SUBJECT)!r}")
     t = time.perf_counter()
-    trace = causal_trace(pg, tokenizer, TRACE_PROMPT, TRACE_SUBJECT, kinds=KINDS, samples=args.trace_samples)
+    with tqdm(total=0, unit="row", desc="trace", disable=args.quiet) as bar:
+        trace = causal_trace(pg, tokenizer, TRACE_PROMPT, TRACE_SUBJECT, kinds=KINDS, samples=args.trace_samples,
+                             progress=_advance(bar))
     written = save_trace(trace, out / "trace", model_name=model_name)
     log_trace_to_tensorboard(trace, logdir / "trace", model_name=model_name)
     seconds["trace"] = time.perf_counter() - t
