@@ -41,6 +41,8 @@ def _run_trace(args: argparse.Namespace) -> int:
     )
     from editors.errors import SubjectNotFoundError, TokenizationError
 
+    from .rome_cli import default_device
+
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
@@ -54,9 +56,9 @@ def _run_trace(args: argparse.Namespace) -> int:
         return 2
 
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, device=args.device or default_device())
     t1 = time.perf_counter()
-    ids = tokenizer(text, return_tensors="pt").input_ids
+    ids = tokenizer(text, return_tensors="pt").input_ids.to(next(model.parameters()).device)
     with torch.no_grad():
         pg = PatchableGraph(model, ids.expand(2, -1), use_cache=False)  # batch-2 example: every batch size fits
     t2 = time.perf_counter()
@@ -135,6 +137,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     p.add_argument("--seed", type=int, default=1, help="noise seed (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=256, metavar="ROWS",
                    help="restorations per forward pass (default: %(default)s)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--logdir", metavar="DIR", default=None, help="also add the heatmaps to a TensorBoard run here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_run_trace)
