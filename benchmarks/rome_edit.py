@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-samples", type=int, default=None, help="corpus documents for the statistics")
     parser.add_argument("--cache-dir", default=None, help="statistics cache folder")
     parser.add_argument("--runner", choices=("plain", "lightning"), default="lightning",
-                        help="value runner: editors' plain-torch loop or the recipes' Trainer.fit (default %(default)s)")
+                        help="value runner: the editors' plain-torch loop or the recipes' Trainer.fit "
+                             "(default %(default)s)")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ and after the edit, and adds them to the value optimisation's TensorBoard run::
     runner = LightningValueRunner(logdir="runs", name="rome")
     rome = ROME(pg, tokenizer, "model.layers_3.mlp.down_proj", value_runner=runner)
     result = run_rome(rome, EditRequest("The {} is located in the city of", "Eiffel Tower", "Rome", "Paris"),
-                      prompts=["The Eiffel Tower is located in the city of", "The Louvre is located in"])
+                      prompts=["The Eiffel Tower stands in the city of", "The Louvre is located in the city of"])
     result.edit.save("edits/eiffel")
 
 The ``gradpatch rome`` command (:mod:`recipes.rome_cli`) and the demo (``demos/rome``) run it.

@@ -98,8 +98,8 @@ def _print_trace(result: TraceResult, node: str) -> None:
     print(f"  MLP restorations (window {mlp.window}) at the subject tokens, best per layer:\n    {row}")
     rank = int((subject_best > subject_best[edited]).sum()) + 1
     print(f"  the edited layer {edited} ranks {rank} of {len(subject_best)}: its MLP window restores "
-          f"p = {float(subject_best[edited]):.3f} from {result.corrupted_prob:.3f}; the fact is stored in the early MLPs "
-          f"at the subject, which is where ROME writes")
+          f"p = {float(subject_best[edited]):.3f} from {result.corrupted_prob:.3f}; the fact is stored in the early "
+          f"MLPs at the subject, which is where ROME writes")
 
 
 def _print_generations(run: ROMERun, case: CounterFactCase) -> None:
@@ -205,7 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"  edit: {edit_dir} (edit.safetensors + edit.json); summary: {out / 'summary.json'}")
-    print("  seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + f"; total {sum(seconds.values()):.1f}")
+    steps = ", ".join(f"{name} {value:.1f}" for name, value in seconds.items())
+    print(f"  seconds: {steps}; total {sum(seconds.values()):.1f}")
     print(f"\nOpen the TensorBoard run with:\n  tensorboard --logdir {logdir}")
     return 0 if succeeded else 1
 
