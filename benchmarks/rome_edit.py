@@ -16,7 +16,7 @@ Measured in one run, on the same machine state:
 
 Run: ``.venv/bin/python benchmarks/rome_edit.py [--model PATH --node NODEPATH] [--tiny] [--reps N] [--runner R]``.
 Without ``--model`` it edits the embedded SmolLM2-135M at the default layer; the first run computes the layer
-statistics (a few minutes on 2 CPU cores) and caches them. ``--tiny`` uses a random tiny Llama (seconds).
+statistics (under a minute on 2 idle CPU cores) and caches them. ``--tiny`` uses a random tiny Llama (seconds).
 """
 
 from __future__ import annotations
