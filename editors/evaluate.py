@@ -17,12 +17,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from .counterfact import CounterFactCase, EditRequest
 from .edit import Edit
-from .layers import wrapped_model
+from .layers import model_device
 from .scoring import mean_target_logprobs
 
 __all__ = ["evaluate_cases", "score_case"]
@@ -39,7 +38,7 @@ def score_case(pg: nn.Module, tokenizer: Any, case: CounterFactCase) -> dict[str
     groups = {"rewrite": [req.text], "paraphrase": list(case.paraphrase_prompts),
               "neighborhood": list(case.neighborhood_prompts)}
     prompts = [p for g in groups.values() for p in g]
-    device = next(iter(wrapped_model(pg).parameters()), torch.zeros(0)).device
+    device = model_device(pg)
     forward = lambda ids: pg(ids.to(device), use_cache=False)  # noqa: E731
     scores = mean_target_logprobs(
         forward, tokenizer, prompts + prompts, [req.target_new] * len(prompts) + [req.target_true] * len(prompts)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .capture import layer_inputs
-from .layers import LinearLayer, wrapped_model
+from .layers import LinearLayer, model_device
 from .scoring import logits_of
 from .tokens import encode_subject_prompt, format_with_span, pad_token_id, right_pad
 
@@ -105,10 +105,7 @@ def generate_context_prefixes(
         ``ContextTemplates`` with ``""`` first, then ``"<continuation>. "`` for each sample.
     """
     generator = torch.Generator().manual_seed(seed)
-    try:
-        device = next(wrapped_model(pg).parameters()).device
-    except StopIteration:
-        device = torch.device("cpu")
+    device = model_device(pg)
     forward = lambda ids: pg(ids, use_cache=False)  # noqa: E731
     prefixes = [""]
     for n_tokens, count in length_params:

@@ -18,13 +18,19 @@ from torch import nn
 
 from .errors import LayerKindError
 
-__all__ = ["LinearLayer", "resolve_layer", "resolve_module", "wrapped_model"]
+__all__ = ["LinearLayer", "model_device", "resolve_layer", "resolve_module", "wrapped_model"]
 
 
 def wrapped_model(target: nn.Module) -> nn.Module:
     """The model behind a :class:`gradpatch.PatchableGraph` (its parameters are shared), or ``target`` itself."""
     inner = getattr(target, "_original", None)
     return inner if isinstance(inner, nn.Module) else target
+
+
+def model_device(target: nn.Module) -> torch.device:
+    """The device of the first parameter of ``target``'s model (a PatchableGraph or a plain model); CPU if it has none."""
+    parameter = next(iter(wrapped_model(target).parameters()), None)
+    return torch.device("cpu") if parameter is None else parameter.device
 
 
 def resolve_module(target: nn.Module, node_path: str) -> nn.Module:

@@ -12,7 +12,6 @@ NodePath, the corpus name, the number of documents and the truncation length.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -22,6 +21,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from gradpatch import model_fingerprint
 
 from .capture import layer_inputs
 from .corpus import Corpus, open_corpus
@@ -39,7 +40,6 @@ __all__ = [
 
 DEFAULT_N_SAMPLES = 1000
 DEFAULT_MAX_LENGTH = 256
-_SAMPLES_PER_PARAMETER = 64
 
 
 def default_cache_dir() -> Path:
@@ -70,7 +70,7 @@ class SecondMoment:
 
 
 def statistics_fingerprint(model: nn.Module, skip: tuple[str, ...] = ()) -> str:
-    """A short hash of the model class, parameter names/shapes/dtypes and a strided sample of each parameter.
+    """:func:`gradpatch.model_fingerprint` of the model with the parameters under ``skip`` left out.
 
     Args:
         model: the model (a PatchableGraph is unwrapped).
@@ -79,18 +79,7 @@ def statistics_fingerprint(model: nn.Module, skip: tuple[str, ...] = ()) -> str:
     Returns:
         16 hex digits.
     """
-    model = wrapped_model(model)
-    prefixes = tuple(_torch_path(s) + "." for s in skip)
-    digest = hashlib.sha256(type(model).__qualname__.encode())
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.startswith(prefixes):
-                continue
-            digest.update(f"{name}:{tuple(parameter.shape)}:{parameter.dtype}".encode())
-            flat = parameter.detach().reshape(-1)
-            step = max(1, flat.numel() // _SAMPLES_PER_PARAMETER)
-            digest.update(flat[::step][:_SAMPLES_PER_PARAMETER].to(torch.float64).cpu().numpy().tobytes())
-    return digest.hexdigest()[:16]
+    return model_fingerprint(wrapped_model(model), skip=tuple(_torch_path(s) + "." for s in skip))
 
 
 def _torch_path(node_path: str) -> str:

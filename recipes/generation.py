@@ -13,6 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from editors.layers import model_device
+from editors.scoring import logits_of
+
 from .data import encode, left_pad, pad_token_id
 
 __all__ = ["graph_logits", "greedy_generate"]
@@ -28,7 +31,7 @@ def graph_logits(pg: nn.Module, batch: dict[str, torch.Tensor], constants: dict[
     """
     output = pg(batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
                 **({"use_cache": False} if constants is None else constants))
-    return output.logits if hasattr(output, "logits") else output[0]
+    return logits_of(output)
 
 
 @torch.no_grad()
@@ -52,7 +55,7 @@ def greedy_generate(pg: nn.Module, tokenizer: Any, prompts: Sequence[str], max_n
         return []
     encoded = [encode(tokenizer, prompt) for prompt in prompts]
     rows = encoded + [encoded[0]] * max(0, min_batch - len(encoded))
-    batch = {key: value.to(_device(pg)) for key, value in left_pad(rows, pad_token_id(tokenizer)).items()}
+    batch = {key: value.to(model_device(pg)) for key, value in left_pad(rows, pad_token_id(tokenizer)).items()}
     new_tokens = []
     for _ in range(max_new_tokens):
         logits = graph_logits(pg, batch, constants)
@@ -66,9 +69,3 @@ def greedy_generate(pg: nn.Module, tokenizer: Any, prompts: Sequence[str], max_n
         }
     generated = torch.cat(new_tokens, dim=1)[: len(prompts)]
     return [tokenizer.decode(row.tolist(), skip_special_tokens=True) for row in generated]
-
-
-def _device(module: nn.Module) -> torch.device:
-    for parameter in module.parameters():
-        return parameter.device
-    return torch.device("cpu")

@@ -17,6 +17,7 @@ Scalars are logged on the step index ``trainer.global_step`` of the step that co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -24,7 +25,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from .errors import RecipeConfigError
 
-__all__ = ["InterventionLogger", "markdown_cell"]
+__all__ = ["InterventionLogger", "generations_table"]
 
 _PROBABILITY_TAGS = {"p_target": "prob/target", "p_towards": "prob/towards", "p_away": "prob/away"}
 
@@ -138,10 +139,8 @@ class InterventionLogger(Callback):
         self.after = self._generate(pl_module)
         prompts = self._prompts(pl_module)
         if prompts and self.after:
-            lines = ["| prompt | before | after |", "|---|---|---|"]
-            for prompt, before, after in zip(prompts, self.before or [""] * len(prompts), self.after):
-                lines.append(f"| {markdown_cell(prompt)} | {markdown_cell(before)} | {markdown_cell(after)} |")
-            logger.experiment.add_text("generations", "\n".join(lines), step)
+            table = generations_table(prompts, self.before or [""] * len(prompts), self.after)
+            logger.experiment.add_text("generations", table, step)
         describe = getattr(pl_module, "describe", dict)
         params = {**describe(), "max_steps": trainer.max_steps, "steps": trainer.global_step}
         metrics = {"hp/loss": self.last_terms.get("loss", float("nan"))}
@@ -153,7 +152,16 @@ class InterventionLogger(Callback):
         logger.experiment.flush()
 
 
-def markdown_cell(text: str) -> str:
+def generations_table(prompts: Sequence[str], before: Sequence[str], after: Sequence[str],
+                      headers: tuple[str, str] = ("before", "after")) -> str:
+    """A markdown table of each prompt with its continuation before and after an intervention."""
+    lines = [f"| prompt | {headers[0]} | {headers[1]} |", "|---|---|---|"]
+    for prompt, old, new in zip(prompts, before, after):
+        lines.append(f"| {_cell(prompt)} | {_cell(old)} | {_cell(new)} |")
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
     """Text fit for a markdown table cell (pipes escaped, newlines as spaces, spaces kept visible)."""
     return "`" + text.replace("|", "\\|").replace("\n", " ").replace("`", "'") + "`"
 

@@ -67,12 +67,13 @@ def build_editable_graph(model: Any, tokenizer: Any) -> Any:
     with ``use_cache=False`` (so any batch size and length runs), in ``eval()``."""
     import torch
 
+    from editors.layers import model_device
     from editors.tokens import pad_token_id, right_pad
     from gradpatch import PatchableGraph
 
     texts = ["The capital of France is", "The Eiffel Tower is located in the city of"]
     ids, _ = right_pad([list(tokenizer(t)["input_ids"]) for t in texts], pad_token_id(tokenizer))
-    device = next(model.parameters()).device
+    device = model_device(model)
     with torch.no_grad():
         pg = PatchableGraph(model, ids.to(device), use_cache=False)
     return pg.eval()

@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from editors import ROME, CounterFactCase, Edit, EditRequest, evaluate_cases
-from editors.layers import wrapped_model
+from editors.layers import model_device
 from editors.scoring import mean_target_logprobs
 from editors.tokens import pad_token_id
 
-from .logger import markdown_cell
+from .logger import generations_table
 from .rome_value import LightningValueRunner
 
 __all__ = ["ROMERun", "evaluate_rome", "greedy_continuations", "rewrite_probabilities", "run_rome"]
@@ -60,10 +60,6 @@ class ROMERun:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def _device(pg: nn.Module) -> torch.device:
-    return next(iter(wrapped_model(pg).parameters()), torch.zeros(0)).device
-
-
 @torch.no_grad()
 def greedy_continuations(pg: nn.Module, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int = 8) -> list[str]:
     """Greedy continuation of each prompt through the PatchableGraph (one prompt at a time, no padding).
@@ -77,7 +73,7 @@ def greedy_continuations(pg: nn.Module, tokenizer: Any, prompts: Sequence[str], 
     Returns:
         The new text of each prompt, special tokens removed.
     """
-    device, pad = _device(pg), pad_token_id(tokenizer)
+    device, pad = model_device(pg), pad_token_id(tokenizer)
     out = []
     for prompt in prompts:
         ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
@@ -91,7 +87,7 @@ def rewrite_probabilities(pg: nn.Module, tokenizer: Any, request: EditRequest) -
 
     ``"true"`` is left out when ``request.target_true`` is empty.
     """
-    device = _device(pg)
+    device = model_device(pg)
     targets = {"new": request.target_new, **({"true": request.target_true} if request.target_true else {})}
     logprobs = mean_target_logprobs(lambda ids: pg(ids.to(device), use_cache=False), tokenizer,
                                     [request.text] * len(targets), list(targets.values()))
@@ -142,10 +138,8 @@ def run_rome(rome: ROME, request: EditRequest, prompts: Sequence[str] = (), max_
 
 def _log_edit(writer: Any, run: ROMERun, step: int) -> None:
     """Generations before/after as a markdown table, the edit's summary as text, target probabilities as scalars."""
-    lines = ["| prompt | before the edit | after the edit |", "|---|---|---|"]
-    for prompt, before, after in zip(run.prompts, run.before, run.after):
-        lines.append(f"| {markdown_cell(prompt)} | {markdown_cell(before)} | {markdown_cell(after)} |")
-    writer.add_text("generations", "\n".join(lines), step)
+    table = generations_table(run.prompts, run.before, run.after, headers=("before the edit", "after the edit"))
+    writer.add_text("generations", table, step)
     info = run.edit.info
     request = run.edit.request
     summary = [

@@ -31,6 +31,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
+from editors.layers import model_device
 from editors.value import StepCallback, ValueObjective, ValueResult, frozen_parameters
 
 from .logger import InterventionLogger
@@ -128,8 +129,7 @@ def _quiet_lightning_info(quiet: bool) -> Iterator[None]:
 
 def _return_to(pg: nn.Module, device: torch.device) -> None:
     """Move ``pg`` back to ``device`` if Lightning moved it away."""
-    parameter = next(iter(pg.parameters()), None)
-    if parameter is not None and parameter.device != device:
+    if model_device(pg) != device:
         pg.to(device)
 
 

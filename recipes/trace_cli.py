@@ -12,16 +12,29 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from editors.causal_trace import DEFAULT_WINDOWS, KINDS
 
 from .cli import register_subcommand
 
-__all__ = ["register"]
+__all__ = ["advance", "register"]
 
 DEFAULT_SUBJECT = "The Eiffel Tower"
 DEFAULT_TEMPLATE = "{} is located in the city of"
+
+
+def advance(bar: Any) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` callback (as :func:`editors.causal_trace.causal_trace` takes) that moves a tqdm
+    ``bar``."""
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    return update
 
 
 def _run_trace(args: argparse.Namespace) -> int:
@@ -40,6 +53,7 @@ def _run_trace(args: argparse.Namespace) -> int:
         save_trace,
     )
     from editors.errors import SubjectNotFoundError, TokenizationError
+    from editors.layers import model_device
 
     from .rome_cli import default_device
 
@@ -58,7 +72,7 @@ def _run_trace(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device or default_device())
     t1 = time.perf_counter()
-    ids = tokenizer(text, return_tensors="pt").input_ids.to(next(model.parameters()).device)
+    ids = tokenizer(text, return_tensors="pt").input_ids.to(model_device(model))
     with torch.no_grad():
         pg = PatchableGraph(model, ids.expand(2, -1), use_cache=False)  # batch-2 example: every batch size fits
     t2 = time.perf_counter()
@@ -66,15 +80,11 @@ def _run_trace(args: argparse.Namespace) -> int:
     windows = {"mlp": args.window, "attn": args.window} if args.window is not None else None
     bar = tqdm(total=0, unit="row", desc="trace", file=sys.stderr, disable=args.quiet)
 
-    def progress(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-
     try:
         result = causal_trace(
             pg, tokenizer, args.prompt, args.subject, answer=args.answer, kinds=kinds, samples=args.samples,
             noise_level=args.noise_level, noise_std=args.noise_std, seed=args.seed, windows=windows,
-            batch_size=args.batch_size, progress=progress,
+            batch_size=args.batch_size, progress=advance(bar),
         )
     except (SubjectNotFoundError, TokenizationError, TraceError) as error:
         bar.close()

@@ -28,7 +28,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from gradpatch.models import EMBEDDED_MODEL_NAME, load_model
 from recipes.rome_cli import build_editable_graph, default_device, resolve_edit_node
 from recipes.rome_recipe import ROMERun, evaluate_rome, run_rome
 from recipes.rome_value import LightningValueRunner
+from recipes.trace_cli import advance
 
 CASES_FILE = Path(__file__).with_name("cases.json")
 #: The demo's fact: the case of cases.json whose subject this is (its paraphrases and neighbours are printed).
@@ -61,16 +62,6 @@ def _demo_case(cases: Sequence[CounterFactCase]) -> CounterFactCase:
         if case.request.subject == DEMO_SUBJECT:
             return case
     raise SystemExit(f"demo: no case with subject {DEMO_SUBJECT!r} in the cases file")
-
-
-def _advance(bar: tqdm) -> Callable[[int, int], None]:
-    """A ``progress(done, total)`` callback that moves ``bar``."""
-
-    def update(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-
-    return update
 
 
 def _layer_of(node: str) -> int | None:
@@ -154,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t = time.perf_counter()
     with tqdm(total=0, unit="row", desc="trace", disable=args.quiet) as bar:
         trace = causal_trace(pg, tokenizer, TRACE_PROMPT, TRACE_SUBJECT, kinds=KINDS, samples=args.trace_samples,
-                             progress=_advance(bar))
+                             progress=advance(bar))
     written = save_trace(trace, out / "trace", model_name=model_name)
     log_trace_to_tensorboard(trace, logdir / "trace", model_name=model_name)
     seconds["trace"] = time.perf_counter() - t
