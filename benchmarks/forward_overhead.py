@@ -33,27 +33,19 @@ from torch import nn
 if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 
+from editors.testing import tiny_llama
 from gradpatch import AddPatch, PatchableGraph, ProbePatch
 
 PROMPT = "The Eiffel Tower is located in the city of"
 
 
-def _count_nodes(pg: Any) -> dict[str, int]:
-    """Node counts: fx graph nodes over all extracted graphs, and lines of the drawn tree."""
-    counts: dict[str, int] = {}
-    for attr in ("num_nodes", "node_count"):
-        value = getattr(pg, attr, None)
-        if isinstance(value, int):
-            counts[attr] = value
-    tree = getattr(pg, "_tree", None)
-    if tree is not None and callable(getattr(tree, "all_paths", None)):
-        counts["node_paths"] = len(tree.all_paths())
-    fx_nodes = sum(len(m.graph.nodes) for m in pg.modules() if isinstance(m, torch.fx.GraphModule))
-    if fx_nodes:
-        counts["fx_nodes"] = fx_nodes
-    with contextlib.suppress(Exception):
-        counts["tree_lines"] = len(repr(pg.graph).splitlines())
-    return counts
+def _count_nodes(pg: PatchableGraph) -> dict[str, int]:
+    """Node counts: NodePaths of the tree, fx graph nodes over all extracted graphs, lines of the drawn tree."""
+    return {
+        "node_paths": len(pg._tree.all_paths()),
+        "fx_nodes": sum(len(m.graph.nodes) for m in pg.modules() if isinstance(m, torch.fx.GraphModule)),
+        "tree_lines": len(repr(pg.graph).splitlines()),
+    }
 
 
 def _time_call(fn: Callable[[], Any], context: Callable[[], contextlib.AbstractContextManager[Any]]) -> float:
@@ -129,23 +121,6 @@ def bench_model(
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items()}
 
 
-def tiny_llama() -> nn.Module:
-    """A randomly initialised 2-layer Llama (hidden 64, 4 heads, 2 KV heads, MLP 128, vocab 1000)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=1000,
-        max_position_embeddings=128,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-real", action="store_true", help="skip SmolLM2-135M (saves ~30 s of loading)")
@@ -161,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
     }
 
-    tiny = tiny_llama()
+    tiny = tiny_llama(1000, hidden=64, intermediate=128, init_std=0.02)  # 2 layers, 4 heads, 2 KV heads
     ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
     report["tiny_llama"] = bench_model(tiny, ids, runs=args.runs or 100, warmup=args.warmup, construct_runs=3)
 

@@ -42,6 +42,7 @@ from editors.corpus import Corpus
 from editors.layers import wrapped_model
 from editors.rome import DEFAULT_SMOLLM2_NODE
 from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
+from editors.value import frozen_parameters
 from recipes.rome_value import LightningValueRunner
 
 REQUEST = EditRequest(prompt="The {} is located in the city of", subject="Eiffel Tower", target_new="Rome",
@@ -59,30 +60,26 @@ def plain_step_seconds(model: torch.nn.Module, objective: ValueObjective, reps: 
         output[rows, cols] = output[rows, cols] + delta
         return output
 
-    params = list(model.parameters())
-    flags = [p.requires_grad for p in params]
-    handle = layer.module.register_forward_hook(hook)
     times = []
     reference: torch.Tensor | None = None
-    try:
-        for p in params:
-            p.requires_grad_(False)
-        for _ in range(reps + 1):  # the first pass warms up
-            t0 = time.perf_counter()
-            logits = model(objective.input_ids, use_cache=False).logits
-            log_probs = torch.log_softmax(logits.float(), dim=-1)
-            loss = -log_probs[objective.target_rows, objective.target_cols, objective.target_tokens].mean()
-            kl_lp = log_probs[objective.kl_rows, objective.kl_cols]
-            if reference is None:
-                reference = kl_lp.detach()
-            loss = loss + 0.0625 * torch.nn.functional.kl_div(reference, kl_lp, log_target=True, reduction="batchmean")
-            loss.backward()
-            times.append(time.perf_counter() - t0)
-            delta.grad = None
-    finally:
-        handle.remove()
-        for p, flag in zip(params, flags):
-            p.requires_grad_(flag)
+    with frozen_parameters(model):
+        handle = layer.module.register_forward_hook(hook)
+        try:
+            for _ in range(reps + 1):  # the first pass warms up
+                t0 = time.perf_counter()
+                logits = model(objective.input_ids, use_cache=False).logits
+                log_probs = torch.log_softmax(logits.float(), dim=-1)
+                loss = -log_probs[objective.target_rows, objective.target_cols, objective.target_tokens].mean()
+                kl_lp = log_probs[objective.kl_rows, objective.kl_cols]
+                if reference is None:
+                    reference = kl_lp.detach()
+                kl = torch.nn.functional.kl_div(reference, kl_lp, log_target=True, reduction="batchmean")
+                loss = loss + 0.0625 * kl
+                loss.backward()
+                times.append(time.perf_counter() - t0)
+                delta.grad = None
+        finally:
+            handle.remove()
     return times[1:]
 
 

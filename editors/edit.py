@@ -81,10 +81,6 @@ class Edit:
             )
         return layer
 
-    def delta_weight(self, target: nn.Module) -> torch.Tensor:
-        """The change ``v uᵀ`` in the target layer's weight layout and dtype."""
-        return self.layer(target).delta_weight(self.u, self.v)
-
     @torch.no_grad()
     def apply(self, target: nn.Module, check_fingerprint: bool = False) -> "Edit":
         """Add ``v uᵀ`` to the layer weight in place and keep the original weight for :meth:`restore`.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -95,14 +95,6 @@ class ROMEConfig:
         data = asdict(self)
         data["context_length_params"] = [list(p) for p in self.context_length_params]
         return data
-
-
-@dataclass
-class _Timings:
-    key_s: float = 0.0
-    value_s: float = 0.0
-    update_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class ROME:
@@ -230,7 +222,7 @@ class ROME:
             "v_init_norm": float(v_init.norm()),
             "key_norm": float(key.norm()),
             "n_key_prompts": len(templates),
-            "n_value_prompts": int(objective.input_ids.shape[0]) - 1,
+            "n_value_prompts": len(objective.rewrite),
             "statistics": {"n_tokens": stats.n_tokens, "n_samples": stats.n_samples, "corpus": stats.corpus},
             "timings_s": {"key": t1 - t0, "value": t2 - t1, "update": t3 - t2},
             "config": c.to_json(),

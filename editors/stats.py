@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from gradpatch import model_fingerprint
@@ -212,12 +213,9 @@ def layer_second_moment(
         folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         path = _cache_file(folder, fingerprint, layer.input_node, source.name, n_samples, max_length, accumulate_dtype)
         if path.is_file():
-            tensors = load_file(str(path))
-            from safetensors import safe_open
-
             with safe_open(str(path), framework="pt") as handle:
                 meta = handle.metadata() or {}
-            matrix = tensors["second_moment"]
+                matrix = handle.get_tensor("second_moment")
             if matrix.shape == (layer.d_in, layer.d_in):
                 return SecondMoment(
                     matrix=matrix.to(layer.weight.device), n_tokens=int(meta.get("n_tokens", 0)),

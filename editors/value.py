@@ -96,7 +96,7 @@ class ValueObjective:
         for template in kl_prompts:
             text, span = format_with_span(template, request.subject)
             essence.append(encode_subject_prompt(tokenizer, text, span))
-        self.rewrite, self.essence = rewrite, essence
+        self.rewrite = rewrite
         # Inputs: rewriting prompts without their last target token, then the KL prompts.
         inputs = [e.ids[:-1] for e in rewrite] + [e.ids for e in essence]
         ids, lengths = right_pad(inputs, pad_token_id(tokenizer))
@@ -121,7 +121,6 @@ class ValueObjective:
         self.kl_rows = torch.arange(n, len(inputs), device=self.device)
         self.kl_cols = (lengths[n:] - 1).to(self.device)
         self.kl_reference: torch.Tensor | None = None  # log P(· | "{s} is a") with δ = 0, [n_kl, vocab]
-        self.forward_calls = 0
 
     @property
     def max_norm(self) -> float:
@@ -131,7 +130,6 @@ class ValueObjective:
     def _logits(self, delta: torch.Tensor) -> torch.Tensor:
         patch = AddPatch(value=delta, slice=self.patch_index)
         with self.pg.patch({self.layer.output_node: patch}):
-            self.forward_calls += 1
             return logits_of(self.pg(self.input_ids, use_cache=False))
 
     def loss(self, delta: torch.Tensor) -> dict[str, torch.Tensor]:
