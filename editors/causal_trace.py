@@ -58,10 +58,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from gradpatch import AddPatch, CustomPatch, PatchableGraph, ProbePatch, ReplacePatch
 
 from .errors import EditError, SubjectNotFoundError, TokenizationError
+from .layers import model_device
 from .tokens import encode_prompt_target, format_with_span, subject_char_span
 
 __all__ = [
@@ -228,20 +230,26 @@ def layer_window(center: int, window: int, num_layers: int) -> range:
 # ------------------------------------------------------------------------------------------ noise scale
 
 
+def _embedding_module(pg: PatchableGraph, paths: ModelPaths, fix: str = "") -> nn.Module:
+    """The input-embedding module at ``paths.embed_module``.
+
+    Raises:
+        TraceError: there is none (the message names ``fix`` and ``paths=ModelPaths(embed=...)``).
+    """
+    try:
+        return pg.original_module(paths.embed_module)
+    except (KeyError, ValueError) as error:
+        raise TraceError(f"Cannot find the embedding module {paths.embed_module!r} ({error}); pass "
+                         f"{fix}paths=ModelPaths(embed=...)") from error
+
+
 def embedding_matrix_std(pg: PatchableGraph, paths: ModelPaths | None = None) -> float:
     """Standard deviation of all entries of the input-embedding matrix ``[vocab, d_model]`` (dimensionless).
 
     Raises:
         TraceError: the embedding module has no ``weight`` matrix (pass ``noise_std=`` to :func:`causal_trace`).
     """
-    paths = paths or detect_model_paths(pg)
-    try:
-        module = pg.original_module(paths.embed_module)
-    except (KeyError, ValueError) as error:
-        raise TraceError(
-            f"Cannot find the embedding module {paths.embed_module!r} ({error}); pass noise_std= explicitly or "
-            f"paths=ModelPaths(embed=...)"
-        ) from error
+    module = _embedding_module(pg, paths or detect_model_paths(pg), fix="noise_std= explicitly or ")
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise TraceError(
@@ -272,13 +280,8 @@ def corpus_embedding_std(
     Raises:
         TraceError: ``texts`` holds no token, or the embedding module is not found.
     """
-    paths = paths or detect_model_paths(pg)
-    try:
-        module = pg.original_module(paths.embed_module)
-    except (KeyError, ValueError) as error:
-        raise TraceError(f"Cannot find the embedding module {paths.embed_module!r} ({error}); pass "
-                         f"paths=ModelPaths(embed=...)") from error
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    module = _embedding_module(pg, paths or detect_model_paths(pg))
+    device = model_device(module)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     chunks: list[torch.Tensor] = []
     with torch.no_grad():

@@ -116,7 +116,7 @@ class Extractor:
         bound = signature.bind(*args, **kwargs)
         inputs = [name for name, value in bound.arguments.items() if holds_tensor(value)]
         constants = {name: value for name, value in kwargs.items() if not holds_tensor(value)}
-        wrapper = OpaqueGraphModule(copy, inputs, constants, reason)
+        wrapper = OpaqueGraphModule(copy, constants, reason)
         for name, child_wrapper in wrappers.items():
             if child_wrapper is not None:
                 wrapper.add_module(name.replace(".", "_"), child_wrapper)
@@ -190,28 +190,19 @@ def _plan_inputs(module: nn.Module, args: tuple, kwargs: dict) -> _InputPlan:
     signature = inspect.signature(type(module).forward)
     bound = signature.bind(module, *args, **kwargs)
     placeholders: list[tuple[str, Any]] = []
-    dynamic: set[str] = set()
     var_keyword: str | None = None
     for index, parameter in enumerate(signature.parameters.values()):
         if index == 0:
             continue  # self
         value = bound.arguments.get(parameter.name)
         if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
-            for item_index, item in enumerate(value or ()):
-                target = f"{parameter.name}_{item_index}"
-                placeholders.append((target, item))
-                if holds_tensor(item):
-                    dynamic.add(target)
+            placeholders += [(f"{parameter.name}_{i}", item) for i, item in enumerate(value or ())]
         elif parameter.kind is inspect.Parameter.VAR_KEYWORD:
             var_keyword = parameter.name
-            for key, item in (value or {}).items():
-                placeholders.append((key, item))
-                if holds_tensor(item):
-                    dynamic.add(key)
+            placeholders += list((value or {}).items())
         else:
             placeholders.append((parameter.name, value))
-            if holds_tensor(value):
-                dynamic.add(parameter.name)
+    dynamic = {target for target, value in placeholders if holds_tensor(value)}
     if var_keyword is not None:
         placeholders.append((f"**{var_keyword}", {}))
     return _InputPlan(bound=bound, placeholders=placeholders, dynamic=dynamic)

@@ -145,17 +145,15 @@ class OpaqueGraphModule(nn.Module):
 
     Args:
         original: a shallow copy of the original module whose submodules are replaced by wrappers.
-        input_names: forward arguments that received tensors on the example inputs.
         constants: keyword arguments that held non-tensor values on the example inputs; they are filled in when
             a compiled parent (which passes only tensor arguments) calls this module.
         reason: why extraction failed (shown by ``repr``).
     """
 
-    def __init__(self, original: nn.Module, input_names: list[str], constants: dict[str, Any], reason: str) -> None:
+    def __init__(self, original: nn.Module, constants: dict[str, Any], reason: str) -> None:
         super().__init__()
         object.__setattr__(self, "_gp_original", original)
         self._gp_signature = inspect.signature(original.forward)
-        self._gp_input_names = input_names
         self._gp_constants = constants
         self._gp_reason = reason
         self._gp_multiply_invoked: list[MultiplyInvokedModule] = []

@@ -126,13 +126,20 @@ def _load_gguf(
     """
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    transformers = _import_transformers()
     _check_gguf_installed()
-    folder, name = str(gguf_path.parent), gguf_path.name
+    return _from_pretrained(gguf_path.parent, dtype, device, gguf_file=gguf_path.name)
+
+
+def _from_pretrained(
+    folder: Path, dtype: torch.dtype, device: str | torch.device, **extra: Any
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``AutoModelForCausalLM`` and ``AutoTokenizer`` from ``folder`` (``extra``: e.g. ``gguf_file=``), the model moved
+    to ``device`` and in ``eval()`` mode."""
+    transformers = _import_transformers()
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, **_dtype_kwargs(transformers, dtype)
+        str(folder), **_dtype_kwargs(transformers, dtype), **extra
     )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), **extra)
     model.to(device)
     model.eval()
     return model, tokenizer
@@ -191,12 +198,7 @@ def load_model(
             f"for the embedded {EMBEDDED_MODEL_NAME})"
         )
     if p.is_dir():
-        transformers = _import_transformers()
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(p), **_dtype_kwargs(transformers, dtype))
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(p))
-        model.to(device)
-        model.eval()
-        return model, tokenizer
+        return _from_pretrained(p, dtype, device)
     if p.suffix.lower() == ".gguf":
         return _load_gguf(p, dtype, device)
     raise ValueError(f"Unsupported model path {p}: expected a directory or a .gguf file")

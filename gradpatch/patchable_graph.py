@@ -239,7 +239,7 @@ class PatchableGraph(nn.Module):
     @property
     def graph(self) -> NodeData:
         """The navigable NodePath tree (see :class:`~gradpatch.node_path.NodeData`) of the example's graphs."""
-        return self._tree_of(self._variant(self.training, self._example)).root
+        return self._tree.root
 
     def _tree_of(self, wrapper: nn.Module) -> NodeTree:
         if id(wrapper) not in self._trees:

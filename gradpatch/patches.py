@@ -55,18 +55,12 @@ class Patch:
         return patched
 
 
-def _check_broadcast(patch: Patch, original: torch.Tensor, value: torch.Tensor, *, exact: bool) -> None:
-    if exact:
-        try:
-            ok = torch.broadcast_shapes(value.shape, original.shape) == original.shape
-        except RuntimeError:
-            ok = False
-    else:
-        try:
-            torch.broadcast_shapes(value.shape, original.shape)
-            ok = True
-        except RuntimeError:
-            ok = False
+def _check_broadcast(patch: Patch, original: torch.Tensor, value: torch.Tensor) -> None:
+    """Raise :class:`PatchShapeError` unless ``value`` broadcasts to exactly the shape of ``original``."""
+    try:
+        ok = torch.broadcast_shapes(value.shape, original.shape) == original.shape
+    except RuntimeError:
+        ok = False
     if not ok:
         where = "" if patch.slice is None else f" (after slice {patch.slice!r})"
         raise PatchShapeError(
@@ -95,7 +89,7 @@ class AddPatch(Patch):
     value: torch.Tensor = field(default=None)  # type: ignore[assignment]
 
     def op(self, original: torch.Tensor) -> torch.Tensor:
-        _check_broadcast(self, original, self.value, exact=True)
+        _check_broadcast(self, original, self.value)
         return original + self.value.to(dtype=original.dtype, device=original.device)
 
 
@@ -112,7 +106,7 @@ class ReplacePatch(Patch):
     def op(self, original: torch.Tensor) -> torch.Tensor:
         if not isinstance(self.value, torch.Tensor):
             return self.value
-        _check_broadcast(self, original, self.value, exact=True)
+        _check_broadcast(self, original, self.value)
         value = self.value.to(dtype=original.dtype, device=original.device)
         return value.expand(original.shape) if value.shape != original.shape else value
 
