@@ -206,7 +206,7 @@ def _check_node(pg: PatchableGraph, path: str, what: str) -> None:
             f"The {what} NodePath {path!r} does not exist in this graph: pass paths=ModelPaths(...) with this "
             f"model's NodePaths (print pg.graph to find them)"
         )
-    if node._is_graph or node._shape is None:
+    if node._is_graph or not isinstance(node._shape, torch.Size):
         raise TraceError(
             f"The {what} NodePath {path!r} is not a tensor (it is a graph or a container): name its tensor "
             f"output, e.g. '{path}.output' or '{path}|sub_0'"

@@ -5,15 +5,17 @@ replaces ``from graphpatch import ...``.
 """
 
 from .errors import (
+    CompilationWarning,
     DataDependentControlFlow,
     ExtractionError,
     GradpatchError,
     InputSignatureError,
+    NodePathError,
     PatchShapeError,
     ShapeSpecializationError,
 )
 from .fingerprint import model_fingerprint
-from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
+from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, UnusedModule
 from .intervention import Intervention
 from .node_path import NodeData
 from .options import ExtractionOptions
@@ -22,6 +24,7 @@ from .patches import AddPatch, CustomPatch, Patch, ProbePatch, RecordPatch, Repl
 
 __all__ = [
     "AddPatch",
+    "CompilationWarning",
     "CompiledGraphModule",
     "CustomPatch",
     "DataDependentControlFlow",
@@ -32,6 +35,7 @@ __all__ = [
     "Intervention",
     "MultiplyInvokedModule",
     "NodeData",
+    "NodePathError",
     "OpaqueGraphModule",
     "Patch",
     "PatchShapeError",
@@ -40,6 +44,7 @@ __all__ = [
     "RecordPatch",
     "ReplacePatch",
     "ShapeSpecializationError",
+    "UnusedModule",
     "ZeroPatch",
     "model_fingerprint",
 ]

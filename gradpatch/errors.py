@@ -15,6 +15,11 @@ class ExtractionError(GradpatchError):
     """
 
 
+class CompilationWarning(UserWarning):
+    """A module falls back to an opaque wrapper, or a submodule was never called (with
+    ``ExtractionOptions(warn_on_compilation_failure=True)``)."""
+
+
 class DataDependentControlFlow(ExtractionError):
     """Python control flow depends on tensor values (``if x.sum() > 0:``, ``x.item()``), so no single graph exists."""
 
@@ -29,3 +34,26 @@ class InputSignatureError(GradpatchError, TypeError):
 
 class ShapeSpecializationError(GradpatchError, RuntimeError):
     """A call's shapes change a Python decision that the model's code made on the example's shapes."""
+
+
+class NonFiniteError(GradpatchError, FloatingPointError):
+    """A loss term, gradient or value that must be finite holds NaN or ±inf (the message names which, where, at
+    which optimisation step, and the fix)."""
+
+
+class FingerprintMismatchError(GradpatchError, ValueError):
+    """Saved patches or edits belong to a model other than the one they are applied to (the message gives both
+    fingerprints)."""
+
+
+class InterventionLoadError(GradpatchError, ValueError):
+    """Saved intervention files are missing, unreadable or inconsistent (the message names the file and the fix)."""
+
+
+class NodePathError(GradpatchError, KeyError, ValueError):
+    """A NodePath that names no node, or a node that cannot take a patch (a submodule's graph, a container without
+    a ``|sub_i`` dig, a constant baked into the graph). A ``KeyError`` (as graphpatch raises) and a ``ValueError``.
+    """
+
+    def __str__(self) -> str:  # KeyError would show the message quoted
+        return str(self.args[0]) if self.args else ""

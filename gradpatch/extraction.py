@@ -2,33 +2,50 @@
 
 Each module call seen while running the example inputs is extracted on its own, from the concrete arguments of
 that call, with its submodule calls as leaves. A module whose graph cannot be extracted becomes an
-:class:`OpaqueGraphModule` running its original code, and extraction continues inside it. A module called more
-than once by the same parent gets one graph per call inside a :class:`MultiplyInvokedModule`.
+:class:`OpaqueGraphModule` running its original code, and extraction continues inside it. A submodule called more
+than once through one attribute path gets one graph per call inside a :class:`MultiplyInvokedModule`; one never
+called stands as an :class:`UnusedModule` (compiled parents) or an opaque wrapper that was never run (opaque
+parents, whose code may still call it).
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import fx, nn
 
-from .errors import ExtractionError
-from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
+from .attributes import patchable_attributes
+from .dispatch import Dispatch, accelerate_hook, run_hooked
+from .errors import CompilationWarning, ExtractionError
+from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, UnusedModule
+from .hierarchy import (
+    assemble,
+    is_structured,
+    node_name,
+    shallow_copy,
+    stand_ins,
+    with_call_sites,
+    wrapper_target,
+)
+from .inputs import InputPlan, plan_inputs, substitute
+from .naming import assign_node_names, unique_names
 from .options import ExtractionOptions
-from .tracer import ValueTracer, concrete_execution, contains_proxy, resolve_attribute
-from .values import describe, holds_tensor
+from .patching import LEAF_NAME
+from .tracer import ValueTracer, check_traceable, concrete_execution, contains_proxy, resolve_attribute
+from .values import ValueInfo, describe, holds_tensor
 
-@dataclass
-class _InputPlan:
-    """How the example call's arguments map to graph placeholders."""
+__all__ = [
+    "CompiledGraphModule",
+    "ExtractionOptions",
+    "Extractor",
+    "MultiplyInvokedModule",
+    "OpaqueGraphModule",
+    "UnusedModule",
+]
 
-    bound: inspect.BoundArguments
-    placeholders: list[tuple[str, Any]]  # (placeholder target, example value)
-    dynamic: set[str]  # placeholder targets that received tensors
+_NEVER_CALLED = "never called on the example inputs"
 
 
 class Extractor:
@@ -41,12 +58,35 @@ class Extractor:
     def extract(self, module: nn.Module, args: tuple, kwargs: dict, path: str) -> tuple[nn.Module, Any]:
         """Extract the wrapper for one call ``module(*args, **kwargs)`` (concrete values).
 
+        A module dispatched by accelerate runs its hook around the extraction (weights loaded, inputs moved), and
+        its wrapper runs the hook on every call.
+
         Returns:
             ``(wrapper, output)``: the wrapper module and the call's output on these arguments.
 
         Raises:
-            ExtractionError: with ``error_on_compilation_failure`` when no graph can be extracted.
+            ExtractionError: with ``error_on_compilation_failure`` when no graph can be extracted, or (unless
+                ``allow_unused_submodules``) when a submodule of a compiled module is never called.
         """
+        hook = accelerate_hook(module)
+        if hook is None:
+            return self._extract(module, args, kwargs, path)
+        built: list[nn.Module] = []
+
+        def forward(args: tuple, kwargs: dict) -> Any:
+            wrapper, output = self._extract(module, args, kwargs, path)
+            built.append(wrapper)
+            return output
+
+        with concrete_execution():  # accelerate's own code must see tensors, not the parent tracer's proxies
+            output = run_hooked(module, hook, args, kwargs, forward)
+        wrapper = built[0]
+        dispatch = Dispatch(module, hook, wrapper)
+        wrapper.set_dispatch(dispatch)  # type: ignore[operator]
+        dispatch.refresh()
+        return wrapper, output
+
+    def _extract(self, module: nn.Module, args: tuple, kwargs: dict, path: str) -> tuple[nn.Module, Any]:
         options = self.options
         if options.skip_compilation or type(module) in options.classes_to_skip_compiling:
             return self._opaque(module, args, kwargs, path, "skipped by ExtractionOptions")
@@ -58,90 +98,98 @@ class Extractor:
                 raise ExtractionError(f"could not extract a graph for {where}: {error}") from error
             reason = f"{type(error).__name__}: {error}"
             if options.warn_on_compilation_failure:
-                warnings.warn(f"gradpatch: {where} is opaque: {reason}", stacklevel=2)
+                warnings.warn(f"gradpatch: {where} is opaque: {reason}", CompilationWarning, stacklevel=2)
             return self._opaque(module, args, kwargs, path, reason)
 
     # --- compiled ------------------------------------------------------------------------------------------
 
     def _compile(self, module: nn.Module, args: tuple, kwargs: dict, path: str) -> tuple[nn.Module, Any]:
+        traced = module
         custom = self.options.custom_extraction_functions.get(type(module))
-        traced = custom(module) if custom is not None else module
-        root = _shallow_copy(traced)
-        plan = _plan_inputs(traced, args, kwargs)
-        children: dict[fx.Node, nn.Module] = {}
+        if custom is not None:
+            replacement = custom(module)
+            if isinstance(replacement, fx.Graph):
+                return _from_graph(module, replacement, args, kwargs)
+            traced = replacement
+        check_traceable(type(traced).forward)
+        root, sites = with_call_sites(traced)
+        plan = plan_inputs(traced, args, kwargs)
+        calls: dict[str, list[tuple[fx.Node, nn.Module]]] = {}
 
         def on_child_call(tracer: ValueTracer, child: nn.Module, name: str, args: tuple, kwargs: dict) -> Any:
-            node_name = name.replace(".", "_")
-            child_path = f"{path}.{node_name}" if path else node_name
-            wrapper, output = self.extract(child, tracer.value_of(args), tracer.value_of(kwargs), child_path)
+            site, original = sites.get(id(child), (name, child))
+            wrapper, output = self.extract(original, tracer.value_of(args), tracer.value_of(kwargs),
+                                           _join(path, node_name(site)))
             # Compiled parents pass what holds tensors; constants are baked into the child (or kept by it).
             node_kwargs = {key: value for key, value in kwargs.items() if contains_proxy(value)}
-            proxy = tracer.create_proxy_with_value("call_module", node_name, tuple(args), node_kwargs, output)
-            children[proxy.node] = wrapper
+            proxy = tracer.create_proxy_with_value("call_module", site, tuple(args), node_kwargs, output)
+            calls.setdefault(site, []).append((proxy.node, wrapper))
             return proxy
 
         def call(proxies: list[Any]) -> Any:
             by_target = dict(zip((target for target, _ in plan.placeholders), proxies))
-            call_args, call_kwargs = _substitute(plan, by_target)
+            call_args, call_kwargs = substitute(plan, by_target)
             return type(traced).forward(root, *call_args, **call_kwargs)
 
         tracer = ValueTracer(on_child_call)
         graph = tracer.trace_call(root, plan.placeholders, call)
         tracer.insert_guards(path)
         self.guard_count += len(tracer.guards)
-        output = fx.map_arg(graph.output_node().args[0], tracer.values.__getitem__)
+        output = tracer.output_value
         for node in graph.nodes:
-            node.meta["gp_info"] = describe(output if node.op == "output" else tracer.values.get(node))
-        wrapper = CompiledGraphModule(_name_children_and_attributes(graph, root, children), graph, type(module).__name__)
-        _install_multiply_invoked(wrapper, children)
-        wrapper.input_names = [target for target, _ in plan.placeholders if target in plan.dynamic]
+            value = output if node.op == "output" else tracer.values.get(node)
+            if node.op == "get_attr" and node not in tracer.values:  # a tensor constant fx stored itself
+                value = resolve_attribute(root, str(node.target))
+            node.meta["gp_info"] = describe(value)
+        self._check_unused({site for site, _ in sites.values()} - set(calls), path)
+        wrapper = _compiled_wrapper(traced, root, graph, calls, plan, type(module).__name__)
         wrapper.training = module.training
         object.__setattr__(wrapper, "original_module", module)
         return wrapper, output
+
+    def _check_unused(self, unused: set[str], path: str) -> None:
+        options = self.options
+        for site in sorted(unused):
+            where = _join(path, node_name(site))
+            if not options.allow_unused_submodules:
+                raise ExtractionError(
+                    f"submodule '{where}' was {_NEVER_CALLED}; pass ExtractionOptions(allow_unused_submodules=True) "
+                    f"to allow it, or example inputs that reach it")
+            if options.warn_on_compilation_failure:
+                warnings.warn(f"gradpatch: unable to compile '{where}'; it was {_NEVER_CALLED}", CompilationWarning,
+                              stacklevel=3)
 
     # --- opaque --------------------------------------------------------------------------------------------
 
     def _opaque(self, module: nn.Module, args: tuple, kwargs: dict, path: str, reason: str) -> tuple[nn.Module, Any]:
-        copy = _shallow_copy(module)
+        copy = shallow_copy(module)
         recorders: dict[str, _Recorder] = {}
-        for name, child in module._modules.items():
-            if child is not None:
-                copy._modules[name] = self._stand_in(child, name, path, recorders)
+
+        def stand_in(child: nn.Module, site: str) -> nn.Module:
+            recorders[site] = _Recorder(self, child, _join(path, node_name(site)))
+            return recorders[site]
+
+        copy._modules = stand_ins(module, stand_in)
         with concrete_execution():  # runs concretely, outside the patches of the tracers of its parents
             output = copy(*args, **kwargs)
-        wrappers = {name: recorder.finish() for name, recorder in recorders.items()}
-        for container_path, recorder in recorders.items():
-            _replace_in(copy, container_path, wrappers[container_path] or recorder.module)
-        signature = inspect.signature(copy.forward)
-        bound = signature.bind(*args, **kwargs)
-        inputs = [name for name, value in bound.arguments.items() if holds_tensor(value)]
+        wrappers = {site: recorder.wrappers for site, recorder in recorders.items()}
+        copy._modules = assemble(module, wrappers, lambda child, site: self._never_run(child, _join(path, site)),
+                                 safe_names=False)
+        bound = inspect.signature(copy.forward).bind(*args, **kwargs)
+        bound.apply_defaults()
         constants = {name: value for name, value in kwargs.items() if not holds_tensor(value)}
-        wrapper = OpaqueGraphModule(copy, constants, reason)
-        for name, child_wrapper in wrappers.items():
-            if child_wrapper is not None:
-                wrapper.add_module(name.replace(".", "_"), child_wrapper)
-                if isinstance(child_wrapper, MultiplyInvokedModule):
-                    wrapper._gp_multiply_invoked.append(child_wrapper)
-        infos = {name: describe(bound.arguments[name]) for name in inputs}
-        infos.update({name: describe(tensor) for name, tensor in module._parameters.items() if tensor is not None})
-        infos.update({name: describe(tensor) for name, tensor in module._buffers.items() if tensor is not None})
-        infos["output"] = describe(output)
-        wrapper.infos = infos
-        wrapper.training = module.training
-        object.__setattr__(wrapper, "original_module", module)
+        wrapper = _opaque_wrapper(module, copy, constants, reason,
+                                  {name: describe(value) for name, value in bound.arguments.items()}, describe(output))
         return wrapper, output
 
-    def _stand_in(self, child: nn.Module, name: str, path: str, recorders: dict[str, "_Recorder"]) -> nn.Module:
-        if type(child).forward is nn.Module.forward:  # a container (ModuleList, ModuleDict): stand in for items
-            container = _shallow_copy(child)
-            for item_name, item in child._modules.items():
-                if item is not None:
-                    container._modules[item_name] = self._stand_in(item, f"{name}.{item_name}", path, recorders)
-            return container
-        node_name = name.replace(".", "_")
-        recorder = _Recorder(self, child, f"{path}.{node_name}" if path else node_name)
-        recorders[name] = recorder
-        return recorder
+    def _never_run(self, module: nn.Module, path: str) -> nn.Module:
+        """An opaque wrapper for a submodule its opaque parent never called (no shapes are known)."""
+        copy = shallow_copy(module)
+        copy._modules = assemble(module, {}, lambda child, site: self._never_run(child, _join(path, site)),
+                                 safe_names=False)
+        unknown = ValueInfo.unknown()
+        inputs = {name: unknown for name in inspect.signature(copy.forward).parameters}
+        return _opaque_wrapper(module, copy, {}, _NEVER_CALLED, inputs, unknown, unknown)
 
 
 class _Recorder(nn.Module):
@@ -159,123 +207,104 @@ class _Recorder(nn.Module):
         self.wrappers.append(wrapper)
         return output
 
-    def finish(self) -> nn.Module | None:
-        if not self.wrappers:
-            return None
-        if len(self.wrappers) == 1:
-            return self.wrappers[0]
-        return MultiplyInvokedModule(self.wrappers)
+
+# --- building wrappers ----------------------------------------------------------------------------------------
 
 
-# --- helpers ---------------------------------------------------------------------------------------------------
-
-
-def _shallow_copy(module: nn.Module) -> nn.Module:
-    """A new module object sharing parameters, buffers and submodules, with its own registries."""
-    copy = object.__new__(type(module))
-    copy.__dict__ = dict(module.__dict__)
-    copy._parameters = dict(module._parameters)
-    copy._buffers = dict(module._buffers)
-    copy._modules = dict(module._modules)
-    return copy
-
-
-def _plan_inputs(module: nn.Module, args: tuple, kwargs: dict) -> _InputPlan:
-    """Bind the example call to ``module.forward`` and decide one placeholder per argument.
-
-    Arguments holding tensors become inputs of the graph; the others are constants baked into it (their
-    placeholders stay in the generated signature so that callers keep the original calling convention).
-    ``*args`` items become ``args_0``, ``args_1``…; ``**kwargs`` items become placeholders named by their keys.
-    """
-    signature = inspect.signature(type(module).forward)
-    bound = signature.bind(module, *args, **kwargs)
-    placeholders: list[tuple[str, Any]] = []
-    var_keyword: str | None = None
-    for index, parameter in enumerate(signature.parameters.values()):
-        if index == 0:
-            continue  # self
-        value = bound.arguments.get(parameter.name)
-        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
-            placeholders += [(f"{parameter.name}_{i}", item) for i, item in enumerate(value or ())]
-        elif parameter.kind is inspect.Parameter.VAR_KEYWORD:
-            var_keyword = parameter.name
-            placeholders += list((value or {}).items())
-        else:
-            placeholders.append((parameter.name, value))
-    dynamic = {target for target, value in placeholders if holds_tensor(value)}
-    if var_keyword is not None:
-        placeholders.append((f"**{var_keyword}", {}))
-    return _InputPlan(bound=bound, placeholders=placeholders, dynamic=dynamic)
-
-
-def _substitute(plan: _InputPlan, proxies: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
-    """The example call (``self`` dropped) as ``(args, kwargs)`` with graph inputs replaced by placeholder proxies.
-
-    Arguments go by keyword except positional-only ones and those before a non-empty ``*args``.
-    """
-    parameters = list(plan.bound.signature.parameters.values())[1:]
-    arguments = plan.bound.arguments
-    var_positional = next((p for p in parameters if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
-    positional_until = parameters.index(var_positional) if var_positional and arguments.get(var_positional.name) else 0
-    args: list[Any] = []
-    kwargs: dict[str, Any] = {}
-    for index, parameter in enumerate(parameters):
-        name = parameter.name
-        if name not in arguments:
-            continue
-        value = arguments[name]
-        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
-            args.extend(proxies[f"{name}_{i}"] if f"{name}_{i}" in plan.dynamic else item for i, item in enumerate(value))
-        elif parameter.kind is inspect.Parameter.VAR_KEYWORD:
-            kwargs.update({key: proxies[key] if key in plan.dynamic else item for key, item in value.items()})
-        else:
-            value = proxies[name] if name in plan.dynamic else value
-            if parameter.kind is inspect.Parameter.POSITIONAL_ONLY or index < positional_until:
-                args.append(value)
-            else:
-                kwargs[name] = value
-    return args, kwargs
-
-
-def _name_children_and_attributes(graph: fx.Graph, root: nn.Module, children: dict[fx.Node, nn.Module]) -> dict:
-    """Give every ``get_attr``/``call_module`` node a flat target equal to its name; map targets to objects.
-
-    A submodule called several times gets nodes ``name_0``, ``name_1``… with targets ``name.0``, ``name.1``….
-    """
+def _compiled_wrapper(traced: nn.Module, root: nn.Module, graph: fx.Graph,
+                      calls: dict[str, list[tuple[fx.Node, nn.Module]]], plan: InputPlan,
+                      class_name: str) -> CompiledGraphModule:
+    """Name the call sites, point ``get_attr`` nodes at flat attributes, and build the wrapper with the original
+    hierarchy around the children's wrappers."""
+    flat: dict[str, list[nn.Module]] = {}
+    structured: dict[str, list[nn.Module]] = {}
+    targets: dict[fx.Node, str] = {}
+    for site, entries in calls.items():
+        keep = is_structured(traced, site)
+        base = wrapper_target(site) if keep else node_name(site)
+        (structured if keep else flat)[site if keep else base] = [wrapper for _, wrapper in entries]
+        for index, (node, _) in enumerate(entries):
+            targets[node] = base if len(entries) == 1 else f"{base}.{index}"
+    names = {}
+    for site, entries in calls.items():
+        for index, (node, _) in enumerate(entries):
+            names[node] = node_name(site) if len(entries) == 1 else f"{node_name(site)}_{index}"
+    assign_node_names(graph, names)
     mapping: dict[str, Any] = {}
-    by_base: dict[str, list[fx.Node]] = {}
+    sources: dict[str, str] = {}
     for node in graph.nodes:
         if node.op == "get_attr":
-            obj = resolve_attribute(root, str(node.target))
+            sources[node.name] = str(node.target)
+            mapping[node.name] = resolve_attribute(root, str(node.target))
             node.target = node.name
-            mapping[node.name] = obj
         elif node.op == "call_module":
-            by_base.setdefault(str(node.target), []).append(node)
-    for base, nodes in by_base.items():
-        if len(nodes) == 1:
-            nodes[0].target = nodes[0].name
-            mapping[nodes[0].name] = children[nodes[0]]
-            continue
-        for index, node in enumerate(nodes):
-            node._rename(f"{base}_{index}")
-            node.target = f"{base}.{index}"
-            mapping[node.target] = children[node]
-    return mapping
+            node.target = targets[node]
+            mapping[node.target] = _wrapper_at(calls, node)
+    wrapper = CompiledGraphModule(mapping, graph, class_name)
+    modules = assemble(traced, structured, lambda child, site: UnusedModule(), safe_names=True)
+    for base, wrappers in flat.items():
+        modules[base] = wrappers[0] if len(wrappers) == 1 else MultiplyInvokedModule(wrappers)
+    wrapper._modules = modules
+    wrapper._gp_attribute_sources = sources
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    others = {node.name for node in graph.nodes if node.op != "placeholder"} | {"output"}
+    for node, name in zip(placeholders, unique_names([str(node.target).lstrip("*") for node in placeholders],
+                                                     others)):
+        node.meta[LEAF_NAME] = name
+    wrapper.input_names = [node.meta[LEAF_NAME] for node in placeholders if node.target in plan.dynamic]
+    return wrapper
 
 
-def _install_multiply_invoked(wrapper: CompiledGraphModule, children: dict[fx.Node, nn.Module]) -> None:
-    groups: dict[str, list[nn.Module]] = {}
-    for node in wrapper.graph.nodes:
-        if node.op == "call_module" and "." in str(node.target):
-            base, _ = str(node.target).split(".")
-            groups.setdefault(base, []).append(children[node])
-    for base, invocations in groups.items():
-        setattr(wrapper, base, MultiplyInvokedModule(invocations))
+def _wrapper_at(calls: dict[str, list[tuple[fx.Node, nn.Module]]], node: fx.Node) -> nn.Module:
+    for entries in calls.values():
+        for candidate, wrapper in entries:
+            if candidate is node:
+                return wrapper
+    raise AssertionError(f"no wrapper recorded for {node.name}")
 
 
-def _replace_in(module: nn.Module, path: str, replacement: nn.Module) -> None:
-    *parents, last = path.split(".")
-    owner = module
-    for part in parents:
-        owner = owner._modules[part]
-    owner._modules[last] = replacement
+def _from_graph(module: nn.Module, graph: fx.Graph, args: tuple, kwargs: dict) -> tuple[nn.Module, Any]:
+    """A wrapper from a graph built by a custom extraction function (its ``get_attr`` and ``call_module`` targets
+    resolve against ``module``; called submodules run as they are, without graphs of their own)."""
+    wrapper = CompiledGraphModule(module, graph, type(module).__name__)
+    values: dict[fx.Node, Any] = {}
+
+    class _Recording(fx.Interpreter):
+        def run_node(self, node: fx.Node) -> Any:
+            values[node] = super().run_node(node)
+            return values[node]
+
+    bound = inspect.signature(wrapper.forward).bind(*args, **kwargs)
+    output = _Recording(wrapper).run(*bound.arguments.values())
+    for node in graph.nodes:
+        node.meta["gp_info"] = describe(values.get(node))
+    wrapper._gp_attribute_sources = {str(node.target): str(node.target) for node in graph.nodes
+                                     if node.op == "get_attr"}
+    wrapper.input_names = [str(node.target).lstrip("*") for node in graph.nodes
+                           if node.op == "placeholder" and holds_tensor(values.get(node))]
+    wrapper.training = module.training
+    object.__setattr__(wrapper, "original_module", module)
+    return wrapper, output
+
+
+def _opaque_wrapper(module: nn.Module, copy: nn.Module, constants: dict[str, Any], reason: str,
+                    inputs: dict[str, ValueInfo], output: ValueInfo,
+                    attribute_info: ValueInfo | None = None) -> OpaqueGraphModule:
+    """An OpaqueGraphModule over ``copy``, with NodePath names for its inputs and attributes."""
+    attributes = patchable_attributes(module)
+    names = unique_names([*inputs, *attributes.values()], reserved={"output"})
+    input_names = dict(zip(names, inputs))
+    attribute_names = dict(zip(names[len(inputs):], attributes.values()))
+    wrapper = OpaqueGraphModule(copy, constants, input_names, attribute_names, reason)
+    infos = {node: inputs[argument] for node, argument in input_names.items()}
+    for node, attribute in attribute_names.items():
+        infos[node] = attribute_info if attribute_info is not None else describe(getattr(module, attribute))
+    infos["output"] = output
+    wrapper.infos = infos
+    wrapper.training = module.training
+    object.__setattr__(wrapper, "original_module", module)
+    return wrapper
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

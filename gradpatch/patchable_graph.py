@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dis
 import functools
 import inspect
 import warnings
@@ -11,12 +13,14 @@ from typing import Any, Iterator, Mapping, Sequence, Union
 import torch
 from torch import nn
 
-from .errors import InputSignatureError, ShapeSpecializationError
+from .errors import InputSignatureError, NodePathError, ShapeSpecializationError
 from .extraction import Extractor
-from .graph_modules import PatchTable
+from .graph_modules import CompiledGraphModule
 from .node_path import NodeData, NodeTree
 from .options import ExtractionOptions
 from .patches import Patch
+from .patching import PatchTable
+from .serialization import FileLike, graph_bytes, read, write
 from .values import holds_tensor
 
 PatchSpec = Union[Patch, Sequence[Patch]]
@@ -26,37 +30,38 @@ PatchMap = Mapping[Union[str, NodeData], PatchSpec]
 class PatchableGraph(nn.Module):
     """Wrap ``module`` so that every intermediate tensor operation is a named, patchable node.
 
-    ``PatchableGraph([options,] module, *example_args, **example_kwargs)`` runs ``module`` once on the example
-    inputs and extracts a graph per submodule call (see :mod:`gradpatch.extraction`). Calling the
-    PatchableGraph runs those graphs: outside a :meth:`patch` block it returns what ``module`` returns (same
-    values, same gradients), on inputs of other batch sizes and sequence lengths too. Parameters are shared
-    with ``module``. Arguments that held tensors in the example are graph inputs; the others (``use_cache=False``,
-    say) are fixed by the example.
+    ``PatchableGraph(module, [options,] *example_args, **example_kwargs)`` (graphpatch's order; options first is
+    accepted too) runs ``module`` once on the example inputs and extracts a graph per submodule call (see
+    :mod:`gradpatch.extraction`). Calling the PatchableGraph runs those graphs: outside a :meth:`patch` block it
+    returns what ``module`` returns (same values, same gradients), on inputs of other batch sizes and sequence
+    lengths too. Parameters are shared with ``module``. Arguments that held tensors in the example are graph
+    inputs; the others (``use_cache=False``, say) are fixed by the example.
 
     Args:
-        options: optional :class:`ExtractionOptions` as the first positional argument.
         module: the model, any ``nn.Module`` (transformers models included; pass ``use_cache=False``).
+        options: optional :class:`ExtractionOptions`.
         example_args, example_kwargs: one valid call of ``module``.
+
+    Attributes:
+        config, generation_config: copies of a transformers model's (``None`` for other modules, or with
+            ``ExtractionOptions(copy_transformers_generation_config=False)``); :meth:`generate` uses
+            ``generation_config``.
 
     Raises:
         ExtractionError: with ``error_on_compilation_failure=True``, for a module whose graph cannot be extracted.
+        TypeError: ``module`` is not an ``nn.Module``.
     """
 
     def __init__(self, *args: Any, **example_kwargs: Any) -> None:
         super().__init__()
-        if args and isinstance(args[0], ExtractionOptions):
-            options, module, *example_args = args
-        else:
-            options = ExtractionOptions()
-            module, *example_args = args
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"PatchableGraph wraps an nn.Module, got {type(module).__name__}")
+        options, module, example_args = _split_arguments(args)
         object.__setattr__(self, "_original", module)
         self._options = options
         self._example = (tuple(example_args), dict(example_kwargs))
         self._signature = inspect.signature(module.forward)
         self._example_call = self._signature.bind(*example_args, **example_kwargs).arguments
         self._example_inputs = {name for name, value in self._example_call.items() if holds_tensor(value)}
+        self._ignored_keywords = unread_var_keyword(type(module).forward)
         positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         self._positional_names = [p.name for p in self._signature.parameters.values() if p.kind in positional]
         self._variants: dict[tuple[bool, tuple | None], nn.Module] = {}  # (training, size class or None: any)
@@ -66,6 +71,9 @@ class PatchableGraph(nn.Module):
         self._checked_calls: set[tuple] = set()
         self.training = module.training
         self._graph_module = self._variant(module.training, self._example)
+        copy_config = options.copy_transformers_generation_config
+        self.config = copy.deepcopy(getattr(module, "config", None)) if copy_config else None
+        self.generation_config = copy.deepcopy(getattr(module, "generation_config", None)) if copy_config else None
 
     # --- extraction ----------------------------------------------------------------------------------------
 
@@ -101,6 +109,12 @@ class PatchableGraph(nn.Module):
         try:
             with torch.enable_grad():
                 wrapper, _ = extractor.extract(module, example[0], example[1], "")
+            postprocess = self._options.postprocessing_function
+            if postprocess is not None:
+                postprocess(wrapper, module)
+                for graph_module in wrapper.modules():
+                    if isinstance(graph_module, CompiledGraphModule):
+                        graph_module.recompile()
         finally:
             with torch.no_grad():
                 for name, buffer in module.named_buffers():
@@ -161,6 +175,43 @@ class PatchableGraph(nn.Module):
         if wrapper.training != self.training:
             wrapper.train(self.training)
 
+    # --- saving --------------------------------------------------------------------------------------------
+
+    def save(self, file: FileLike, weights: bool = True) -> None:
+        """Save this graph without pickle: one safetensors file holding the example inputs, the model's weights
+        (``weights=True``) and, as JSON metadata, the model's class and fingerprint and the extraction options.
+        A path is written atomically (temporary file, then rename). See :meth:`load`.
+
+        Raises:
+            ValueError: an example input that is not a tensor, a JSON value or a container of those; or weights
+                that are not in memory (use ``weights=False`` for a model dispatched with offload).
+        """
+        write(file, graph_bytes(self._original, self._options, self._example, weights))
+
+    @classmethod
+    def load(cls, file: FileLike, model: nn.Module, options: ExtractionOptions | None = None,
+             check_fingerprint: bool = True) -> "PatchableGraph":
+        """Rebuild a graph saved by :meth:`save` around ``model``, a model of the saved class (code is never
+        stored; build it the usual way, e.g. ``AutoModelForCausalLM.from_config(config)``). Saved weights are
+        loaded into it; the graphs are extracted again from the saved example inputs.
+
+        Args:
+            file: a path or an open binary file.
+            model: the model to wrap (of the class recorded in the file).
+            options: required when the graph was built with custom extraction or postprocessing functions.
+            check_fingerprint: refuse a model whose weights differ from the saved model's.
+
+        Raises:
+            ValueError: not a gradpatch graph file, another model class, a fingerprint mismatch, or custom
+                functions without ``options``.
+        """
+        options, args, kwargs = read(file, model, options, check_fingerprint)
+        return cls(model, options, *args, **kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise ValueError("a PatchableGraph is not pickled (pickle runs arbitrary code when loaded): use "
+                         "pg.save(path) and PatchableGraph.load(path, model), which write safetensors + JSON")
+
     # --- calling -------------------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -173,9 +224,13 @@ class PatchableGraph(nn.Module):
 
     def _check_call(self, args: tuple, kwargs: dict) -> None:
         """Raise InputSignatureError for a call whose arguments differ in kind from the example's (checked once per
-        kind of call: which arguments, tensors or which constant objects)."""
+        kind of call: which arguments, tensors or which constant objects). Keyword arguments that only a
+        ``**kwargs`` the forward never reads would take are ignored, as the module itself ignores them."""
         inputs = self._example_inputs
         call = self._signature.bind(*args, **kwargs).arguments
+        if self._ignored_keywords is not None and self._ignored_keywords in call:
+            call = dict(call)
+            call.pop(self._ignored_keywords)
         for name, value in call.items():
             if name in inputs:
                 continue
@@ -198,7 +253,8 @@ class PatchableGraph(nn.Module):
 
         Takes the arguments of the wrapped model's ``generate``; ``use_cache`` is forced to ``False`` (each step
         runs the graph on the whole sequence). Arguments that the graph does not take as inputs are dropped when
-        they hold their default meaning (an all-ones ``attention_mask``, a ``cache_position``).
+        they hold their default meaning (an all-ones ``attention_mask``, a ``cache_position``). Without a
+        ``generation_config`` argument, :attr:`generation_config` is used.
 
         Raises:
             TypeError: the wrapped model has no ``generate`` method.
@@ -208,6 +264,8 @@ class PatchableGraph(nn.Module):
         if not hasattr(original, "generate"):
             raise TypeError(f"{type(original).__name__} has no generate(); it is not a transformers generation model")
         kwargs["use_cache"] = False
+        if self.generation_config is not None:
+            kwargs.setdefault("generation_config", self.generation_config)
         graph_forward = self._generation_forward()
         original.forward = graph_forward
         try:
@@ -260,7 +318,7 @@ class PatchableGraph(nn.Module):
         node = self._tree.find(_path_string(path))
         if not node._is_graph:
             raise ValueError(f"NodePath '{path}' is a leaf; name a submodule's graph, e.g. its parent")
-        return node._module.original_module  # type: ignore[union-attr]
+        return node._gp_module.original_module  # type: ignore[union-attr]
 
     @contextmanager
     def patch(self, patch_map: PatchMap | Any) -> Iterator["PatchableGraph"]:
@@ -271,9 +329,10 @@ class PatchableGraph(nn.Module):
                 or an :class:`~gradpatch.intervention.Intervention`. Blocks nest; inner patches apply after outer.
 
         Raises:
-            KeyError: an unknown NodePath (the message lists the closest valid ones).
-            ValueError: a NodePath naming a graph or a container value without a ``|sub_i`` dig, or a value that
-                is not a Patch.
+            NodePathError: (a ``KeyError`` and a ``ValueError``) an unknown NodePath (the message lists the closest
+                valid ones), or one naming a graph, a container value without a ``|sub_i`` dig, or an input that
+                extraction baked into the graph as a constant.
+            ValueError: a value that is not a Patch, or a patch map that is not a mapping.
         """
         if hasattr(patch_map, "patch_map"):
             patch_map = patch_map.patch_map()
@@ -296,18 +355,25 @@ class PatchableGraph(nn.Module):
             path = _path_string(key)
             node = tree.find(path)
             if node._is_graph:
-                raise ValueError(
+                raise NodePathError(
                     f"NodePath '{path}' names a graph, not a value; patch one of its nodes, e.g. '{path}.output'"
                 )
-            if node._info is not None and node._info.items and node._info.shape is None:
-                first = next(iter(node._children.values()))
-                raise ValueError(f"NodePath '{path}' holds a {node._info.kind}; dig into it, e.g. '{first._path}'")
+            info = node._gp_info
+            if info is not None and info.items and info.shape is None:
+                first = next(iter(node._gp_children.values()))
+                raise NodePathError(f"NodePath '{path}' holds a {info.kind}; dig into it, e.g. '{first._path}'")
+            if node._gp_constant:
+                raise NodePathError(
+                    f"NodePath '{path}' is an input that held no tensor in the example call, so extraction baked "
+                    f"its value into the graph; patch the nodes that use it, or build the PatchableGraph with "
+                    f"ExtractionOptions(classes_to_skip_compiling={{...}}) for that module to patch it as an input"
+                )
             patches = [spec] if isinstance(spec, Patch) else list(spec) if isinstance(spec, (list, tuple)) else [spec]
             for patch in patches:
                 if not isinstance(patch, Patch):
                     raise ValueError(f"value for NodePath '{path}' must be a Patch or a list of Patches, "
                                      f"got {type(patch).__name__}")
-                entries.append((path, patch, node._op))
+                entries.append((path, patch, node._gp_op))
         return entries
 
     def _install_patches(self) -> None:
@@ -316,17 +382,32 @@ class PatchableGraph(nn.Module):
         for entries in self._active:
             for path, patch, operation in entries:
                 node = tree.find(path)
-                if node._op != operation:
+                if node._gp_op != operation:
                     raise ShapeSpecializationError(
                         f"NodePath '{path}' is '{operation}' in the graphs the patch was checked against but "
-                        f"'{node._op}' in the graphs for this call's sizes; patch a module input, output or weight"
+                        f"'{node._gp_op}' in the graphs for this call's sizes; patch a module input, output or weight"
                     )
-                tables.setdefault(node._owner, {}).setdefault(node._key, []).append((node._dig, patch))
+                tables.setdefault(node._gp_owner, {}).setdefault(node._gp_key, []).append((node._gp_dig, patch))
         for owner in self._patched_owners - set(tables):
             owner.set_patch_table({})
         for owner, table in tables.items():
             owner.set_patch_table(table)
         self._patched_owners = set(tables)
+
+
+def _split_arguments(args: tuple) -> tuple[ExtractionOptions, nn.Module, list[Any]]:
+    """``(options, module, example args)`` from ``(module, [options,] *args)`` or ``(options, module, *args)``."""
+    options = ExtractionOptions()
+    rest = list(args)
+    if rest and isinstance(rest[0], ExtractionOptions):
+        options = rest.pop(0)
+    if not rest or not isinstance(rest[0], nn.Module):
+        given = type(rest[0]).__name__ if rest else "nothing"
+        raise TypeError(f"PatchableGraph wraps an nn.Module: PatchableGraph(model, *example_inputs), got {given}")
+    module = rest.pop(0)
+    if rest and isinstance(rest[0], ExtractionOptions):
+        options = rest.pop(0)
+    return options, module, rest
 
 
 def _convert(fn: Any, value: Any) -> Any:
@@ -360,3 +441,19 @@ def _same_constant(value: Any, example: Any) -> bool:
 
 def _path_string(path: str | NodeData) -> str:
     return path._path if isinstance(path, NodeData) else str(path)
+
+
+def unread_var_keyword(function: Any) -> str | None:
+    """The name of ``function``'s ``**kwargs`` parameter if its code never reads it, else ``None``.
+
+    A keyword argument that only such a parameter would take has no effect on the call.
+    """
+    code = getattr(function, "__code__", None)
+    if code is None or not code.co_flags & inspect.CO_VARKEYWORDS:
+        return None
+    name = code.co_varnames[code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)]
+    if name in code.co_cellvars:
+        return None
+    read = any(instruction.argval == name for instruction in dis.get_instructions(code)
+               if instruction.opname.startswith("LOAD_"))
+    return None if read else name

@@ -1,35 +1,50 @@
 """Patches: functions that change or record the value seen downstream of a graph node.
 
 The classes and their semantics follow graphpatch (``ZeroPatch``, ``AddPatch``, ``ReplacePatch``, ``ProbePatch``,
-``RecordPatch``, ``CustomPatch``). Every patch is a keyword-only dataclass with ``op(original) -> new``. With
-``slice`` set, ``op`` sees ``original[slice]`` and its result is written into a copy of ``original`` at ``slice``;
-the copy keeps autograd intact, so gradients flow to patch values (tensors that require grad or
-``nn.Parameter``s) and to the unpatched part of the activation alike.
+``RecordPatch``, ``CustomPatch``; ``Patch[T]`` is generic, so ``class MyPatch(Patch[torch.Tensor])`` works). Every
+patch is a keyword-only dataclass with ``op(original) -> new``. With ``slice`` set, ``op`` sees
+``original[slice]`` and its result is written into a copy of ``original`` at ``slice``; the copy keeps autograd
+intact, so gradients flow to patch values (tensors that require grad or ``nn.Parameter``s) and to the unpatched
+part of the activation alike.
+
+A patch never changes the model: a patch whose ``requires_clone`` is true (``CustomPatch`` and user subclasses, by
+default) receives a copy it may modify in place, so a weight or a value that autograd saved stays intact. The
+built-in patches compute out of place and skip the copy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from numbers import Number
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
 from .errors import PatchShapeError
 
 #: What a ``slice`` may hold: anything valid inside ``tensor[...]`` (ints, slices, ``Ellipsis``, ``None``,
-#: index tensors or tuples of those).
+#: index tensors, or tuples and lists of those).
 Slice = Any
+
+#: What a patch receives and returns (``Patch[torch.Tensor]``, as in graphpatch).
+PatchTarget = TypeVar("PatchTarget")
+
+#: A patch value: a tensor (which may require grad) or a Python number.
+PatchValue = Any
 
 
 @dataclass(kw_only=True)
-class Patch:
+class Patch(Generic[PatchTarget]):
     """Base class: identity. Subclasses override :meth:`op`.
 
     Attributes:
         slice: optional index expression; ``op`` then applies to ``original[slice]`` only.
+        requires_clone: whether ``op`` may modify its argument in place, so that it must receive a copy (true
+            for subclasses unless they say otherwise).
     """
 
     slice: Slice = None
+    requires_clone: bool = field(default=True, init=False, repr=False)
 
     def op(self, original: Any) -> Any:
         """Return the value seen downstream instead of ``original``."""
@@ -37,22 +52,37 @@ class Patch:
 
     def __call__(self, original: Any) -> Any:
         if self.slice is None:
-            return self.op(original)
+            return self.op(_clone(original) if self.requires_clone else original)
         if not isinstance(original, torch.Tensor):
             raise TypeError(
                 f"{type(self).__name__} has slice={self.slice!r} but the patched value is a "
                 f"{type(original).__name__}, not a tensor; dig to a tensor with '|sub_i' in the NodePath"
             )
+        index = _index(self.slice)
+        patched = original.clone()
         try:
-            selected = original[self.slice]
+            selected = patched[index]
         except IndexError as error:
             raise PatchShapeError(
                 f"{type(self).__name__} slice {self.slice!r} does not index an activation of shape "
                 f"{tuple(original.shape)}: {error}"
             ) from error
-        patched = original.clone()
-        patched[self.slice] = self.op(selected)
+        patched[index] = self.op(selected)
         return patched
+
+
+def _index(index: Slice) -> Slice:
+    """A list index holding slices or ``Ellipsis`` (``[1, ...]``, graphpatch's spelling) means a tuple index."""
+    if isinstance(index, list) and any(isinstance(item, (slice, tuple, type(Ellipsis))) or item is None
+                                       for item in index):
+        return tuple(index)
+    return index
+
+
+def _check_value(patch: Patch, value: Any) -> None:
+    if not isinstance(value, (torch.Tensor, Number)):
+        raise TypeError(f"{type(patch).__name__}(value=...) takes a tensor or a Python number, got "
+                        f"{type(value).__name__}; e.g. {type(patch).__name__}(value=torch.zeros(576))")
 
 
 def _check_broadcast(patch: Patch, original: torch.Tensor, value: torch.Tensor) -> None:
@@ -71,10 +101,12 @@ def _check_broadcast(patch: Patch, original: torch.Tensor, value: torch.Tensor) 
 
 @dataclass(kw_only=True)
 class ZeroPatch(Patch):
-    """Replace the activation (or ``activation[slice]``) by zeros."""
+    """Replace the activation (or ``activation[slice]``) by zeros (``0`` for a Python number)."""
 
-    def op(self, original: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(original)
+    requires_clone: bool = field(default=False, init=False, repr=False)
+
+    def op(self, original: Any) -> Any:
+        return torch.zeros_like(original) if isinstance(original, torch.Tensor) else 0
 
 
 @dataclass(kw_only=True)
@@ -82,15 +114,26 @@ class AddPatch(Patch):
     """Add ``value`` to the activation: ``original + value`` (broadcasting; value may require grad).
 
     Attributes:
-        value: tensor broadcastable to the activation (or to ``activation[slice]``), e.g. ``[d_model]`` for a
-            steering vector added at every position of a ``[batch, seq, d_model]`` residual stream.
+        value: a tensor broadcastable to the activation (or to ``activation[slice]``), e.g. ``[d_model]`` for a
+            steering vector added at every position of a ``[batch, seq, d_model]`` residual stream; or a number.
+
+    Raises:
+        TypeError: at construction, for a missing value or one that is neither a tensor nor a number.
+        PatchShapeError: in the forward pass, for a tensor value that does not broadcast to the activation.
     """
 
-    value: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    value: PatchValue
+    requires_clone: bool = field(default=False, init=False, repr=False)
 
-    def op(self, original: torch.Tensor) -> torch.Tensor:
-        _check_broadcast(self, original, self.value)
-        return original + self.value.to(dtype=original.dtype, device=original.device)
+    def __post_init__(self) -> None:
+        _check_value(self, self.value)
+
+    def op(self, original: Any) -> Any:
+        value = self.value
+        if not isinstance(value, torch.Tensor) or not isinstance(original, torch.Tensor):
+            return original + value
+        _check_broadcast(self, original, value)
+        return original + value.to(dtype=original.dtype, device=original.device)
 
 
 @dataclass(kw_only=True)
@@ -98,16 +141,28 @@ class ReplacePatch(Patch):
     """Replace the activation by ``value`` (broadcast to the activation's shape).
 
     Attributes:
-        value: tensor broadcastable to the activation (or ``activation[slice]``); may require grad.
+        value: a tensor broadcastable to the activation (or ``activation[slice]``), which may require grad; or a
+            number (every element becomes that number).
+
+    Raises:
+        TypeError: at construction, for a missing value or one that is neither a tensor nor a number.
+        PatchShapeError: in the forward pass, for a tensor value that does not broadcast to the activation.
     """
 
-    value: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    value: PatchValue
+    requires_clone: bool = field(default=False, init=False, repr=False)
 
-    def op(self, original: torch.Tensor) -> torch.Tensor:
-        if not isinstance(self.value, torch.Tensor):
-            return self.value
-        _check_broadcast(self, original, self.value)
-        value = self.value.to(dtype=original.dtype, device=original.device)
+    def __post_init__(self) -> None:
+        _check_value(self, self.value)
+
+    def op(self, original: Any) -> Any:
+        value = self.value
+        if not isinstance(original, torch.Tensor):
+            return value
+        if not isinstance(value, torch.Tensor):
+            return torch.full_like(original, value)
+        _check_broadcast(self, original, value)
+        value = value.to(dtype=original.dtype, device=original.device)
         return value.expand(original.shape) if value.shape != original.shape else value
 
 
@@ -120,6 +175,7 @@ class ProbePatch(Patch):
     """
 
     activation: Any = field(default=None, repr=False)
+    requires_clone: bool = field(default=False, init=False, repr=False)
 
     def op(self, original: Any) -> Any:
         self.activation = _detached_clone(original)
@@ -128,7 +184,7 @@ class ProbePatch(Patch):
     def __call__(self, original: Any) -> Any:
         if self.slice is None:
             return self.op(original)
-        self.activation = _detached_clone(original[self.slice])
+        self.activation = _detached_clone(original[_index(self.slice)])
         return original
 
 
@@ -137,6 +193,7 @@ class RecordPatch(Patch):
     """Record every activation passing through (one detached clone per call) in ``activations``."""
 
     activations: list[Any] = field(default_factory=list, repr=False)
+    requires_clone: bool = field(default=False, init=False, repr=False)
 
     def op(self, original: Any) -> Any:
         self.activations.append(_detached_clone(original))
@@ -145,18 +202,43 @@ class RecordPatch(Patch):
     def __call__(self, original: Any) -> Any:
         if self.slice is None:
             return self.op(original)
-        self.activations.append(_detached_clone(original[self.slice]))
+        self.activations.append(_detached_clone(original[_index(self.slice)]))
         return original
 
 
 @dataclass(kw_only=True)
 class CustomPatch(Patch):
-    """Apply an arbitrary function: ``custom_op(original) -> new`` (differentiable if the function is)."""
+    """Apply an arbitrary function: ``custom_op(original) -> new`` (differentiable if the function is).
 
-    custom_op: Callable[[Any], Any] = field(default=None)  # type: ignore[assignment]
+    Attributes:
+        custom_op: the function. It receives a copy it may modify in place unless ``requires_clone=False`` (for
+            functions that do not, to save the copy).
+
+    Raises:
+        TypeError: at construction, when ``custom_op`` is missing or not callable.
+    """
+
+    custom_op: Callable[[Any], Any]
+    requires_clone: bool = True
+
+    def __post_init__(self) -> None:
+        if not callable(self.custom_op):
+            raise TypeError(f"CustomPatch(custom_op=...) takes a function, got {type(self.custom_op).__name__}")
 
     def op(self, original: Any) -> Any:
         return self.custom_op(original)
+
+
+def _clone(value: Any) -> Any:
+    """A copy of every tensor in ``value`` (nested tuples, lists and dicts), with autograd history kept."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        items = [_clone(item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {key: _clone(item) for key, item in value.items()}
+    return value
 
 
 def _detached_clone(value: Any) -> Any:

@@ -15,15 +15,15 @@ from the concrete arguments of that call and returns the child's output value.
 
 from __future__ import annotations
 
+import dis
 import operator
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx, nn
-from torch.fx import _symbolic_trace
-from torch.utils import _pytree as pytree
 
+from ._torch_compat import TreeSpec, tree_flatten, tree_unflatten, untraced_modules
 from .errors import DataDependentControlFlow, ShapeSpecializationError
 
 #: Tensor attributes whose values are fixed by the example (rank, dtype, device) and are returned concretely.
@@ -60,6 +60,11 @@ class ValueProxy(fx.Proxy):
     def __iter__(self) -> Iterator[Any]:
         return self.tracer.iter(self)
 
+    def __setitem__(self, key: Any, value: Any) -> None:
+        # ``outputs[0] = ...`` on a container (or ``x[idx] = ...`` on a tensor): a node that mutates, as the
+        # model's code does, so later reads of the container see the new item.
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
     def __int__(self) -> int:
         return int(self.tracer.concrete_scalar(self))
 
@@ -92,6 +97,8 @@ class ValueTracer(fx.Tracer):
         self._call: Callable[[list[ValueProxy]], Any] | None = None
         self._grad_enabled = True
         self._autocast_state: tuple[bool, ...] = ()
+        #: The traced call's return value on the example inputs (containers rebuilt, proxies replaced by values).
+        self.output_value: Any = None
 
     def trace_call(
         self,
@@ -127,7 +134,9 @@ class ValueTracer(fx.Tracer):
         assert call is not None
 
         def run(*_):  # type: ignore[no-untyped-def]  # no annotation: fx would copy it into the code
-            return self._lower_output(call(proxies))
+            output = call(proxies)
+            self.output_value = self.value_of(output)
+            return self._lower_output(output)
 
         return run, []
 
@@ -223,21 +232,21 @@ class ValueTracer(fx.Tracer):
         """Return values that fx cannot store as constants (ModelOutput dataclasses) are rebuilt by a node."""
         if isinstance(output, (fx.Proxy, tuple, list)) or type(output) is dict or output is None:
             return output
-        leaves, spec = pytree.tree_flatten(output)
+        leaves, spec = tree_flatten(output)
         if spec.is_leaf():
             return output
-        return self.create_proxy("call_function", _OutputRebuilder(spec), (list(leaves),), {}, name="output_value")
+        return self.create_proxy("call_function", OutputRebuilder(spec), (list(leaves),), {}, name="output_value")
 
 
-class _OutputRebuilder:
+class OutputRebuilder:
     """Rebuilds a pytree return value (e.g. a transformers ``ModelOutput``) from its leaves in generated code."""
 
-    def __init__(self, spec: pytree.TreeSpec) -> None:
+    def __init__(self, spec: TreeSpec) -> None:
         self.spec = spec
         self.__name__ = "rebuild_output"  # fx names the generated global after this
 
     def __call__(self, leaves: list[Any]) -> Any:
-        return pytree.tree_unflatten(leaves, self.spec)
+        return tree_unflatten(leaves, self.spec)
 
 
 def _map_proxies(argument: Any, fn: Callable[[fx.Proxy], Any]) -> Any:
@@ -257,19 +266,27 @@ def _map_proxies(argument: Any, fn: Callable[[fx.Proxy], Any]) -> Any:
 
 @contextmanager
 def concrete_execution() -> Iterator[None]:
-    """Run real module code inside a trace: undo every active tracer's patches of ``nn.Module`` for the block.
+    """Run real module code inside a trace, outside the patches of every active tracer."""
+    with untraced_modules():
+        yield
 
-    Nested traces (a module traced while its parent is traced) stack their patches of ``nn.Module.__call__`` and
-    ``__getattr__``; fx's own revert undoes only the innermost tracer's.
-    """
-    patched = (nn.Module.__call__, nn.Module.__getattr__)
-    try:
-        with _symbolic_trace._maybe_revert_all_patches():
-            nn.Module.__call__ = _symbolic_trace._orig_module_call  # type: ignore[method-assign]
-            nn.Module.__getattr__ = _symbolic_trace._orig_module_getattr  # type: ignore[method-assign]
-            yield
-    finally:
-        nn.Module.__call__, nn.Module.__getattr__ = patched  # type: ignore[method-assign]
+
+def check_traceable(function: Any) -> None:
+    """Raise :class:`DataDependentControlFlow` for a forward that calls ``torch._dynamo.graph_break()``: it asks
+    graph compilers not to capture it whole, so it stays opaque (its submodules still get graphs)."""
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return
+    names = getattr(function, "__globals__", {})
+    for instruction in dis.get_instructions(code):
+        value = names.get(instruction.argval) if instruction.opname == "LOAD_GLOBAL" else None
+        if instruction.argval == "graph_break" and (instruction.opname != "LOAD_GLOBAL" or _is_graph_break(value)):
+            raise DataDependentControlFlow("the forward calls torch._dynamo.graph_break(), which asks graph "
+                                           "compilers not to capture it as one graph")
+
+
+def _is_graph_break(value: Any) -> bool:
+    return getattr(value, "__name__", "") == "graph_break" and getattr(value, "__module__", "").startswith("torch")
 
 
 def check_shape_guard(value: Any, expected: Any, where: str) -> None:

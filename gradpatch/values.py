@@ -23,13 +23,18 @@ class ValueInfo:
     shape: torch.Size | None = None
     items: dict[str, "ValueInfo"] = field(default_factory=dict)
 
+    @staticmethod
+    def unknown() -> "ValueInfo":
+        """For a value never computed (a submodule its opaque parent did not call on the example inputs)."""
+        return ValueInfo("")
+
     def label(self) -> str:
-        """``Tensor(3, 2)``, ``tuple(2)``, ``int`` — as the tree shows it."""
+        """``Tensor(3, 2)``, ``tuple(2)``, ``int`` — as the tree shows it; empty when unknown."""
         if self.shape is not None:
             return f"Tensor({', '.join(str(size) for size in self.shape)})"
         if self.items:
             return f"{self.kind}({len(self.items)})"
-        return self.kind
+        return "" if self.kind in ("tuple", "list", "dict") else self.kind  # empty containers: no label
 
 
 def describe(value: Any) -> ValueInfo:

@@ -37,8 +37,8 @@ def test_llama_mlp_ops_are_nodes(llama_graph):
 
 def test_tree_repr_code_and_paths(llama_graph):
     text = repr(llama_graph.graph.model.layers_0.mlp)
-    assert text.startswith("mlp: Graph(")
-    assert "down_proj: Graph(4)" in text and "linear: Tensor(2, 7, 64)" in text
+    assert text.startswith("mlp: CompiledGraphModule\n")
+    assert "down_proj: CompiledGraphModule\n" in text and "linear: Tensor(2, 7, 64)" in text
     assert "def forward" in llama_graph.graph.model.layers_0.mlp._code
     assert "linear(" in llama_graph.graph.model.layers_0.mlp.down_proj.linear._code
     assert llama_graph.graph.model.layers_0.mlp.down_proj.output._path == "model.layers_0.mlp.down_proj.output"
@@ -49,7 +49,7 @@ def test_tuple_output_module_invocations(tuple_module):
     pg = PatchableGraph(tuple_module, x)
     assert isinstance(pg._graph_module.linear, MultiplyInvokedModule)
     assert {"linear_0", "linear_1", "output"} <= set(dir(pg.graph))
-    assert set(dir(pg.graph.output)) == {"sub_0", "sub_1"}
+    assert set(dir(pg.graph.output)) == {"sub_0", "sub_1", "_code", "_shape"}
     expected_0, expected_1 = tuple_module(x)
     with pg.patch({"linear_0.output": ZeroPatch()}):
         first, second = pg(x)
@@ -63,7 +63,7 @@ def test_tuple_output_module_invocations(tuple_module):
 
 def test_dict_output_digs(mlp):
     pg = PatchableGraph(mlp, torch.randn(3, 4))
-    assert set(dir(pg.graph.output)) == {"out", "hidden"}
+    assert set(dir(pg.graph.output)) == {"out", "hidden", "_code", "_shape"}
     with pg.patch({"output|hidden": ZeroPatch()}):
         result = pg(torch.randn(3, 4))
     assert torch.count_nonzero(result["hidden"]) == 0

@@ -1,0 +1,93 @@
+"""Every private torch name the engine uses, each behind a named function.
+
+torch gives no stability promise for these names; graphpatch stopped importing on torch 2.6 because of them.
+When a torch upgrade removes or changes one, the function here is the one place to mend, and
+``tests/test_torch_compat.py`` names the symbol that disappeared. The list, with what each is for, is in
+docs/engine.md ("Private torch names").
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import fx, nn
+from torch.fx import _symbolic_trace
+from torch.fx import graph_module as _graph_module
+from torch.utils import _pytree
+
+#: The installed torch release as ``(major, minor, patch)``, e.g. ``(2, 13, 0)``.
+TORCH_VERSION: tuple[int, ...] = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:3])
+
+#: (module, attribute) of each private torch symbol used below, checked by tests/test_torch_compat.py.
+PRIVATE_SYMBOLS: tuple[tuple[Any, str], ...] = (
+    (_graph_module, "_forward_from_src"),
+    (_symbolic_trace, "_maybe_revert_all_patches"),
+    (_symbolic_trace, "_orig_module_call"),
+    (_symbolic_trace, "_orig_module_getattr"),
+    (fx.Graph, "_graph_namespace"),
+    (fx.GraphModule, "_lineno_map"),
+    (_pytree, "tree_flatten"),
+    (_pytree, "tree_unflatten"),
+    (_pytree, "TreeSpec"),
+)
+
+#: A pytree's structure (``torch.utils._pytree.TreeSpec``).
+TreeSpec = _pytree.TreeSpec
+
+
+def forward_from_graph(graph: fx.Graph) -> Callable[..., Any]:
+    """Generate and compile the forward function of ``graph`` (``self`` as the module argument)."""
+    code = graph.python_code(root_module="self")
+    return _graph_module._forward_from_src(code.src, code.globals, None)
+
+
+def compile_graph_code(module: fx.GraphModule) -> tuple[Any, Callable[..., Any]]:
+    """Generate ``module.graph``'s code, record it on ``module`` as ``GraphModule.recompile`` does (``.code`` and
+    the line map behind error messages), and compile it.
+
+    Returns:
+        ``(python_code, forward_function)``.
+    """
+    graph = module.graph
+    code = graph.python_code(root_module="self")
+    module._code = code.src
+    module._lineno_map = code._lineno_map
+    module._prologue_start = code._prologue_start
+    forward = _graph_module._forward_from_src(code.src, code.globals, getattr(graph, "_co_fields", {}))
+    return code, forward
+
+
+@contextmanager
+def untraced_modules() -> Iterator[None]:
+    """Undo every active fx tracer's patches of ``nn.Module.__call__`` and ``__getattr__`` for the block.
+
+    Nested traces (a module traced while its parent is traced) stack their patches; fx's own revert undoes only
+    the innermost tracer's.
+    """
+    patched = (nn.Module.__call__, nn.Module.__getattr__)
+    try:
+        with _symbolic_trace._maybe_revert_all_patches():
+            nn.Module.__call__ = _symbolic_trace._orig_module_call  # type: ignore[method-assign]
+            nn.Module.__getattr__ = _symbolic_trace._orig_module_getattr  # type: ignore[method-assign]
+            yield
+    finally:
+        nn.Module.__call__, nn.Module.__getattr__ = patched  # type: ignore[method-assign]
+
+
+def set_node_name(node: fx.Node, name: str) -> None:
+    """Name ``node`` exactly ``name`` (the caller keeps names unique in the graph) and record it in the graph's
+    namespace, so nodes added later get other names."""
+    node.name = name
+    node.graph._graph_namespace._rename_object(node, name)
+
+
+def tree_flatten(value: Any) -> tuple[list[Any], TreeSpec]:
+    """Leaves and structure of a nested value (tuples, lists, dicts, dataclasses such as ``ModelOutput``)."""
+    return _pytree.tree_flatten(value)
+
+
+def tree_unflatten(leaves: list[Any], spec: TreeSpec) -> Any:
+    """Inverse of :func:`tree_flatten`."""
+    return _pytree.tree_unflatten(leaves, spec)
