@@ -3,24 +3,31 @@
 from __future__ import annotations
 
 import json
-import warnings
+import math
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save as save_safetensors
 from torch import nn
 
+from .errors import FingerprintMismatchError, InterventionLoadError
+from .files import atomic_write_bytes, atomic_write_text, read_json, read_tensors, sha256_hex
+from .finite import check_finite
 from .fingerprint import model_fingerprint
 from .patches import AddPatch, CustomPatch, Patch, ProbePatch, RecordPatch, ReplacePatch, ZeroPatch
 
 FORMAT = "gradpatch.intervention"
-VERSION = 1
+#: 2: value shapes and dtypes, Python scalar values, the tensors file's SHA-256 (version 1 files still load).
+VERSION = 2
 JSON_NAME = "intervention.json"
 TENSORS_NAME = "intervention.safetensors"
 _KINDS: dict[str, type[Patch]] = {
     cls.__name__: cls for cls in (ZeroPatch, AddPatch, ReplacePatch, ProbePatch, RecordPatch)
 }
+#: Kinds that carry a value (a tensor saved in the safetensors file, or a Python number kept in the JSON).
+_VALUED = ("AddPatch", "ReplacePatch")
 
 
 class Intervention(nn.Module):
@@ -58,64 +65,158 @@ class Intervention(nn.Module):
         return mapping
 
     def save(self, directory: str | Path, model: nn.Module | None = None) -> Path:
-        """Write ``intervention.json`` (NodePaths, patch kinds, slices, model fingerprint) and
-        ``intervention.safetensors`` (the values) into ``directory``.
+        """Write ``intervention.safetensors`` (the values) and then ``intervention.json`` (NodePaths, patch kinds,
+        slices, value shapes, model fingerprint, the SHA-256 of the tensors file) into ``directory``.
+
+        Each file is written atomically (temporary file + rename), the JSON last: a crash leaves the previous
+        intervention, or a pair whose digest check fails on load, never a silently mismatched pair.
 
         Args:
             directory: created if missing.
             model: the model the intervention belongs to; its fingerprint is recorded and checked on load.
 
+        Returns:
+            ``directory``.
+
         Raises:
             ValueError: a ``CustomPatch`` (a Python function cannot be saved without pickle) or a slice holding
                 something other than ints, slices, ``Ellipsis``, ``None`` and lists of ints.
+            NonFiniteError: a value holds NaN or inf (nothing is written).
         """
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         records = []
-        for path, patch, index in self._entries:
-            if isinstance(patch, CustomPatch) or type(patch).__name__ not in _KINDS:
-                raise ValueError(f"{type(patch).__name__} at '{path}' cannot be saved without pickle; save its "
+        values: dict[str, torch.Tensor] = {}
+        for n, (path, patch, index) in enumerate(self._entries):
+            kind = type(patch).__name__
+            if isinstance(patch, CustomPatch) or kind not in _KINDS:
+                raise ValueError(f"{kind} at '{path}' cannot be saved without pickle; save its "
                                  f"tensors with safetensors yourself or express it as AddPatch/ReplacePatch")
-            records.append({"path": path, "kind": type(patch).__name__, "slice": encode_slice(patch.slice),
-                            "value": None if index is None else f"values.{index}"})
-        document = {"format": FORMAT, "version": VERSION, "patches": records,
-                    "model_fingerprint": None if model is None else model_fingerprint(model)}
+            record: dict[str, Any] = {"path": path, "kind": kind, "slice": encode_slice(patch.slice), "value": None}
+            scalar = getattr(patch, "value", None)
+            if index is not None:
+                value = self.values[index]
+                record.update(value=f"values.{index}", shape=list(value.shape), dtype=str(value.dtype))
+                values[f"{path} ({kind} {n})"] = value
+            elif isinstance(scalar, (bool, int, float)):
+                record["scalar"] = scalar
+                values[f"{path} ({kind} {n})"] = torch.tensor(float(scalar))
+            elif kind in _VALUED:
+                raise ValueError(f"{kind} at '{path}' has value {scalar!r}; only tensors and Python numbers are saved")
+            records.append(record)
+        check_finite(values, "intervention values at", "nothing was saved: stop the optimisation before it "
+                     "diverges (lower the learning rate) and save finite values")
         tensors = {f"values.{i}": value.detach().contiguous().cpu() for i, value in enumerate(self.values)}
-        save_file(tensors, str(directory / TENSORS_NAME))
-        (directory / JSON_NAME).write_text(json.dumps(document, indent=2))
+        data = save_safetensors(tensors)
+        document = {"format": FORMAT, "version": VERSION, "patches": records,
+                    "model_fingerprint": None if model is None else model_fingerprint(model),
+                    "tensors_sha256": sha256_hex(data)}
+        atomic_write_bytes(directory / TENSORS_NAME, data)
+        atomic_write_text(directory / JSON_NAME, json.dumps(document, indent=2))
         return directory
 
     @classmethod
-    def load(cls, directory: str | Path, graph: Any = None, model: nn.Module | None = None) -> "Intervention":
-        """Read an intervention written by :meth:`save`.
+    def load(cls, directory: str | Path, graph: Any = None, model: nn.Module | None = None,
+             check_fingerprint: bool = True) -> "Intervention":
+        """Read an intervention written by :meth:`save`, checking both files before building anything.
 
         Args:
             directory: the folder holding ``intervention.json`` and ``intervention.safetensors``.
-            graph: a :class:`~gradpatch.PatchableGraph`; every saved NodePath is checked against it.
-            model: compare the saved model fingerprint with this model's (a mismatch warns).
+            graph: a :class:`~gradpatch.PatchableGraph`; every saved NodePath is checked against it, and without
+                ``model`` its wrapped model's fingerprint is compared with the saved one.
+            model: the model the intervention is for; its fingerprint must equal the saved one.
+            check_fingerprint: ``False`` loads an intervention saved for another model (no fingerprint check).
+                Interventions saved without a model have no fingerprint to check.
 
         Raises:
-            FileNotFoundError: the files are missing.
-            ValueError: not a gradpatch intervention, or of a newer format version.
+            InterventionLoadError: a file is missing, unreadable or garbled; not a gradpatch intervention or of a
+                newer version; a record is incomplete or of a kind that cannot be loaded; a NodePath has an empty
+                component; a value's shape differs from the recorded one; the two files come from different saves.
+            FingerprintMismatchError: the saved fingerprint differs from the model's (both are named).
             KeyError: saved NodePaths that do not exist in ``graph`` (each with the closest valid ones).
         """
         directory = Path(directory)
-        document = json.loads((directory / JSON_NAME).read_text())
-        if document.get("format") != FORMAT or document.get("version", 0) > VERSION:
-            raise ValueError(f"{directory / JSON_NAME} is not a gradpatch intervention of version <= {VERSION}")
-        tensors = load_file(str(directory / TENSORS_NAME))
+        json_path, tensors_path = directory / JSON_NAME, directory / TENSORS_NAME
+        fix = "save the intervention again with Intervention.save"
+        document = read_json(json_path, InterventionLoadError, fix)
+        if document.get("format") != FORMAT or not isinstance(document.get("version"), int) \
+                or document["version"] > VERSION:
+            raise InterventionLoadError(f"{json_path} is not a gradpatch intervention of version <= {VERSION}; "
+                                        f"{fix} (or upgrade gradpatch)")
+        records = _records(document, json_path, fix)
+        tensors = read_tensors(tensors_path, InterventionLoadError, fix, document.get("tensors_sha256"))
         if graph is not None:
-            _check_paths(graph, [record["path"] for record in document["patches"]])
-        if model is not None and document.get("model_fingerprint") not in (None, model_fingerprint(model)):
-            warnings.warn(f"intervention in {directory} was saved for a model with another fingerprint",
-                          stacklevel=2)
+            _check_paths(graph, [record["path"] for record in records])
+        reference = model if model is not None else getattr(graph, "_original", None)
+        saved = document.get("model_fingerprint")
+        if check_fingerprint and saved is not None and reference is not None:
+            current = model_fingerprint(reference)
+            if current != saved:
+                raise FingerprintMismatchError(
+                    f"{json_path} was saved for a model with fingerprint {saved}, but this model's is {current}: "
+                    f"load it with the model it was trained on, or pass check_fingerprint=False to load it anyway")
         patches: dict[str, list[Patch]] = {}
-        for record in document["patches"]:
-            kwargs: dict[str, Any] = {"slice": decode_slice(record["slice"])}
+        for record in records:
+            kwargs: dict[str, Any] = {"slice": record["slice"]}
             if record["value"] is not None:
-                kwargs["value"] = nn.Parameter(tensors[record["value"]])
+                kwargs["value"] = nn.Parameter(_value(tensors, record, tensors_path, fix))
+            elif "scalar" in record:
+                kwargs["value"] = record["scalar"]
             patches.setdefault(record["path"], []).append(_KINDS[record["kind"]](**kwargs))
         return cls(patches)
+
+
+def _records(document: dict[str, Any], json_path: Path, fix: str) -> list[dict[str, Any]]:
+    """The patch records of an intervention document, checked and with their slices decoded.
+
+    Raises:
+        InterventionLoadError: naming the file and the first bad record.
+    """
+    raw = document.get("patches")
+    if not isinstance(raw, list):
+        raise InterventionLoadError(f"{json_path} has no 'patches' list; {fix}")
+    records = []
+    for i, record in enumerate(raw):
+        where = f"{json_path}, patch {i}"
+        if not isinstance(record, dict) or not {"path", "kind", "slice", "value"} <= set(record):
+            raise InterventionLoadError(f"{where}: a record needs 'path', 'kind', 'slice' and 'value'; {fix}")
+        path, kind = record["path"], record["kind"]
+        if not isinstance(path, str) or "" in re.split(r"[.|]", path):
+            raise InterventionLoadError(f"{where}: NodePath {path!r} is not a dot-joined path of non-empty names "
+                                        f"(e.g. 'model.layers_0.mlp.down_proj.output'); {fix}")
+        if kind not in _KINDS:
+            raise InterventionLoadError(
+                f"{where}: patch kind {kind!r} cannot be loaded; saved interventions hold only "
+                f"{', '.join(sorted(_KINDS))} (a CustomPatch's Python function is never saved: rebuild it in code)")
+        scalar = record.get("scalar")
+        has_value = isinstance(record["value"], str) or (isinstance(scalar, (int, float)) and math.isfinite(scalar))
+        if (kind in _VALUED) != has_value:
+            raise InterventionLoadError(f"{where}: a {kind} {'needs a' if kind in _VALUED else 'takes no'} "
+                                        f"(finite) value; {fix}")
+        try:
+            index = decode_slice(record["slice"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InterventionLoadError(f"{where}: slice {record['slice']!r} cannot be decoded ({exc}); {fix}") from exc
+        records.append({**record, "slice": index})
+    return records
+
+
+def _value(tensors: dict[str, torch.Tensor], record: dict[str, Any], tensors_path: Path, fix: str) -> torch.Tensor:
+    """The tensor a record names, checked against the shape and dtype the record holds (version 2 files).
+
+    Raises:
+        InterventionLoadError: the tensor is missing, or has another shape (rank included) or dtype.
+    """
+    name = record["value"]
+    if name not in tensors:
+        raise InterventionLoadError(f"{tensors_path} lacks tensor {name!r} for '{record['path']}'; {fix}")
+    value = tensors[name]
+    expected = (record.get("shape"), record.get("dtype"))
+    found = (list(value.shape), str(value.dtype))
+    if expected[0] is not None and (found[0] != expected[0] or found[1] != expected[1]):
+        raise InterventionLoadError(f"{tensors_path}: {name!r} for '{record['path']}' is {found[1]} of shape "
+                                    f"{found[0]}, but intervention.json records {expected[1]} of shape "
+                                    f"{expected[0]}; {fix}")
+    return value
 
 
 def _check_paths(graph: Any, paths: list[str]) -> None:
