@@ -6,31 +6,47 @@ the weight untouched) and keeps a copy of the original tensor; ``restore`` write
 weights are bit-identical to those before ``apply``. Several edits can be stacked; restore them in reverse
 order (:func:`restore_edits`).
 
+``apply`` refuses, leaving the weights as they were: a model whose fingerprint differs from the one the edit was
+computed on (unless ``check_fingerprint=False``), an edit whose value search did not converge (unless
+``allow_unconverged=True``), and a second copy of an edit already applied to the same weight (a copy loaded twice
+would otherwise add ``v uᵀ`` twice).
+
 Saved as ``edit.safetensors`` (the factors) plus ``edit.json`` (NodePaths, layout, request, fingerprints,
-hyperparameters) — never pickled.
+hyperparameters, the SHA-256 of the tensors file) — never pickled; both files are written atomically, the JSON last,
+and loading checks every field, the factors' shapes and the digest, raising :class:`EditLoadError` naming the file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save as save_safetensors
 from torch import nn
 
+from gradpatch.files import atomic_write_bytes, atomic_write_text, read_json, read_tensors, sha256_hex
+from gradpatch.finite import check_finite
+
 from .counterfact import EditRequest
-from .errors import EditError, EditLoadError
+from .errors import EditError, EditFingerprintError, EditLoadError, EditNotConvergedError
 from .layers import LinearLayer, resolve_layer, wrapped_model
 
 __all__ = ["Edit", "apply_edits", "load_edits", "restore_edits", "save_edits"]
 
 _FORMAT = "gradpatch.rome-edit"
-_VERSION = 1
+#: 2: the SHA-256 of edit.safetensors in edit.json (version 1 files still load).
+_VERSION = 2
+_LOAD_FIX = "save the edits again with Edit.save or editors.save_edits"
+
+#: Edited module -> the edits applied to its weight and not restored (to refuse a second copy of one of them).
+_APPLIED: "weakref.WeakKeyDictionary[nn.Module, list[Edit]]" = weakref.WeakKeyDictionary()
 
 
 def _fingerprint(target: nn.Module) -> str:
@@ -68,53 +84,82 @@ class Edit:
         return self._original is not None
 
     def layer(self, target: nn.Module) -> LinearLayer:
-        """The edited layer in ``target`` (a PatchableGraph or the model), checked against the factor sizes.
+        """The edited layer in ``target`` (a PatchableGraph or the model), checked against the factor shapes.
 
         Raises:
-            EditLoadError: the layer's shape does not match ``u``/``v``.
+            EditLoadError: ``u`` is not ``[d_in]`` or ``v`` is not ``[d_out]`` for this layer (rank included).
         """
         layer = resolve_layer(target, self.node)
-        if (layer.d_in, layer.d_out) != (self.u.numel(), self.v.numel()):
+        if (tuple(self.u.shape), tuple(self.v.shape)) != ((layer.d_in,), (layer.d_out,)):
             raise EditLoadError(
-                f"Edit of {self.node} has u [{self.u.numel()}] and v [{self.v.numel()}] but the layer maps "
-                f"{layer.d_in} -> {layer.d_out}: apply it to the model it was computed on"
+                f"Edit of {self.node} has u {list(self.u.shape)} and v {list(self.v.shape)} but the layer maps "
+                f"{layer.d_in} -> {layer.d_out} (u [{layer.d_in}], v [{layer.d_out}]): apply it to the model it was "
+                f"computed on"
             )
         return layer
 
     @torch.no_grad()
-    def apply(self, target: nn.Module, check_fingerprint: bool = False) -> "Edit":
+    def apply(self, target: nn.Module, check_fingerprint: bool = True, allow_unconverged: bool = False) -> "Edit":
         """Add ``v uᵀ`` to the layer weight in place and keep the original weight for :meth:`restore`.
+
+        Every check runs before the single write, so a refusal leaves the weight exactly as it was.
 
         Args:
             target: the PatchableGraph (or plain model) holding the layer.
-            check_fingerprint: raise if the model's fingerprint differs from :attr:`model_fingerprint`
-                (the model the edit was computed on; a stack of edits records the model after the previous ones).
+            check_fingerprint: refuse a model whose fingerprint differs from :attr:`model_fingerprint` (the model
+                the edit was computed on; a stack of edits records the model after the previous ones). ``False``
+                applies the factors to any model with the layer's shape. Edits without a recorded fingerprint
+                (built by hand) are not checked.
+            allow_unconverged: apply an edit whose value search did not converge (``info["converged"]`` is
+                ``False``: the last loss not below the first, or non-finite).
 
         Returns:
             ``self``.
 
         Raises:
-            EditError: the edit is already applied.
-            EditLoadError: wrong layer shape or fingerprint.
+            EditError: the edit, or a copy of it (same factors), is already applied to this weight; or the new weight
+                would hold NaN or inf.
+            EditLoadError: the factors do not fit the layer.
+            EditNotConvergedError: the value search did not converge and ``allow_unconverged`` is ``False``.
+            EditFingerprintError: the fingerprints differ (both are named) and ``check_fingerprint`` is ``True``.
         """
         if self.applied:
             raise EditError(f"The edit of {self.node} is already applied; restore() it before applying it again")
         layer = self.layer(target)
+        weight = layer.weight
+        if any(other.same_factors(self) for other in _live_records(layer.module, weight)):
+            raise EditError(
+                f"An edit with the same factors is already applied to {self.node} (a second copy loaded from the same "
+                f"files?); applying it again would add v uᵀ twice: restore the applied copy first"
+            )
+        if self.info.get("converged") is False and not allow_unconverged:
+            first, last = (f"{x:.4g}" if isinstance(x, float) else x for x in (self.info.get("first_loss"),
+                                                                               self.info.get("loss")))
+            raise EditNotConvergedError(
+                f"The value search of the edit of {self.node} did not converge (loss {first} -> {last} in "
+                f"{self.info.get('steps')} steps), so it was not applied: compute it again with more steps or a "
+                f"smaller learning rate, or pass allow_unconverged=True to apply it anyway"
+            )
         if check_fingerprint and self.model_fingerprint is not None:
             current = _fingerprint(target)
             if current != self.model_fingerprint:
-                raise EditLoadError(
+                raise EditFingerprintError(
                     f"Model fingerprint {current} differs from the edit's {self.model_fingerprint}: apply it to the "
                     f"model it was computed on (after the same earlier edits), or pass check_fingerprint=False"
                 )
-        weight = layer.weight
         original = weight.detach().clone()
         new = original + layer.delta_weight(self.u, self.v)
         if not torch.isfinite(new).all():
             raise EditError(f"The edit of {self.node} produces non-finite weights; it was not applied")
         weight.copy_(new)
         self._original, self._applied_to, self._written = original, weight, new
+        _APPLIED.setdefault(layer.module, []).append(self)
         return self
+
+    def same_factors(self, other: "Edit") -> bool:
+        """Whether ``other`` has the same ``u`` and ``v`` values (any dtype or device)."""
+        return all(a.shape == b.shape and torch.equal(a.detach().cpu().double(), b.detach().cpu().double())
+                   for a, b in ((self.u, other.u), (self.v, other.v)))
 
     @torch.no_grad()
     def restore(self, target: nn.Module | None = None, force: bool = False) -> None:
@@ -139,6 +184,9 @@ class Edit:
             )
         weight.copy_(self._original)
         self._original, self._applied_to, self._written = None, None, None
+        for applied in _APPLIED.values():
+            if self in applied:
+                applied.remove(self)
 
     # --- serialisation ---------------------------------------------------------------------------------------
 
@@ -170,21 +218,37 @@ class Edit:
         return edits[0]
 
 
+def _live_records(module: nn.Module, weight: torch.Tensor) -> list[Edit]:
+    """The edits applied to ``weight`` (of ``module``) and not restored. Records whose edit is no longer in the weight
+    — it holds exactly the value from before that edit again (restored by hand, reloaded) — are dropped."""
+    records = _APPLIED.get(module, [])
+    records[:] = [e for e in records if e._applied_to is weight and not torch.equal(weight, e._original)]
+    return records
+
+
 def save_edits(edits: Sequence[Edit], path: str | os.PathLike[str]) -> Path:
-    """Save edits (applied in list order) to directory ``path``: ``edit.safetensors`` and ``edit.json``.
+    """Save edits (applied in list order) to directory ``path``: ``edit.safetensors``, then ``edit.json``.
+
+    Each file is written atomically (temporary file + rename), the JSON last and recording the tensors file's
+    SHA-256, so a crash never leaves a pair that loads as something else.
 
     Returns:
         The directory.
+
+    Raises:
+        NonFiniteError: a factor holds NaN or inf (nothing is written).
     """
     folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for i, edit in enumerate(edits):
         tensors[f"{i}.u"] = edit.u.detach().cpu().contiguous()
         tensors[f"{i}.v"] = edit.v.detach().cpu().contiguous()
-    save_file(tensors, str(folder / "edit.safetensors"), metadata={"format": _FORMAT})
-    meta = {"format": _FORMAT, "version": _VERSION, "edits": [e.to_json() for e in edits]}
-    (folder / "edit.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    check_finite(tensors, "edit factors", "nothing was saved: recompute the edit")
+    data = save_safetensors(tensors, metadata={"format": _FORMAT})
+    meta = {"format": _FORMAT, "version": _VERSION, "edits": [e.to_json() for e in edits],
+            "tensors_sha256": sha256_hex(data)}
+    atomic_write_bytes(folder / "edit.safetensors", data)
+    atomic_write_text(folder / "edit.json", json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
     return folder
 
 
@@ -192,38 +256,75 @@ def load_edits(path: str | os.PathLike[str]) -> list[Edit]:
     """Load edits saved with :func:`save_edits` (not applied).
 
     Raises:
-        EditLoadError: missing files, another format, or tensors missing.
+        EditLoadError: missing files; an unreadable, garbled or incomplete ``edit.json`` (a missing ``d_in``, say);
+            another format or a newer version; an unreadable ``edit.safetensors`` or one from another save; a factor
+            missing, non-finite or of another shape than ``[d_in]`` / ``[d_out]``. The message names the file.
     """
     folder = Path(path)
     meta_path, tensor_path = folder / "edit.json", folder / "edit.safetensors"
     if not meta_path.is_file() or not tensor_path.is_file():
         raise EditLoadError(f"{folder} has no edit.json/edit.safetensors; save edits with Edit.save or save_edits")
-    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    meta = read_json(meta_path, EditLoadError, _LOAD_FIX)
     if meta.get("format") != _FORMAT:
         raise EditLoadError(f"{meta_path} is not a gradpatch ROME edit (format {meta.get('format')!r})")
-    tensors = load_file(str(tensor_path))
-    edits = []
-    for i, record in enumerate(meta["edits"]):
-        try:
-            u, v = tensors[f"{i}.u"], tensors[f"{i}.v"]
-        except KeyError as exc:
-            raise EditLoadError(f"{tensor_path} lacks tensor {exc}; the files do not belong together") from None
-        if (u.numel(), v.numel()) != (record["d_in"], record["d_out"]):
-            raise EditLoadError(f"Edit {i} in {folder}: factor sizes disagree with edit.json")
+    if not isinstance(meta.get("version"), int) or meta["version"] > _VERSION:
+        raise EditLoadError(f"{meta_path} has version {meta.get('version')!r}; this gradpatch reads versions <= "
+                            f"{_VERSION}: upgrade gradpatch or {_LOAD_FIX}")
+    records = meta.get("edits")
+    if not isinstance(records, list):
+        raise EditLoadError(f"{meta_path} has no 'edits' list; {_LOAD_FIX}")
+    tensors = read_tensors(tensor_path, EditLoadError, _LOAD_FIX, meta.get("tensors_sha256"))
+    return [_edit_from_record(i, record, tensors, meta_path, tensor_path) for i, record in enumerate(records)]
+
+
+def _edit_from_record(i: int, record: Any, tensors: dict[str, torch.Tensor], meta_path: Path,
+                      tensor_path: Path) -> Edit:
+    """Edit ``i`` of a loaded file, every field and both factors checked.
+
+    Raises:
+        EditLoadError: naming the file and the field.
+    """
+    where = f"{meta_path}, edit {i}"
+    if not isinstance(record, dict):
+        raise EditLoadError(f"{where} is a {type(record).__name__}, not an object; {_LOAD_FIX}")
+    missing = sorted({"node", "d_in", "d_out"} - set(record))
+    if missing:
+        raise EditLoadError(f"{where} lacks {missing}; {_LOAD_FIX}")
+    node, sizes = record["node"], (record["d_in"], record["d_out"])
+    if not isinstance(node, str) or "" in re.split(r"[.|]", node):
+        raise EditLoadError(f"{where}: node {node!r} is not a NodePath of non-empty names; {_LOAD_FIX}")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+        raise EditLoadError(f"{where}: d_in and d_out must be positive integers, got {sizes}; {_LOAD_FIX}")
+    fingerprint, info = record.get("model_fingerprint"), record.get("info", {})
+    if not (fingerprint is None or isinstance(fingerprint, str)) or not isinstance(info, dict):
+        raise EditLoadError(f"{where}: model_fingerprint must be a string or null and info an object; {_LOAD_FIX}")
+    factors = []
+    for name, size in zip(("u", "v"), sizes):
+        key = f"{i}.{name}"
+        if key not in tensors:
+            raise EditLoadError(f"{tensor_path} lacks tensor {key!r}; the files do not belong together: {_LOAD_FIX}")
+        factor = tensors[key]
+        if tuple(factor.shape) != (size,):
+            raise EditLoadError(f"{tensor_path}: {key!r} has shape {list(factor.shape)}, but edit.json says "
+                                f"[{size}]; {_LOAD_FIX}")
+        if not bool(torch.isfinite(factor).all()):
+            raise EditLoadError(f"{tensor_path}: {key!r} holds NaN or inf; {_LOAD_FIX}")
+        factors.append(factor)
+    try:
         request = None if record.get("request") is None else EditRequest.from_dict(record["request"])
-        edits.append(
-            Edit(node=record["node"], u=u, v=v, request=request,
-                 model_fingerprint=record.get("model_fingerprint"), info=record.get("info", {}))
-        )
-    return edits
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise EditLoadError(f"{where}: the request is invalid ({exc}); {_LOAD_FIX}") from exc
+    return Edit(node=node, u=factors[0], v=factors[1], request=request, model_fingerprint=fingerprint, info=info)
 
 
-def apply_edits(target: nn.Module, edits: Sequence[Edit], check_fingerprint: bool = False) -> list[Edit]:
-    """Apply edits in order; if one fails, the ones applied so far are restored and the error re-raised."""
+def apply_edits(target: nn.Module, edits: Sequence[Edit], check_fingerprint: bool = True,
+                allow_unconverged: bool = False) -> list[Edit]:
+    """Apply edits in order (each checked as :meth:`Edit.apply` does); if one fails, the ones applied so far are
+    restored and the error re-raised."""
     done: list[Edit] = []
     try:
         for edit in edits:
-            done.append(edit.apply(target, check_fingerprint=check_fingerprint))
+            done.append(edit.apply(target, check_fingerprint=check_fingerprint, allow_unconverged=allow_unconverged))
     except BaseException:
         restore_edits(target, done)
         raise

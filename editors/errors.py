@@ -5,9 +5,14 @@ Every error message names the fix.
 
 from __future__ import annotations
 
+from gradpatch.errors import FingerprintMismatchError
+
 __all__ = [
+    "CacheRecomputedWarning",
     "EditError",
+    "EditFingerprintError",
     "EditLoadError",
+    "EditNotConvergedError",
     "LayerKindError",
     "StatisticsError",
     "SubjectNotFoundError",
@@ -36,4 +41,19 @@ class StatisticsError(EditError, ValueError):
 
 
 class EditLoadError(EditError, ValueError):
-    """A saved edit does not match the graph or model it is applied to."""
+    """A saved edit is missing, unreadable or inconsistent (the message names the file), or does not match the graph
+    or model it is applied to."""
+
+
+class EditFingerprintError(EditLoadError, FingerprintMismatchError):
+    """An edit is applied to a model other than the one it was computed on (the message gives both fingerprints)."""
+
+
+class EditNotConvergedError(EditError):
+    """The value search of an edit did not converge (its last loss is not below its first, or is not finite), so
+    the edit is not applied unless asked for (``allow_unconverged=True``)."""
+
+
+class CacheRecomputedWarning(UserWarning):
+    """A cache file (second-moment statistics, context templates) was unreadable or inconsistent and is recomputed
+    (the message names the file and what was wrong with it)."""

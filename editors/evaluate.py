@@ -87,14 +87,15 @@ def evaluate_cases(
     Returns:
         ``{"efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases", "pre": {...}, "cases": [...]}``
         where ``pre`` holds the same scores on the unedited model and each case row holds ``pre``/``post``
-        scores, the edit's info (steps, loss, norms, timings) and ``seconds``.
+        scores, the edit's info (steps, whether its value search converged, loss, norms, timings) and ``seconds``.
+        Edits are scored whether or not their value search converged: the scores measure the editor as it is.
     """
     rows = []
     for i, case in enumerate(cases):
         t0 = time.perf_counter()
         pre = score_case(pg, tokenizer, case)
         edit = compute_edit(case.request)
-        edit.apply(pg)
+        edit.apply(pg, allow_unconverged=True)  # scored as computed (restored below); the row says if it converged
         try:
             post = score_case(pg, tokenizer, case)
         finally:
@@ -112,8 +113,8 @@ def evaluate_cases(
             "pre": {k: pre[k] for k in ("efficacy", "paraphrase", "neighborhood")},
             "logp": {"pre": {"new": pre["logp_new"], "true": pre["logp_true"]},
                      "post": {"new": post["logp_new"], "true": post["logp_true"]}},
-            "edit": {k: edit.info.get(k) for k in ("steps", "loss", "nll", "kl", "target_prob", "delta_norm",
-                                                    "v_init_norm", "timings_s")},
+            "edit": {k: edit.info.get(k) for k in ("steps", "converged", "loss", "nll", "kl", "target_prob",
+                                                    "delta_norm", "v_init_norm", "timings_s")},
             "seconds": seconds,
         }
         rows.append(row)

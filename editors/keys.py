@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradpatch.files import atomic_write_text
+
 from .capture import layer_inputs
+from .errors import CacheRecomputedWarning
 from .layers import LinearLayer, model_device
 from .scoring import logits_of
 from .tokens import encode_subject_prompt, format_with_span, pad_token_id, right_pad
@@ -124,6 +128,10 @@ def load_or_generate_prefixes(
 ) -> ContextTemplates:
     """Context prefixes from ``cache_dir/<fingerprint>/context_templates_*.json``, generated and saved if absent.
 
+    A cache file that is unreadable, not JSON, or not ``{"prefixes": [...]}`` with the empty prefix first and one
+    string per sampled continuation is regenerated and replaced (atomically), with a
+    :class:`~editors.errors.CacheRecomputedWarning` naming the file.
+
     Args:
         fingerprint: identifies the model (see :func:`editors.stats.statistics_fingerprint`).
         cache_dir: folder of the cache, or ``None`` to skip the disk cache.
@@ -131,12 +139,21 @@ def load_or_generate_prefixes(
     tag = "_".join(f"{n}x{c}" for n, c in length_params)
     path = Path(cache_dir).expanduser() / fingerprint / f"context_templates_{tag}_seed{seed}.json" if cache_dir else None
     if path is not None and path.is_file():
-        prefixes = json.loads(path.read_text(encoding="utf-8"))["prefixes"]
-        return ContextTemplates(prefixes=tuple(prefixes))
+        expected = 1 + sum(count for _, count in length_params)
+        try:
+            prefixes = json.loads(path.read_text(encoding="utf-8"))["prefixes"]
+            valid = (isinstance(prefixes, list) and len(prefixes) == expected and prefixes[0] == ""
+                     and all(isinstance(p, str) for p in prefixes))
+            problem = f"does not hold {expected} prefix strings, the empty one first"
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+            valid, problem = False, f"is unreadable ({type(error).__name__}: {error})"
+        if valid:
+            return ContextTemplates(prefixes=tuple(prefixes))
+        warnings.warn(f"context template cache {path} {problem}; generating the templates again and replacing it",
+                      CacheRecomputedWarning, stacklevel=2)
     templates = generate_context_prefixes(pg, tokenizer, length_params=length_params, seed=seed)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"prefixes": list(templates.prefixes)}, indent=1, ensure_ascii=False), encoding="utf-8")
+        atomic_write_text(path, json.dumps({"prefixes": list(templates.prefixes)}, indent=1, ensure_ascii=False))
     return templates
 
 

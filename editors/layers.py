@@ -41,14 +41,17 @@ def resolve_module(target: nn.Module, node_path: str) -> nn.Module:
     ``layers[5]``), so the same NodePath works on both.
 
     Raises:
-        KeyError: no submodule at that path (the message names the available children).
+        KeyError: no submodule at that path (the message names the available children), or a NodePath with an
+            empty component (``"model..layers_0"``).
     """
+    parts = node_path.split(".") if node_path else []
+    if "" in parts:
+        raise KeyError(f"NodePath {node_path!r} has an empty component; join module names with single dots, "
+                       f"e.g. 'model.layers_0.mlp.down_proj'")
     if hasattr(target, "original_module") and hasattr(target, "graph"):
         return target.original_module(node_path)
     module: Any = target
-    for part in node_path.split("."):
-        if not part:
-            continue
+    for part in parts:
         child = getattr(module, part, None) if isinstance(module, nn.Module) else None
         if child is None:
             match = re.fullmatch(r"(.+)_(\d+)", part)

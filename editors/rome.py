@@ -72,6 +72,9 @@ class ROMEConfig:
             ``~/.cache/gradpatch/stats``).
         use_cache: read and write the disk cache.
         progress: show progress bars.
+        allow_unconverged: let :meth:`ROME.edit` apply an edit whose value search did not converge (its last loss
+            not below its first, or non-finite); by default such an edit raises
+            :class:`~editors.errors.EditNotConvergedError` and the weights stay as they were.
     """
 
     steps: int = 25
@@ -89,6 +92,7 @@ class ROMEConfig:
     cache_dir: str | None = None
     use_cache: bool = True
     progress: bool = True
+    allow_unconverged: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The hyperparameters as a JSON-able dict."""
@@ -181,11 +185,13 @@ class ROME:
             callback: called with ``(step, loss terms)`` during the value optimisation.
 
         Returns:
-            The :class:`Edit` (not applied); ``edit.info`` holds losses, steps, norms and timings.
+            The :class:`Edit` (not applied); ``edit.info`` holds losses (``first_loss``, ``loss``: the first and last
+            evaluated), ``converged``, steps, norms and timings.
 
         Raises:
             EditError: the graph is in training mode.
             StatisticsError: the statistics are unusable.
+            NonFiniteError: the value search met a non-finite loss term, gradient or value (named with its step).
         """
         if getattr(self.pg, "training", False):
             raise EditError("The PatchableGraph is in training mode (dropout would randomise the edit): call pg.eval()")
@@ -214,6 +220,8 @@ class ROME:
         last = result.history[-1] if result.history else {}
         info = {
             "steps": result.steps,
+            "converged": result.converged(c.early_stop_loss),
+            "first_loss": result.history[0]["loss"] if result.history else None,
             "loss": last.get("loss"),
             "nll": last.get("nll"),
             "kl": last.get("kl"),
@@ -234,5 +242,10 @@ class ROME:
 
         Several calls edit several facts in sequence: each edit is computed on the model with the earlier
         ones applied. A failure leaves the weights as they were.
+
+        Raises:
+            EditNotConvergedError: the value search did not converge and ``config.allow_unconverged`` is ``False``.
+            NonFiniteError: the value search met a non-finite loss term, gradient or value.
         """
-        return self.compute(request, callback=callback).apply(self.pg)
+        edit = self.compute(request, callback=callback)
+        return edit.apply(self.pg, allow_unconverged=self.config.allow_unconverged)

@@ -7,27 +7,32 @@ documents, accumulated in float64 batch by batch (``C = Σ Kᵀ K / n_tokens`` w
 Results are cached as safetensors files under ``~/.cache/gradpatch/stats`` (override with ``cache_dir=`` or the
 ``GRADPATCH_STATS_DIR`` environment variable), keyed by a fingerprint of the model (that leaves out the edited
 layer's own weight, which does not influence its input, so the statistics survive edits of that layer), the
-NodePath, the corpus name, the number of documents and the truncation length.
+NodePath, the corpus name, the number of documents and the truncation length. A cache file is written atomically
+(temporary file + rename) and checked when read — readable, the expected key and shape, the dtype its name gives,
+finite, symmetric, metadata matching the layer; one that fails a check is recomputed (and replaced) with a
+:class:`~editors.errors.CacheRecomputedWarning` naming the file and the problem.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from gradpatch import model_fingerprint
+from gradpatch.files import atomic_write_bytes
 
 from .capture import layer_inputs
 from .corpus import Corpus, open_corpus
-from .errors import StatisticsError
+from .errors import CacheRecomputedWarning, StatisticsError
 from .layers import LinearLayer, resolve_layer, wrapped_model
 from .tokens import pad_token_id, right_pad
 
@@ -213,28 +218,57 @@ def layer_second_moment(
         folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         path = _cache_file(folder, fingerprint, layer.input_node, source.name, n_samples, max_length, accumulate_dtype)
         if path.is_file():
-            with safe_open(str(path), framework="pt") as handle:
-                meta = handle.metadata() or {}
-                matrix = handle.get_tensor("second_moment")
-            if matrix.shape == (layer.d_in, layer.d_in):
-                return SecondMoment(
-                    matrix=matrix.to(layer.weight.device), n_tokens=int(meta.get("n_tokens", 0)),
-                    n_samples=int(meta.get("n_documents", n_samples)), node=layer.input_node,
-                    fingerprint=fingerprint, corpus=source.name,
-                )
+            cached = _read_cache(path, layer, fingerprint, accumulate_dtype)
+            if cached is not None:
+                matrix, n_tokens, n_docs = cached
+                return SecondMoment(matrix=matrix.to(layer.weight.device), n_tokens=n_tokens, n_samples=n_docs,
+                                    node=layer.input_node, fingerprint=fingerprint, corpus=source.name)
     matrix, n_tokens, n_docs = compute_second_moment(
         pg, tokenizer, layer, source, n_samples=n_samples, max_length=max_length, batch_size=batch_size,
         accumulate_dtype=accumulate_dtype, progress=progress,
     )
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        save_file(
-            {"second_moment": matrix.cpu().contiguous()}, str(tmp),
+        # Stored in the accumulation dtype the file name gives (float32 accumulation loses nothing by it).
+        data = save_safetensors(
+            {"second_moment": matrix.to(accumulate_dtype).cpu().contiguous()},
             metadata={"node": layer.input_node, "fingerprint": fingerprint, "corpus": str(source.name),
                       "n_samples": str(n_samples), "n_documents": str(n_docs), "n_tokens": str(n_tokens),
                       "max_length": str(max_length)},
         )
-        os.replace(tmp, path)
+        atomic_write_bytes(path, data)
     return SecondMoment(matrix=matrix, n_tokens=n_tokens, n_samples=n_docs, node=layer.input_node,
                         fingerprint=fingerprint, corpus=source.name)
+
+
+def _read_cache(path: Path, layer: LinearLayer, fingerprint: str,
+                dtype: torch.dtype) -> tuple[torch.Tensor, int, int] | None:
+    """``(C [d_in, d_in] float64 on the CPU, n_tokens, n_documents)`` from a cache file, or ``None`` (with a
+    :class:`CacheRecomputedWarning` naming the file and the problem) when the file is unreadable or inconsistent."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+            keys = set(handle.keys())
+            matrix = handle.get_tensor("second_moment") if "second_moment" in keys else None
+        n_tokens, n_docs = int(meta["n_tokens"]), int(meta["n_documents"])
+    except (SafetensorError, OSError, KeyError, ValueError) as error:
+        return _recompute(path, f"unreadable or incomplete ({type(error).__name__}: {error})")
+    if matrix is None:
+        return _recompute(path, "holds no 'second_moment' tensor")
+    if (meta.get("node"), meta.get("fingerprint")) != (layer.input_node, fingerprint):
+        return _recompute(path, f"belongs to {meta.get('node')!r} of model {meta.get('fingerprint')!r}")
+    if matrix.shape != (layer.d_in, layer.d_in) or matrix.dtype != dtype:
+        return _recompute(path, f"holds a {matrix.dtype} matrix of shape {list(matrix.shape)}, not {dtype} "
+                                f"[{layer.d_in}, {layer.d_in}] as its name says")
+    if not bool(torch.isfinite(matrix).all()):
+        return _recompute(path, "holds NaN or inf")
+    asymmetry, scale = float((matrix - matrix.T).abs().max()), float(matrix.abs().max())
+    if asymmetry > 1e-5 * scale or n_tokens < 1:
+        return _recompute(path, f"is not a second moment (asymmetry {asymmetry:.3g}, scale {scale:.3g}, "
+                                f"{n_tokens} tokens)")
+    return matrix.to(torch.float64), n_tokens, n_docs
+
+
+def _recompute(path: Path, problem: str) -> None:
+    warnings.warn(f"statistics cache {path} {problem}; recomputing the second moment and replacing the file",
+                  CacheRecomputedWarning, stacklevel=4)
+    return None

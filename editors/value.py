@@ -12,12 +12,15 @@ key), and ``v* = v₀ + δ``. :class:`ValueObjective` computes the terms (``loss
 :class:`ValueRunner` minimises it. Two runners share that one objective: :func:`optimize_value`, the plain-torch
 loop (Adam, early stop when ``loss < 0.05``) that ``editors`` uses when nothing else is given, and
 ``recipes.rome_value.fit_value``, the same optimisation as a LightningModule under ``Trainer.fit`` (used by the
-``gradpatch rome`` / ``eval-rome`` commands and the demo, with TensorBoard logging).
+``gradpatch rome`` / ``eval-rome`` commands and the demo, with TensorBoard logging). Both stop at the first
+non-finite loss term, gradient or updated ``δ`` with a :class:`gradpatch.errors.NonFiniteError` naming the step
+(:func:`value_step_guard`), and :meth:`ValueResult.converged` tells whether the search converged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 from gradpatch import AddPatch
+from gradpatch.finite import StepGuard
 
 from .counterfact import EditRequest
 from .keys import ContextTemplates
@@ -33,7 +37,8 @@ from .layers import LinearLayer, wrapped_model
 from .scoring import logits_of
 from .tokens import EncodedPrompt, encode_prompt_target, encode_subject_prompt, format_with_span, pad_token_id, right_pad
 
-__all__ = ["ValueObjective", "ValueResult", "ValueRunner", "frozen_parameters", "optimize_value"]
+__all__ = ["ValueObjective", "ValueResult", "ValueRunner", "frozen_parameters", "optimize_value",
+           "value_step_guard"]
 
 KL_PROMPT = "{} is a"
 
@@ -189,6 +194,20 @@ class ValueResult:
     steps: int
     history: list[dict[str, float]] = field(default_factory=list)
 
+    def converged(self, early_stop_loss: float) -> bool:
+        """Whether the search converged: its last evaluated loss is finite and below ``early_stop_loss`` or below
+        its first loss (an edit from a search that did not converge is not applied unless asked for)."""
+        if not self.history:
+            return False
+        first, last = self.history[0]["loss"], self.history[-1]["loss"]
+        return math.isfinite(last) and (last < early_stop_loss or last < first)
+
+
+def value_step_guard(lr: float) -> StepGuard:
+    """How both value runners report a non-finite loss term, gradient or ``δ`` (steps counted from 0)."""
+    return StepGuard("ROME value step", f"lower the learning rate (lr={lr:g}) or keep the norm clamp (clamp_factor); "
+                                        f"the weights were not changed")
+
 
 #: ``callback(step, terms)``: called after each loss evaluation with the terms as floats.
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -223,9 +242,17 @@ def optimize_value(
 
     Returns:
         A :class:`ValueResult`.
+
+    Raises:
+        ValueError: ``lr`` is not a finite positive number.
+        NonFiniteError: a loss term, the gradient of ``δ`` or ``δ`` after an update is NaN or inf (the message names
+            the step and the terms), or the update overflows (a learning rate such as 1e38).
     """
+    if not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a finite positive number, got {lr}; ROME uses 0.5")
     delta = nn.Parameter(torch.zeros_like(objective.v_init))
     optimizer = torch.optim.Adam([delta], lr=lr)
+    guard = value_step_guard(lr)
     history: list[dict[str, float]] = []
     taken = 0
     with frozen_parameters(objective.pg), torch.enable_grad():
@@ -235,12 +262,16 @@ def optimize_value(
             history.append(record)
             if callback is not None:
                 callback(step, record)
+            guard.check_terms(step, record)
             if record["loss"] < early_stop_loss:
                 break
             optimizer.zero_grad(set_to_none=True)
             terms["loss"].backward()
-            optimizer.step()
+            guard.check_gradients(step, {"delta": delta}, record)
+            with guard.update(step, lr):
+                optimizer.step()
             objective.project_(delta)
+            guard.check_values(step, {"delta": delta})
             taken += 1
     final = delta.detach().clone()
     return ValueResult(delta=final, v_star=objective.v_init + final, steps=taken, history=history)
