@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
 
 from gradpatch import AddPatch, Intervention, PatchableGraph
+from gradpatch.finite import StepGuard
 
 from .cli import resolve_node
 from .data import (KIND_KL, KIND_STEER, KIND_TARGET, PromptRows, RowCollator, build_rows, encode, left_pad,
@@ -157,13 +158,17 @@ class DeltaModule(FrozenGraphModule):
         return [f"{spec.node}@{spec.position}" for spec in self.delta_specs]
 
     def export_intervention(self, directory: str | Path) -> Path:
-        """Write the trained intervention in the engine's format (``intervention.json`` + ``.safetensors``).
+        """Write the trained intervention in the engine's format (``intervention.json`` + ``.safetensors``,
+        atomically, with the model's fingerprint).
 
         Load it back with ``Intervention.load(directory, graph=pg, model=model)`` and apply it with
         ``pg.patch(...)``; it gives the outputs this module's patched model gives.
 
         Returns:
             ``directory``.
+
+        Raises:
+            NonFiniteError: a delta holds NaN or inf (nothing is written).
         """
         return self.intervention.save(directory, model=self.__dict__["_model"])
 
@@ -171,6 +176,11 @@ class DeltaModule(FrozenGraphModule):
     def model(self) -> nn.Module:
         """The wrapped model (frozen)."""
         return self.__dict__["_model"]
+
+    def step_guard(self) -> StepGuard:
+        """Non-finite steps are reported as ``DeltaModule`` errors whose fix names ``lr`` and ``max_norm``."""
+        return StepGuard("DeltaModule", f"lower the learning rate (lr={self.lr:g}) or bound the deltas with "
+                                        f"max_norm; nothing was exported")
 
     # --- data ----------------------------------------------------------------------------------------------
 

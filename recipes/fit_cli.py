@@ -82,10 +82,13 @@ def run_fit(args: Sequence[str]) -> int:
         args: the arguments after ``fit`` (``--config FILE``, ``--trainer.max_steps N``, ...).
 
     Returns:
-        0 on success (``--help`` and argument errors exit through ``SystemExit``, as LightningCLI does).
+        0 on success; 1 when training stopped at a non-finite loss term, gradient or delta (the error is printed and
+        nothing is exported). ``--help`` and argument errors exit through ``SystemExit``, as LightningCLI does.
     """
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.loggers import TensorBoardLogger
+
+    from gradpatch.errors import NonFiniteError
 
     from .delta_module import DeltaModule
     from .logger import InterventionLogger
@@ -114,7 +117,11 @@ def run_fit(args: Sequence[str]) -> int:
     if any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers) and not any(
             isinstance(cb, InterventionLogger) for cb in trainer.callbacks):
         trainer.callbacks.append(InterventionLogger())
-    trainer.fit(module)
+    try:
+        trainer.fit(module)
+    except NonFiniteError as error:
+        print(f"gradpatch fit: {error}", file=sys.stderr)
+        return 1
     if trainer.is_global_zero:
         export = cli.config.get("export")
         folder = Path(export) if export else Path(trainer.log_dir or ".") / "intervention"

@@ -3,17 +3,22 @@
 :class:`FrozenGraphModule` is the base of :class:`~recipes.delta_module.DeltaModule` and
 :class:`~recipes.objective_module.ObjectiveModule`. It holds the graph with every model weight frozen (no gradients,
 no optimizer state, no checkpoint entry) and keeps it in ``eval()`` whatever Lightning does with the training flag;
-subclasses register the trainable tensors and implement :meth:`FrozenGraphModule.loss_terms`.
+subclasses register the trainable tensors and implement :meth:`FrozenGraphModule.loss_terms`. Training stops at
+the first non-finite loss term, gradient or updated tensor with a :class:`gradpatch.errors.NonFiniteError` naming the
+step (see :meth:`FrozenGraphModule.step_guard`).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
 from torch import nn
+
+from gradpatch.finite import StepGuard
 
 from .errors import RecipeConfigError
 
@@ -38,10 +43,16 @@ class FrozenGraphModule(LightningModule):
       module with a freshly loaded model take them back, and :meth:`on_load_checkpoint` checks that none is missing.
     - Under DDP the frozen weights and buffers are neither broadcast nor synchronised
       (``_ddp_params_and_buffers_to_ignore``); only the trainable tensors' gradients are all-reduced.
+    - Each step's loss terms, the trainable tensors' gradients and the tensors after the optimizer update are checked:
+      the first NaN or inf raises :class:`gradpatch.errors.NonFiniteError` naming the step (``global_step``, from 0)
+      and the terms or tensors, as does an update that overflows (a learning rate such as 1e38).
 
     Args:
-        lr: learning rate.
+        lr: learning rate (finite, > 0).
         optimizer: ``"adam"``, ``"adamw"`` or ``"sgd"``.
+
+    Raises:
+        RecipeConfigError: an unknown optimizer, or a learning rate that is not a finite positive number.
     """
 
     strict_loading = False
@@ -50,8 +61,11 @@ class FrozenGraphModule(LightningModule):
         super().__init__()
         if optimizer not in ("adam", "adamw", "sgd"):
             raise RecipeConfigError(f"optimizer {optimizer!r} is not one of 'adam', 'adamw', 'sgd'")
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+            raise RecipeConfigError(f"lr must be a finite positive number, got {lr!r}; e.g. 0.05")
         self.lr = float(lr)
         self.optimizer_name = optimizer
+        self._step_terms: dict[str, float] = {}
 
     # --- the frozen graph ----------------------------------------------------------------------------------
 
@@ -103,18 +117,52 @@ class FrozenGraphModule(LightningModule):
         """
         raise NotImplementedError(f"{type(self).__name__} must implement loss_terms(batch) -> {{'loss': ...}}")
 
+    def step_guard(self) -> StepGuard:
+        """How a non-finite step is reported: this module's name and the fix (subclasses name their own)."""
+        return StepGuard(type(self).__name__, f"lower the learning rate (lr={self.lr:g}); nothing was exported")
+
+    def named_trainable(self) -> dict[str, nn.Parameter]:
+        """``state_dict`` name -> trainable tensor (what the finiteness checks name)."""
+        prefix = GRAPH_ATTRIBUTE + "."
+        return {name: p for name, p in self.named_parameters() if not name.startswith(prefix)}
+
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        """One step: :meth:`loss_terms`, the loss on the progress bar.
+        """One step: :meth:`loss_terms` (checked to be finite), the loss on the progress bar.
 
         Returns:
             ``{"loss": loss, "terms": {name: detached scalar}}`` (``terms`` reaches callbacks'
             ``on_train_batch_end`` as ``outputs["terms"]``).
+
+        Raises:
+            NonFiniteError: a loss term is NaN or inf (the message names the step and the terms).
         """
         terms = self.loss_terms(batch)
+        self.step_guard().check_terms(self.global_step, terms)
+        self._step_terms = {name: float(value.detach()) for name, value in terms.items() if value.numel() == 1}
         loss = terms["loss"]
         self.log("loss", loss.detach(), prog_bar=True, logger=False, on_step=True, on_epoch=False,
                  batch_size=_batch_size(batch))
         return {"loss": loss, "terms": {name: value.detach() for name, value in terms.items()}}
+
+    def on_after_backward(self) -> None:
+        """Stop at a non-finite gradient of a trainable tensor.
+
+        Raises:
+            NonFiniteError: naming the step, the tensors and the step's loss terms.
+        """
+        self.step_guard().check_gradients(self.global_step, self.named_trainable(), self._step_terms)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Lightning's optimizer step, then a check that the update left every trainable tensor finite.
+
+        Raises:
+            NonFiniteError: the update overflowed (torch's "value cannot be converted ... without overflow") or made a
+                tensor NaN or inf; the message names the step and the learning rate.
+        """
+        guard = self.step_guard()
+        with guard.update(self.global_step, self.lr):
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        guard.check_values(self.global_step, self.named_trainable())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """An optimizer over :meth:`trainable_parameters` only.

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from gradpatch.finite import StepGuard
+
 from .errors import RecipeConfigError
 from .frozen import FrozenGraphModule, OptimizerName
 
@@ -98,6 +100,11 @@ class ObjectiveModule(FrozenGraphModule):
     def delta_names(self) -> list[str]:
         """Names of the optimised tensors."""
         return list(self.values.keys())
+
+    def step_guard(self) -> StepGuard:
+        """Non-finite steps are reported as ``ObjectiveModule`` errors whose fix names ``lr`` and ``project``."""
+        return StepGuard(type(self).__name__, f"lower the learning rate (lr={self.lr:g}) or bound the values with "
+                                              f"project")
 
     def train_dataloader(self) -> DataLoader:
         """``steps_per_epoch`` empty batches."""

@@ -82,7 +82,8 @@ def build_editable_graph(model: Any, tokenizer: Any) -> Any:
 def _run_rome(args: argparse.Namespace) -> int:
     """Run ``gradpatch rome`` (see the module docstring); returns the exit status."""
     from editors import ROME, EditRequest, ROMEConfig
-    from editors.errors import SubjectNotFoundError
+    from editors.errors import EditNotConvergedError, SubjectNotFoundError
+    from gradpatch.errors import NonFiniteError
     from gradpatch.models import load_model
 
     from .rome_recipe import run_rome
@@ -102,13 +103,17 @@ def _run_rome(args: argparse.Namespace) -> int:
     pg = build_editable_graph(model, tokenizer)
     t1 = time.perf_counter()
     runner = LightningValueRunner(logdir=args.logdir, name="rome", progress=not args.quiet)
-    config = ROMEConfig(n_samples=args.n_samples, steps=args.steps, cache_dir=args.cache_dir, progress=not args.quiet)
+    config = ROMEConfig(n_samples=args.n_samples, steps=args.steps, cache_dir=args.cache_dir, progress=not args.quiet,
+                        allow_unconverged=args.allow_unconverged)
     rome = ROME(pg, tokenizer, node, config=config, corpus=args.corpus, value_runner=runner)
     try:
         result = run_rome(rome, request, prompts=args.generate, max_new_tokens=args.max_new_tokens)
     except SubjectNotFoundError as error:
         print(f"gradpatch rome: {error}", file=sys.stderr)
         return 2
+    except (EditNotConvergedError, NonFiniteError) as error:
+        print(f"gradpatch rome: {error}", file=sys.stderr)
+        return 1
     edit = result.edit
     print(f"edited {edit.node}: {request.text!r} -> {request.target_new!r} "
           f"({edit.info['steps']} optimiser steps, loss {edit.info['loss']:.4f})")
@@ -142,6 +147,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--generate", nargs="*", default=[], metavar="PROMPT",
                    help="more prompts to generate from before and after (paraphrases, neighbours)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="tokens per greedy generation (default %(default)s)")
+    p.add_argument("--allow-unconverged", action="store_true",
+                   help="apply the edit even if its value search did not converge (its last loss not below its first)")
     add_model_arguments(p)
     p.add_argument("--logdir", default="runs", help="TensorBoard folder (default: %(default)s)")
     p.add_argument("--save", default=None, metavar="EDIT", help="save the edit here (edit.safetensors + edit.json)")

@@ -32,7 +32,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from editors.layers import model_device
-from editors.value import StepCallback, ValueObjective, ValueResult, frozen_parameters
+from editors.value import StepCallback, ValueObjective, ValueResult, frozen_parameters, value_step_guard
+from gradpatch.finite import StepGuard
 
 from .logger import InterventionLogger
 from .frozen import GRAPH_ATTRIBUTE
@@ -84,6 +85,10 @@ class ROMEValueModule(ObjectiveModule):
 
     def _project(self, values: Mapping[str, nn.Parameter]) -> None:
         self.value_objective.project_(values["delta"])
+
+    def step_guard(self) -> StepGuard:
+        """The plain runner's reports (:func:`editors.value.value_step_guard`): both runners fail alike."""
+        return value_step_guard(self.lr)
 
     def on_train_end(self) -> None:
         """Let go of the graph before Lightning's teardown, which moves the whole module to the CPU: the edited
