@@ -122,6 +122,12 @@ def test_value_runners_stop_at_the_first_non_finite_loss(runner: str) -> None:
             RUNNERS[runner](FakeObjective(nan_at=2), steps=10, lr=0.1, early_stop_loss=0.0)
 
 
+@pytest.mark.parametrize("lr", [0.0, float("nan")])
+def test_the_plain_value_runner_checks_its_learning_rate(lr: float) -> None:
+    with pytest.raises(ValueError, match="finite positive"):
+        optimize_value(FakeObjective(nan_at=99), steps=1, lr=lr, early_stop_loss=0.0)
+
+
 def test_convergence_is_judged_on_the_loss_history() -> None:
     def result(*losses: float) -> ValueResult:
         return ValueResult(delta=torch.zeros(1), v_star=torch.zeros(1), steps=len(losses),
