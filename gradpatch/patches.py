@@ -20,7 +20,8 @@ from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
-from .errors import PatchShapeError
+from .errors import NonFiniteError, PatchShapeError
+from .values import ValueInfo
 
 #: What a ``slice`` may hold: anything valid inside ``tensor[...]`` (ints, slices, ``Ellipsis``, ``None``,
 #: index tensors, or tuples and lists of those).
@@ -83,6 +84,53 @@ def _check_value(patch: Patch, value: Any) -> None:
     if not isinstance(value, (torch.Tensor, Number)):
         raise TypeError(f"{type(patch).__name__}(value=...) takes a tensor or a Python number, got "
                         f"{type(value).__name__}; e.g. {type(patch).__name__}(value=torch.zeros(576))")
+
+
+def check_value_shape(path: str, patch: Patch, info: ValueInfo | None, operation: str) -> None:
+    """Before any forward pass, check that a tensor value of ``patch`` can broadcast to the value at NodePath
+    ``path`` (example shape in ``info``, node operation ``operation``). A weight or buffer (a ``get_attr`` node
+    or an opaque module's attribute) must match its whole shape; an activation, whose leading sizes vary between
+    calls, its last dimension.
+
+    Raises:
+        PatchShapeError: the value cannot broadcast (the message gives both shapes).
+    """
+    value = getattr(patch, "value", None)
+    if not isinstance(value, torch.Tensor) or patch.slice is not None or info is None or info.shape is None:
+        return
+    shape = tuple(info.shape)
+    fixed = operation.startswith(("get_attr", "attribute")) or not shape
+    compared = shape if fixed else shape[-1:]
+    trailing = tuple(value.shape)[-len(compared):] if compared else ()
+    wide = len(value.shape) > len(shape)
+    if wide or any(size not in (1, expected) for size, expected in zip(reversed(trailing), reversed(compared))):
+        raise PatchShapeError(
+            f"{type(patch).__name__} value of shape {tuple(value.shape)} cannot broadcast to '{path}', of shape "
+            f"{shape} on the example inputs; give a value of shape {shape[-1:] if not fixed else shape} (or one "
+            f"that broadcasts to it), or a slice")
+
+
+@dataclass(kw_only=True)
+class FiniteCheck(Patch):
+    """Raises :class:`~gradpatch.errors.NonFiniteError` when the value at its node holds NaN or ±inf (what
+    ``pg.patch(..., check_finite=True)`` adds after the patches of each patched node).
+
+    Attributes:
+        path: the NodePath, named in the error.
+    """
+
+    path: str
+    requires_clone: bool = field(default=False, init=False, repr=False)
+
+    def op(self, original: Any) -> Any:
+        tensors = [original] if isinstance(original, torch.Tensor) else [
+            item for item in (original.values() if isinstance(original, dict) else original)
+            if isinstance(item, torch.Tensor)] if isinstance(original, (tuple, list, dict)) else []
+        for tensor in tensors:
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor.detach()).all()):
+                raise NonFiniteError(f"the patched value at '{self.path}' holds NaN or ±inf: check the patch values "
+                                     f"there (a learned delta that diverged, a division by zero)")
+        return original
 
 
 def _check_broadcast(patch: Patch, original: torch.Tensor, value: torch.Tensor) -> None:
@@ -162,8 +210,8 @@ class ReplacePatch(Patch):
         if not isinstance(value, torch.Tensor):
             return torch.full_like(original, value)
         _check_broadcast(self, original, value)
-        value = value.to(dtype=original.dtype, device=original.device)
-        return value.expand(original.shape) if value.shape != original.shape else value
+        # contiguous(): a broadcast value must not reach later code as a view (``.view()`` would reject it).
+        return value.to(dtype=original.dtype, device=original.device).expand(original.shape).contiguous()
 
 
 @dataclass(kw_only=True)

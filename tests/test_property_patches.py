@@ -283,9 +283,7 @@ def test_patches_equal_hooks_on_the_eager_model(kind: str, data: st.DataObject) 
     _check(kind, data.draw(_specs(kind)))
 
 
-
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="engine bug found by the long profile: a broadcast ReplacePatch value reaches later code as "
-                          "value.expand(...), a view that GPT-2's Conv1D .view() rejects; a hook returns its own tensor")
 def test_a_broadcast_replace_value_feeds_a_view() -> None:
+    """Found by the long profile: a broadcast ReplacePatch value must reach GPT-2's Conv1D ``.view()`` as a
+    contiguous tensor, as a hook's own tensor would."""
     _check("gpt2", [Spec("transformer.h_0.mlp.hidden_states", "ReplacePatch", None, torch.randn(5, 1))])
