@@ -20,18 +20,19 @@ from torch.utils import _pytree
 #: The installed torch release as ``(major, minor, patch)``, e.g. ``(2, 13, 0)``.
 TORCH_VERSION: tuple[int, ...] = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:3])
 
-#: (module, attribute) of each private torch symbol used below, checked by tests/test_torch_compat.py.
-PRIVATE_SYMBOLS: tuple[tuple[Any, str], ...] = (
-    (_graph_module, "_forward_from_src"),
-    (_symbolic_trace, "_maybe_revert_all_patches"),
-    (_symbolic_trace, "_orig_module_call"),
-    (_symbolic_trace, "_orig_module_getattr"),
-    (fx.Graph, "_graph_namespace"),
-    (fx.GraphModule, "_lineno_map"),
-    (_pytree, "tree_flatten"),
-    (_pytree, "tree_unflatten"),
-    (_pytree, "TreeSpec"),
-)
+#: Each private torch name used below -> a function that fetches it (tests/test_torch_compat.py calls them all).
+PRIVATE_SYMBOLS: dict[str, Callable[[], Any]] = {
+    "torch.fx.graph_module._forward_from_src": lambda: _graph_module._forward_from_src,
+    "torch.fx._symbolic_trace._maybe_revert_all_patches": lambda: _symbolic_trace._maybe_revert_all_patches,
+    "torch.fx._symbolic_trace._orig_module_call": lambda: _symbolic_trace._orig_module_call,
+    "torch.fx._symbolic_trace._orig_module_getattr": lambda: _symbolic_trace._orig_module_getattr,
+    "torch.fx.Graph._graph_namespace._rename_object": lambda: fx.Graph()._graph_namespace._rename_object,
+    "torch.fx.graph.PythonCode._lineno_map": lambda: fx.Graph().python_code(root_module="self")._lineno_map,
+    "torch.fx.graph.PythonCode._prologue_start": lambda: fx.Graph().python_code(root_module="self")._prologue_start,
+    "torch.utils._pytree.tree_flatten": lambda: _pytree.tree_flatten,
+    "torch.utils._pytree.tree_unflatten": lambda: _pytree.tree_unflatten,
+    "torch.utils._pytree.TreeSpec": lambda: _pytree.TreeSpec,
+}
 
 #: A pytree's structure (``torch.utils._pytree.TreeSpec``).
 TreeSpec = _pytree.TreeSpec

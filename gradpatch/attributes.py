@@ -44,7 +44,7 @@ def patchable_attributes(module: nn.Module) -> dict[str, str]:
         if name.startswith("_gp_") or name in module._modules:
             continue
         if name in module._parameters or name in module._buffers:
-            if getattr(module, name) is not None:
+            if attribute_value(module, name) is not None:
                 result[leaf_node_name(name)] = name
             continue
         static = inspect.getattr_static(module, name, None)
@@ -55,6 +55,15 @@ def patchable_attributes(module: nn.Module) -> dict[str, str]:
             continue
         result[leaf_node_name(name)] = name
     return result
+
+
+def attribute_value(module: nn.Module, name: str) -> Any:
+    """The value of attribute ``name`` of ``module``, read from its registries and ``__dict__`` (never through
+    ``__getattr__``, which an active fx tracer intercepts)."""
+    for registry in (module._parameters, module._buffers, module.__dict__):
+        if name in registry:
+            return registry[name]
+    return inspect.getattr_static(module, name)
 
 
 def _pretrained_namespace(module: nn.Module) -> frozenset[str]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from .attributes import patchable_attributes
+from .attributes import attribute_value, patchable_attributes
 from .dispatch import Dispatch, accelerate_hook, run_hooked
 from .errors import CompilationWarning, ExtractionError
 from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, UnusedModule
@@ -46,6 +46,9 @@ __all__ = [
 ]
 
 _NEVER_CALLED = "never called on the example inputs"
+#: Packages whose modules are never traced: bitsandbytes' quantized layers keep state objects that their forward
+#: fills in (tracing would leave proxies there); they are opaque, with patchable inputs, outputs and attributes.
+_OPAQUE_PACKAGES = ("bitsandbytes.",)
 
 
 class Extractor:
@@ -90,6 +93,8 @@ class Extractor:
         options = self.options
         if options.skip_compilation or type(module) in options.classes_to_skip_compiling:
             return self._opaque(module, args, kwargs, path, "skipped by ExtractionOptions")
+        if type(module).__module__.startswith(_OPAQUE_PACKAGES):
+            return self._opaque(module, args, kwargs, path, f"{type(module).__module__} layers run as they are")
         try:
             return self._compile(module, args, kwargs, path)
         except Exception as error:  # any failure to trace means: run the original code instead
@@ -290,15 +295,22 @@ def _from_graph(module: nn.Module, graph: fx.Graph, args: tuple, kwargs: dict) -
 def _opaque_wrapper(module: nn.Module, copy: nn.Module, constants: dict[str, Any], reason: str,
                     inputs: dict[str, ValueInfo], output: ValueInfo,
                     attribute_info: ValueInfo | None = None) -> OpaqueGraphModule:
-    """An OpaqueGraphModule over ``copy``, with NodePath names for its inputs and attributes."""
+    """An OpaqueGraphModule over ``copy``, with NodePath names for its inputs and attributes. The first input of
+    a linear layer is ``input`` whatever its argument name (bitsandbytes' layers call it ``x``), as for
+    ``nn.Linear``; quantized weights (bitsandbytes' parameter classes) can be read by probes but not patched."""
     attributes = patchable_attributes(module)
-    names = unique_names([*inputs, *attributes.values()], reserved={"output"})
-    input_names = dict(zip(names, inputs))
+    arguments = list(inputs)
+    shown = ["input" if index == 0 and isinstance(module, nn.Linear) else name for index, name in enumerate(arguments)]
+    names = unique_names([*shown, *attributes.values()], reserved={"output"})
+    input_names = dict(zip(names, arguments))
     attribute_names = dict(zip(names[len(inputs):], attributes.values()))
     wrapper = OpaqueGraphModule(copy, constants, input_names, attribute_names, reason)
+    wrapper.read_only = {node: f"'{attribute}' of {type(module).__name__} is quantized storage"
+                         for node, attribute in attribute_names.items()
+                         if type(attribute_value(module, attribute)).__module__.startswith(_OPAQUE_PACKAGES)}
     infos = {node: inputs[argument] for node, argument in input_names.items()}
     for node, attribute in attribute_names.items():
-        infos[node] = attribute_info if attribute_info is not None else describe(getattr(module, attribute))
+        infos[node] = attribute_info if attribute_info is not None else describe(attribute_value(module, attribute))
     infos["output"] = output
     wrapper.infos = infos
     wrapper.training = module.training

@@ -113,7 +113,10 @@ class OpaqueGraphModule(nn.Module):
         self._gp_reason = reason
         self._gp_dispatch: Dispatch | None = None
         self._gp_run: Callable[..., Any] = type(self)._run
+        #: NodePath name -> description, for each input, attribute and the output.
         self.infos: dict[str, ValueInfo] = {}
+        #: NodePath name -> why only probes may read it (quantized weights).
+        self.read_only: dict[str, str] = {}
         setattr(self, PATCH_TABLE_ATTRIBUTE, {})
         for name, parameter in original._parameters.items():
             if parameter is not None:

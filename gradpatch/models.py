@@ -22,9 +22,11 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "EMBEDDED_GGUF_FILE",
     "EMBEDDED_MODEL_NAME",
+    "embedded_model_config",
     "embedded_model_path",
     "load_embedded_model",
     "load_model",
+    "random_embedded_model",
 ]
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -80,6 +82,40 @@ def _dtype_kwargs(transformers: Any, dtype: torch.dtype) -> dict[str, torch.dtyp
     except ValueError:  # pragma: no cover - odd dev versions
         return {"dtype": dtype}
     return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
+def embedded_model_config() -> Any:
+    """The ``LlamaConfig`` of SmolLM2-135M-Instruct (as its GGUF file gives it), for checks that need its shapes
+    but not its weights (speed and device handling on a machine without the GGUF file).
+
+    Raises:
+        ImportError: transformers is not installed.
+    """
+    transformers = _import_transformers()
+    return transformers.LlamaConfig(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=64, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, hidden_act="silu",
+    )
+
+
+def random_embedded_model(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                          seed: int = 0) -> PreTrainedModel:
+    """A ``LlamaForCausalLM`` with SmolLM2-135M-Instruct's config and random weights, in ``eval()`` mode.
+
+    Args:
+        dtype: dtype of the weights.
+        device: where the weights are created.
+        seed: seed of the initialisation.
+
+    Raises:
+        ImportError: transformers is not installed.
+    """
+    transformers = _import_transformers()
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(embedded_model_config())
+    return model.to(dtype).eval()
 
 
 def embedded_model_path() -> Path:

@@ -41,7 +41,7 @@ class NodeData:
 
     def __init__(self, path: str, name: str, *, module: nn.Module | None = None, owner: nn.Module | None = None,
                  key: str = "", dig: tuple[str, ...] = (), info: ValueInfo | None = None, code: str = "",
-                 op: str = "", constant: bool = False) -> None:
+                 op: str = "", constant: bool = False, read_only: str = "") -> None:
         self._path = path
         self._code = code
         self._gp_name = name
@@ -52,6 +52,7 @@ class NodeData:
         self._gp_info = info
         self._gp_op = op
         self._gp_constant = constant
+        self._gp_read_only = read_only
         self._gp_children: dict[str, NodeData] = {}
 
     # --- navigation ----------------------------------------------------------------------------------------
@@ -205,13 +206,14 @@ class NodeTree:
         infos: dict[str, ValueInfo] = module.infos
         for name, info in infos.items():
             if name != "output":
-                self._add_leaf(parent, name, module, name, info, f"{name}  # opaque module input / attribute",
-                               name)
+                kind = "input" if name in module._gp_inputs else "attribute"
+                self._add_leaf(parent, name, module, name, info, f"{name}  # opaque module {kind}", f"{kind}:{name}",
+                               read_only=module.read_only.get(name, ""))
         for name, child in _flat_children(module._modules, ""):
             self._add_module(parent, name, child)
         if "output" in infos:
             self._add_leaf(parent, "output", module, "output", infos["output"], "return  # opaque module output",
-                           "output")
+                           "output:output")
 
     def _add_module(self, parent: NodeData, name: str, module: nn.Module) -> None:
         node = NodeData(_join(parent._path, name), name, module=module, code=_module_code(module))
@@ -219,9 +221,9 @@ class NodeTree:
         self._fill_module(node, module)
 
     def _add_leaf(self, parent: NodeData, name: str, owner: nn.Module, key: str, info: ValueInfo, code: str,
-                  op: str, constant: bool = False) -> None:
+                  op: str, constant: bool = False, read_only: str = "") -> None:
         leaf = NodeData(_join(parent._path, name), name, owner=owner, key=key, info=info, code=code, op=op,
-                        constant=constant)
+                        constant=constant, read_only=read_only)
         parent._gp_children[name] = leaf
         _add_digs(leaf, info, ())
 
@@ -277,7 +279,8 @@ def _add_digs(node: NodeData, info: ValueInfo, dig: tuple[str, ...]) -> None:
     for part, item in info.items.items():
         path = f"{node._path}{'.' if dig else '|'}{part}"
         child = NodeData(path, part, owner=node._gp_owner, key=node._gp_key, dig=dig + (part,), info=item,
-                         code=node._code, op=f"{node._gp_op}|{part}", constant=node._gp_constant)
+                         code=node._code, op=f"{node._gp_op}|{part}", constant=node._gp_constant,
+                         read_only=node._gp_read_only)
         node._gp_children[part] = child
         _add_digs(child, item, dig + (part,))
 

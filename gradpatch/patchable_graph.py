@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dis
 import functools
 import inspect
+import sys
 import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence, Union
@@ -18,7 +20,7 @@ from .extraction import Extractor
 from .graph_modules import CompiledGraphModule
 from .node_path import NodeData, NodeTree
 from .options import ExtractionOptions
-from .patches import Patch
+from .patches import FiniteCheck, Patch, ProbePatch, RecordPatch, check_value_shape
 from .patching import PatchTable
 from .serialization import FileLike, graph_bytes, read, write
 from .values import holds_tensor
@@ -107,7 +109,7 @@ class PatchableGraph(nn.Module):
         module.train(training)
         saved = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), _transformers_extraction():
                 wrapper, _ = extractor.extract(module, example[0], example[1], "")
             postprocess = self._options.postprocessing_function
             if postprocess is not None:
@@ -321,22 +323,34 @@ class PatchableGraph(nn.Module):
         return node._gp_module.original_module  # type: ignore[union-attr]
 
     @contextmanager
-    def patch(self, patch_map: PatchMap | Any) -> Iterator["PatchableGraph"]:
+    def patch(self, patch_map: PatchMap | Any, check_finite: bool = False) -> Iterator["PatchableGraph"]:
         """Apply patches while the block runs: ``with pg.patch({"lm_head.output": ZeroPatch()}): pg(x)``.
+
+        Everything is checked when the block is entered, before any forward pass: the NodePaths, the patch types,
+        and the shapes of tensor values where the node's shape is known (a weight's whole shape, an activation's
+        last dimension).
 
         Args:
             patch_map: NodePath (string or ``pg.graph`` node) -> patch or list of patches (applied in order);
                 or an :class:`~gradpatch.intervention.Intervention`. Blocks nest; inner patches apply after outer.
+            check_finite: after the patches at each node, raise :class:`~gradpatch.errors.NonFiniteError` naming
+                the first node whose patched value holds NaN or ±inf (one check per patched node and call).
 
         Raises:
             NodePathError: (a ``KeyError`` and a ``ValueError``) an unknown NodePath (the message lists the closest
                 valid ones), or one naming a graph, a container value without a ``|sub_i`` dig, or an input that
                 extraction baked into the graph as a constant.
+            PatchShapeError: a tensor value that cannot broadcast to the node's value.
             ValueError: a value that is not a Patch, or a patch map that is not a mapping.
         """
         if hasattr(patch_map, "patch_map"):
             patch_map = patch_map.patch_map()
         entries = self._validate(patch_map)
+        if check_finite:
+            checked: dict[str, str] = {}
+            for path, _, operation in entries:
+                checked.setdefault(path, operation)
+            entries += [(path, FiniteCheck(path=path), operation) for path, operation in checked.items()]
         self._active.append(entries)
         try:
             self._install_patches()
@@ -373,6 +387,12 @@ class PatchableGraph(nn.Module):
                 if not isinstance(patch, Patch):
                     raise ValueError(f"value for NodePath '{path}' must be a Patch or a list of Patches, "
                                      f"got {type(patch).__name__}")
+                check_value_shape(path, patch, node._gp_info, node._gp_op)
+                if node._gp_read_only and not isinstance(patch, (ProbePatch, RecordPatch)):
+                    raise NodePathError(
+                        f"NodePath '{path}': {node._gp_read_only}, which only ProbePatch/RecordPatch may read; "
+                        f"patch the layer's input or output instead (an edit applies as a patch on the output: "
+                        f"edit.apply(pg, mode='patch'))")
                 entries.append((path, patch, node._gp_op))
         return entries
 
@@ -393,6 +413,16 @@ class PatchableGraph(nn.Module):
         for owner, table in tables.items():
             owner.set_patch_table(table)
         self._patched_owners = set(tables)
+
+
+def _transformers_extraction() -> Any:
+    """transformers' eager mask decisions during extraction (see :mod:`gradpatch.optional.transformers`), when the
+    model's code may use them (transformers is imported); importing it otherwise would cost seconds."""
+    if "transformers.masking_utils" not in sys.modules:
+        return contextlib.nullcontext()
+    from .optional.transformers import eager_mask_decisions
+
+    return eager_mask_decisions()
 
 
 def _split_arguments(args: tuple) -> tuple[ExtractionOptions, nn.Module, list[Any]]:

@@ -317,6 +317,30 @@ def resolve_attribute(root: nn.Module, target: str) -> Any:
     return obj
 
 
+def depends_on_input_values(node: fx.Node) -> bool:
+    """Whether the value of ``node`` may depend on the *values* of the graph's inputs or of module tensors, rather
+    than only on input sizes and constants (``torch.arange(x.shape[1])`` depends on sizes only)."""
+    seen: set[fx.Node] = set()
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op in ("placeholder", "get_attr", "call_module"):
+            return True
+        if _reads_size_only(current):
+            continue
+        pending.extend(current.all_input_nodes)
+    return False
+
+
+def _reads_size_only(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target is getattr:
+        return node.args[1] in ("shape", "ndim", "dtype", "device")
+    return node.op == "call_method" and node.target in ("size", "dim")
+
+
 def contains_proxy(argument: Any) -> bool:
     """Whether a (possibly nested) argument holds any proxy."""
     found = False

@@ -1,0 +1,80 @@
+"""GPU behaviour: bf16 equality with eager, gradients, accelerate CPU offload onto a GPU, 8-bit layers, memory.
+
+Every test here is marked ``cuda`` and skipped without a CUDA GPU (CI has none); run them on a GPU machine with
+``pytest -m cuda``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradpatch import AddPatch, PatchableGraph, ProbePatch
+from recipes.testing import save_tiny_backbone, tiny_backbone, tiny_tokenizer
+
+pytestmark = pytest.mark.cuda
+
+
+def token_ids(device: str = "cuda") -> torch.Tensor:
+    return tiny_tokenizer()(["the city of Rome is", "I feel happy today"], padding=True,
+                            return_tensors="pt").input_ids.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_outputs_equal_eager_and_gradients_flow(dtype):
+    model = tiny_backbone()[0].to("cuda", dtype)
+    ids = token_ids()
+    pg = PatchableGraph(model, ids, use_cache=False)
+    with torch.no_grad():
+        assert torch.equal(pg(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+    delta = torch.zeros(64, device="cuda", dtype=dtype, requires_grad=True)
+    with pg.patch({"model.layers_1.mlp.down_proj.output": AddPatch(value=delta)}):
+        pg(ids, use_cache=False).logits.float().sum().backward()
+    assert delta.grad is not None and torch.isfinite(delta.grad).all() and delta.grad.abs().sum() > 0
+
+
+def test_cpu_offload_onto_the_gpu(tmp_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    directory = save_tiny_backbone(tmp_path / "model")
+    device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu", "model.norm": 0,
+                  "model.rotary_emb": 0, "lm_head": 0}
+    model = AutoModelForCausalLM.from_pretrained(directory, device_map=device_map).eval()
+    ids = token_ids()
+    pg = PatchableGraph(model, ids, use_cache=False)
+    expected = tiny_backbone()[0].to("cuda")(ids, use_cache=False).logits
+    torch.testing.assert_close(pg(ids, use_cache=False).logits, expected)
+    with pg.patch({"model.layers_1.mlp.down_proj.input": (probe := ProbePatch())}):
+        pg(ids, use_cache=False)
+    assert probe.activation.shape == (*ids.shape, 128)
+
+
+def test_int8_layers_on_the_gpu(tmp_path: Path):
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    directory = save_tiny_backbone(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(directory, device_map={"": 0}, dtype=torch.float16,
+                                                 quantization_config=BitsAndBytesConfig(load_in_8bit=True)).eval()
+    ids = token_ids()
+    pg = PatchableGraph(model, ids, use_cache=False)
+    with torch.no_grad():
+        assert torch.equal(pg(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+    delta = torch.zeros(64, device="cuda", dtype=torch.float16, requires_grad=True)
+    with pg.patch({"model.layers_0.mlp.down_proj.output": AddPatch(value=delta)}):
+        pg(ids, use_cache=False).logits.float().sum().backward()
+    assert delta.grad is not None and delta.grad.abs().sum() > 0
+
+
+def test_no_second_copy_of_the_weights():
+    from gradpatch.models import random_embedded_model
+
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    model = random_embedded_model(torch.bfloat16, "cuda")
+    weights = torch.cuda.memory_allocated() - before
+    pg = PatchableGraph(model, torch.randint(0, 1000, (1, 10), device="cuda"), use_cache=False)
+    assert torch.cuda.memory_allocated() - before <= 1.05 * weights
+    del pg
