@@ -21,7 +21,7 @@ from .errors import EditError, EditLoadError, LayerKindError, StatisticsError, S
 from .evaluate import evaluate_cases, score_case
 from .keys import ContextTemplates, compute_key, generate_context_prefixes
 from .layers import LinearLayer, resolve_layer
-from .rank_one import rank_one_factors, solve_second_moment
+from .rank_one import rank_one_factors, rank_one_update, solve_second_moment
 from .rome import DEFAULT_SMOLLM2_NODE, ROME, ROMEConfig
 from .stats import SecondMoment, compute_second_moment, default_cache_dir, layer_second_moment, statistics_fingerprint
 from .value import ValueObjective, ValueResult, ValueRunner, optimize_value
@@ -58,6 +58,7 @@ __all__ = [
     "open_corpus",
     "optimize_value",
     "rank_one_factors",
+    "rank_one_update",
     "resolve_layer",
     "restore_edits",
     "save_cases",

@@ -4,7 +4,9 @@ An :class:`Edit` keeps the layer's NodePath and the factors ``u`` (``[d_in]``) a
 writes the new weight in place (one ``copy_`` after everything was computed and checked, so a failure leaves
 the weight untouched) and keeps a copy of the original tensor; ``restore`` writes that copy back, so the
 weights are bit-identical to those before ``apply``. Several edits can be stacked; restore them in reverse
-order (:func:`restore_edits`).
+order (:func:`restore_edits`). ``apply(pg, mode="patch")`` instead adds ``v uᵀ k`` to the layer's output as a patch
+(:mod:`editors.edit_patch`) until ``restore``: the way to edit quantized or offloaded weights; ``as_patches``
+gives the same patches for a ``with pg.patch(...)`` block.
 
 ``apply`` refuses, leaving the weights as they were: a model whose fingerprint differs from the one the edit was
 computed on (unless ``check_fingerprint=False``), an edit whose value search did not converge (unless
@@ -35,6 +37,7 @@ from gradpatch.files import atomic_write_bytes, atomic_write_text, read_json, re
 from gradpatch.finite import check_finite
 
 from .counterfact import EditRequest
+from .edit_patch import rank_one_patches
 from .errors import EditError, EditFingerprintError, EditLoadError, EditNotConvergedError
 from .layers import LinearLayer, resolve_layer, wrapped_model
 
@@ -47,6 +50,8 @@ _LOAD_FIX = "save the edits again with Edit.save or editors.save_edits"
 
 #: Edited module -> the edits applied to its weight and not restored (to refuse a second copy of one of them).
 _APPLIED: "weakref.WeakKeyDictionary[nn.Module, list[Edit]]" = weakref.WeakKeyDictionary()
+#: Edited module -> the edits applied to it as patches and not restored.
+_PATCHED: "weakref.WeakKeyDictionary[nn.Module, list[Edit]]" = weakref.WeakKeyDictionary()
 
 
 def _fingerprint(target: nn.Module) -> str:
@@ -77,11 +82,24 @@ class Edit:
     _original: torch.Tensor | None = field(default=None, repr=False)
     _applied_to: nn.Parameter | None = field(default=None, repr=False)
     _written: torch.Tensor | None = field(default=None, repr=False)
+    _patch_block: Any = field(default=None, repr=False)  # the open pg.patch(...) of an edit applied as patches
+    _patched_module: nn.Module | None = field(default=None, repr=False)
 
     @property
     def applied(self) -> bool:
-        """Whether the edit is currently applied (and holds the original weight for ``restore``)."""
-        return self._original is not None
+        """Whether the edit is currently applied (in the weight, holding the original for ``restore``, or as
+        patches)."""
+        return self._original is not None or self._patch_block is not None
+
+    def as_patches(self, target: nn.Module) -> dict[str, list[Any]]:
+        """The edit as patches on ``target`` (a PatchableGraph): ``{input node: key capture, output node: + v uᵀ k}``,
+        for ``with pg.patch(edit.as_patches(pg)): ...``. No check is made (``apply(pg, mode="patch")`` makes them).
+
+        Raises:
+            EditLoadError: the factors do not fit the layer.
+        """
+        layer = self.layer(target)
+        return rank_one_patches(layer.input_node, layer.output_node, self.u, self.v)
 
     def layer(self, target: nn.Module) -> LinearLayer:
         """The edited layer in ``target`` (a PatchableGraph or the model), checked against the factor shapes.
@@ -99,19 +117,23 @@ class Edit:
         return layer
 
     @torch.no_grad()
-    def apply(self, target: nn.Module, check_fingerprint: bool = True, allow_unconverged: bool = False) -> "Edit":
-        """Add ``v uᵀ`` to the layer weight in place and keep the original weight for :meth:`restore`.
+    def apply(self, target: nn.Module, check_fingerprint: bool = True, allow_unconverged: bool = False,
+              mode: str = "weight") -> "Edit":
+        """Add ``v uᵀ`` to the layer weight in place and keep the original weight for :meth:`restore`; with
+        ``mode="patch"``, add ``v uᵀ k`` to the layer's output as a patch instead, until :meth:`restore`.
 
         Every check runs before the single write, so a refusal leaves the weight exactly as it was.
 
         Args:
-            target: the PatchableGraph (or plain model) holding the layer.
+            target: the PatchableGraph (or plain model, weight mode only) holding the layer.
             check_fingerprint: refuse a model whose fingerprint differs from :attr:`model_fingerprint` (the model
                 the edit was computed on; a stack of edits records the model after the previous ones). ``False``
                 applies the factors to any model with the layer's shape. Edits without a recorded fingerprint
                 (built by hand) are not checked.
             allow_unconverged: apply an edit whose value search did not converge (``info["converged"]`` is
                 ``False``: the last loss not below the first, or non-finite).
+            mode: ``"weight"`` (write the weight) or ``"patch"`` (patch the output; the only way for a bitsandbytes
+                or accelerate-offloaded layer, whose weight cannot be written).
 
         Returns:
             ``self``.
@@ -123,11 +145,17 @@ class Edit:
             EditNotConvergedError: the value search did not converge and ``allow_unconverged`` is ``False``.
             EditFingerprintError: the fingerprints differ (both are named) and ``check_fingerprint`` is ``True``.
         """
+        if mode not in ("weight", "patch"):
+            raise ValueError(f"mode must be 'weight' or 'patch', got {mode!r}")
         if self.applied:
             raise EditError(f"The edit of {self.node} is already applied; restore() it before applying it again")
         layer = self.layer(target)
+        if mode == "weight" and layer.not_writable():
+            raise EditError(f"{layer.not_writable()}, so the edit cannot be written into it: apply it as a patch on "
+                            f"the layer's output, edit.apply(pg, mode='patch')")
         weight = layer.weight
-        if any(other.same_factors(self) for other in _live_records(layer.module, weight)):
+        patched = _PATCHED.get(layer.module, [])
+        if any(other.same_factors(self) for other in [*_live_records(layer.module, weight), *patched]):
             raise EditError(
                 f"An edit with the same factors is already applied to {self.node} (a second copy loaded from the same "
                 f"files?); applying it again would add v uᵀ twice: restore the applied copy first"
@@ -147,6 +175,8 @@ class Edit:
                     f"Model fingerprint {current} differs from the edit's {self.model_fingerprint}: apply it to the "
                     f"model it was computed on (after the same earlier edits), or pass check_fingerprint=False"
                 )
+        if mode == "patch":
+            return self._apply_as_patches(target, layer.module)
         original = weight.detach().clone()
         new = original + layer.delta_weight(self.u, self.v)
         if not torch.isfinite(new).all():
@@ -154,6 +184,17 @@ class Edit:
         weight.copy_(new)
         self._original, self._applied_to, self._written = original, weight, new
         _APPLIED.setdefault(layer.module, []).append(self)
+        return self
+
+    def _apply_as_patches(self, target: nn.Module, module: nn.Module) -> "Edit":
+        if not (hasattr(target, "patch") and hasattr(target, "graph")):
+            raise EditError(f"mode='patch' needs the PatchableGraph of the model, got a {type(target).__name__}")
+        if not (torch.isfinite(self.u).all() and torch.isfinite(self.v).all()):
+            raise EditError(f"The edit of {self.node} has non-finite factors; it was not applied")
+        block = target.patch(self.as_patches(target))
+        block.__enter__()
+        self._patch_block, self._patched_module = block, module
+        _PATCHED.setdefault(module, []).append(self)
         return self
 
     def same_factors(self, other: "Edit") -> bool:
@@ -172,6 +213,13 @@ class Edit:
         Raises:
             EditError: the edit is not applied, or the weight changed since (restore later edits first).
         """
+        if self._patch_block is not None:
+            block, module = self._patch_block, self._patched_module
+            self._patch_block, self._patched_module = None, None
+            block.__exit__(None, None, None)
+            if module is not None and self in _PATCHED.get(module, []):
+                _PATCHED[module].remove(self)
+            return
         if self._original is None or self._applied_to is None:
             raise EditError(f"The edit of {self.node} is not applied; nothing to restore")
         weight = self._applied_to
@@ -318,13 +366,14 @@ def _edit_from_record(i: int, record: Any, tensors: dict[str, torch.Tensor], met
 
 
 def apply_edits(target: nn.Module, edits: Sequence[Edit], check_fingerprint: bool = True,
-                allow_unconverged: bool = False) -> list[Edit]:
-    """Apply edits in order (each checked as :meth:`Edit.apply` does); if one fails, the ones applied so far are
-    restored and the error re-raised."""
+                allow_unconverged: bool = False, mode: str = "weight") -> list[Edit]:
+    """Apply edits in order (each checked as :meth:`Edit.apply` does, in ``mode`` ``"weight"`` or ``"patch"``); if
+    one fails, the ones applied so far are restored and the error re-raised."""
     done: list[Edit] = []
     try:
         for edit in edits:
-            done.append(edit.apply(target, check_fingerprint=check_fingerprint, allow_unconverged=allow_unconverged))
+            done.append(edit.apply(target, check_fingerprint=check_fingerprint, allow_unconverged=allow_unconverged,
+                                   mode=mode))
     except BaseException:
         restore_edits(target, done)
         raise

@@ -183,6 +183,6 @@ def compute_key(
         text, span = format_with_span(prompt, subject, prefix)
         encoded.append(encode_subject_prompt(tokenizer, text, span))
     ids, _ = right_pad([e.ids for e in encoded], pad_token_id(tokenizer))
-    keys = layer_inputs(pg, layer, ids.to(layer.weight.device))  # [n_prefixes, seq, d_in]
+    keys = layer_inputs(pg, layer, ids.to(model_device(pg)))  # [n_prefixes, seq, d_in]
     positions = torch.tensor([e.subject_last for e in encoded], device=keys.device)
     return keys[torch.arange(len(encoded), device=keys.device), positions].mean(dim=0)

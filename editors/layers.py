@@ -4,14 +4,19 @@ ROME edits one linear layer, whatever the model family: a Llama ``model.layers_N
 (``nn.Linear``, weight ``[d_out, d_in]``), a GPT-2 ``transformer.h_N.mlp.c_proj`` (transformers' ``Conv1D``,
 weight stored transposed as ``[d_in, d_out]``), or any ``nn.Linear`` of a toy model. :class:`LinearLayer` hides
 the weight orientation: the algebra always sees ``W`` as ``[d_out, d_in]`` (the paper's orientation).
+
+A layer whose weight cannot be written in place — a bitsandbytes 8-bit/4-bit layer (quantized storage) or one
+that accelerate offloaded (meta placeholders until its hook loads the weights) — is still computed on (its output
+comes from running the layer itself) and edited as a patch on its output (:mod:`editors.edit_patch`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -23,13 +28,14 @@ __all__ = ["LinearLayer", "model_device", "resolve_layer", "resolve_module", "wr
 
 def wrapped_model(target: nn.Module) -> nn.Module:
     """The model behind a :class:`gradpatch.PatchableGraph` (its parameters are shared), or ``target`` itself."""
-    inner = getattr(target, "_original", None)
+    inner = getattr(target, "wrapped_model", None)
     return inner if isinstance(inner, nn.Module) else target
 
 
 def model_device(target: nn.Module) -> torch.device:
-    """The device of the first parameter of ``target``'s model (a PatchableGraph or a plain model); CPU if it has none."""
-    parameter = next(iter(wrapped_model(target).parameters()), None)
+    """Where ``target``'s model (a PatchableGraph or a plain model) takes its inputs: the device of its first
+    parameter that is not an offloaded (meta) placeholder; CPU if it has none."""
+    parameter = next((p for p in wrapped_model(target).parameters() if not p.is_meta), None)
     return torch.device("cpu") if parameter is None else parameter.device
 
 
@@ -112,21 +118,76 @@ class LinearLayer:
     @property
     def d_in(self) -> int:
         """Key dimension (input features)."""
+        if isinstance(self.module, nn.Linear):
+            return int(self.module.in_features)
         return int(self.weight.shape[0 if self.transposed else 1])
 
     @property
     def d_out(self) -> int:
         """Value dimension (output features)."""
+        if isinstance(self.module, nn.Linear):
+            return int(self.module.out_features)
         return int(self.weight.shape[1 if self.transposed else 0])
 
+    @property
+    def device(self) -> torch.device:
+        """Where the layer computes: its weight's device, or accelerate's execution device for an offloaded one."""
+        if self.weight.is_meta:
+            device = getattr(self.module.__dict__.get("_hf_hook"), "execution_device", None)
+            return torch.device("cpu" if device is None else device)
+        return self.weight.device
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the weight is quantized storage (bitsandbytes' 8-bit or 4-bit parameter classes)."""
+        return type(self.weight).__module__.startswith("bitsandbytes")
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether accelerate offloaded the weight (a meta placeholder until its hook loads it)."""
+        return self.weight.is_meta
+
+    def not_writable(self) -> str:
+        """Why the weight cannot be edited in place (``""`` when it can)."""
+        if self.quantized:
+            return f"the weight of {self.path} is {type(self.weight).__name__} (quantized by bitsandbytes)"
+        if self.offloaded:
+            return f"the weight of {self.path} is offloaded by accelerate (on the meta device between calls)"
+        return ""
+
     def w(self) -> torch.Tensor:
-        """``W`` in the paper's orientation, ``[d_out, d_in]`` (a view, no copy)."""
+        """``W`` in the paper's orientation, ``[d_out, d_in]`` (a view, no copy).
+
+        Raises:
+            LayerKindError: the weight is quantized or offloaded (see :meth:`not_writable`).
+        """
+        reason = self.not_writable()
+        if reason:
+            raise LayerKindError(f"{reason}: it cannot be read as a matrix; use forward_value")
         return self.weight.T if self.transposed else self.weight
 
     def forward_value(self, keys: torch.Tensor) -> torch.Tensor:
-        """``W k + b`` for keys ``[..., d_in]``; returns ``[..., d_out]`` (no patching involved)."""
+        """``W k + b`` for keys ``[..., d_in]``; returns ``[..., d_out]`` (no patching involved). A quantized or
+        offloaded layer computes it by running itself (weights loaded for the call)."""
+        if self.not_writable():
+            with self._loaded():
+                weight = self.weight
+                dtype = weight.dtype if weight.is_floating_point() else getattr(self.module, "compute_dtype", None)
+                rows = keys.reshape(-1, self.d_in).to(device=self.device, dtype=dtype or keys.dtype)  # kernels: 2-d
+                return self.module(rows).to(keys.dtype).reshape(*keys.shape[:-1], self.d_out)
         out = keys.to(self.weight.dtype) @ self.w().T
         return out + self.bias if self.bias is not None else out
+
+    @contextlib.contextmanager
+    def _loaded(self) -> Iterator[None]:
+        """Offloaded weights loaded for the block (accelerate's ``align_module_device``)."""
+        if not self.offloaded:
+            yield
+            return
+        from accelerate.utils import align_module_device
+
+        with align_module_device(self.module):
+            yield
 
     def delta_weight(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The rank-one change ``v uᵀ`` in the weight's storage layout.
@@ -143,6 +204,17 @@ class LinearLayer:
         v = v.detach().to(device=self.weight.device, dtype=torch.float64)
         delta = torch.outer(u, v) if self.transposed else torch.outer(v, u)
         return delta.to(self.weight.dtype)
+
+
+def _input_name(target: nn.Module, path: str, module: nn.Module) -> str:
+    """The name of the layer's input node: on a PatchableGraph, the first input of its node (``input`` for every
+    ``nn.Linear``, quantized ones included); on a plain model, the forward's first argument."""
+    node = getattr(target, "node", None)
+    if callable(node) and hasattr(target, "graph"):
+        first = next(iter(node(path)), None)
+        if first is not None:
+            return first._path.rsplit(".", 1)[-1]
+    return _first_argument_name(module)
 
 
 def resolve_layer(target: nn.Module, node_path: str) -> LinearLayer:
@@ -173,4 +245,4 @@ def resolve_layer(target: nn.Module, node_path: str) -> LinearLayer:
         )
     if weight.dim() != 2:
         raise LayerKindError(f"{path!r} has a {weight.dim()}-d weight; expected a 2-d linear weight")
-    return LinearLayer(path=path, module=module, transposed=transposed, input_name=_first_argument_name(module))
+    return LinearLayer(path=path, module=module, transposed=transposed, input_name=_input_name(target, path, module))

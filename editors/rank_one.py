@@ -87,12 +87,31 @@ def rank_one_factors(
             f"W is [{d_out}, {d_in}] but k* is {tuple(key.shape)} and v* is {tuple(value.shape)}; "
             f"expected k* [{d_in}] and v* [{d_out}]"
         )
+    k = key.to(dtype=torch.float64)
+    w = weight.detach().to(device=k.device, dtype=torch.float64)
+    return rank_one_update(key, value.detach().to(device=k.device, dtype=torch.float64) - w @ k, second_moment)
+
+
+def rank_one_update(key: torch.Tensor, residual: torch.Tensor, second_moment: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Factors ``(u, v)`` of the ROME update from the residual ``v* - W k*`` directly (eq. 2): what the layer's
+    output at ``k*`` must gain. ROME's value search finds that residual as ``δ``, so no weight is read: this is
+    how layers whose weights cannot be read as a matrix (quantized, offloaded) are edited.
+
+    Args:
+        key: ``k*`` ``[d_in]``.
+        residual: ``v* - W k*`` ``[d_out]``.
+        second_moment: ``C`` ``[d_in, d_in]``.
+
+    Returns:
+        ``u = C⁻¹k*/(k*ᵀC⁻¹k*)`` ``[d_in]`` and ``v = residual`` ``[d_out]``, float64.
+
+    Raises:
+        StatisticsError: ``C`` is unusable, or ``k*ᵀ C⁻¹ k* <= 0``.
+    """
     c_inv_k = solve_second_moment(second_moment, key)
     k = key.to(device=c_inv_k.device, dtype=torch.float64)
     denom = torch.dot(c_inv_k, k)
     if not bool(denom > 0):
         raise StatisticsError(f"k*ᵀ C⁻¹ k* = {denom.item():.3g} is not positive; the statistics are not positive definite")
-    u = c_inv_k / denom
-    w = weight.detach().to(device=c_inv_k.device, dtype=torch.float64)
-    v = value.detach().to(device=c_inv_k.device, dtype=torch.float64) - w @ k
-    return u, v
+    return c_inv_k / denom, residual.detach().to(device=c_inv_k.device, dtype=torch.float64)

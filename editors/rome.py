@@ -36,7 +36,7 @@ from .edit import Edit
 from .errors import EditError
 from .keys import LENGTH_PARAMS, ContextTemplates, compute_key, load_or_generate_prefixes
 from .layers import LinearLayer, resolve_layer, wrapped_model
-from .rank_one import rank_one_factors
+from .rank_one import rank_one_update
 from .stats import DEFAULT_MAX_LENGTH, DEFAULT_N_SAMPLES, SecondMoment, default_cache_dir, layer_second_moment, statistics_fingerprint
 from .value import StepCallback, ValueObjective, ValueResult, ValueRunner, optimize_value
 
@@ -212,10 +212,8 @@ class ROME:
                                    callback=callback)
         self.last_value = result
         t2 = time.perf_counter()
-        with torch.no_grad():
-            w = layer.w()
-            wk = (w.to(torch.float64) @ key.to(torch.float64))  # W k*, bias excluded
-            u, v = rank_one_factors(w, key, wk + result.delta.to(torch.float64), stats.matrix)
+        with torch.no_grad():  # v* = W k* + δ, so v = v* - W k* = δ (eq. 2; no weight read: quantized ones too)
+            u, v = rank_one_update(key, result.delta, stats.matrix)
         t3 = time.perf_counter()
         last = result.history[-1] if result.history else {}
         info = {

@@ -33,7 +33,7 @@ from gradpatch.files import atomic_write_bytes
 from .capture import layer_inputs
 from .corpus import Corpus, open_corpus
 from .errors import CacheRecomputedWarning, StatisticsError
-from .layers import LinearLayer, resolve_layer, wrapped_model
+from .layers import LinearLayer, model_device, resolve_layer, wrapped_model
 from .tokens import pad_token_id, right_pad
 
 __all__ = [
@@ -137,7 +137,7 @@ def compute_second_moment(
 
     pad = pad_token_id(tokenizer)
     special = torch.tensor(sorted(set(getattr(tokenizer, "all_special_ids", []) or [])), dtype=torch.long)
-    device = layer.weight.device
+    device = layer.device
     total = torch.zeros(layer.d_in, layer.d_in, dtype=accumulate_dtype, device=device)
     n_tokens = n_docs = 0
     bar = tqdm(total=n_samples, desc=f"second moment {layer.input_node}", unit="doc", disable=not progress)
@@ -152,8 +152,8 @@ def compute_second_moment(
             keep = torch.arange(ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
             if special.numel():
                 keep &= ~torch.isin(ids, special)
-            keys = layer_inputs(pg, layer, ids.to(device))  # [batch, seq, d_in]
-            k = keys[keep.to(keys.device)].to(accumulate_dtype)  # [tokens, d_in]
+            keys = layer_inputs(pg, layer, ids.to(model_device(pg)))  # [batch, seq, d_in]
+            k = keys[keep.to(keys.device)].to(device=device, dtype=accumulate_dtype)  # [tokens, d_in]
             total += k.T @ k
             n_tokens += int(k.shape[0])
             bar.update(len(chunk))
@@ -221,7 +221,7 @@ def layer_second_moment(
             cached = _read_cache(path, layer, fingerprint, accumulate_dtype)
             if cached is not None:
                 matrix, n_tokens, n_docs = cached
-                return SecondMoment(matrix=matrix.to(layer.weight.device), n_tokens=n_tokens, n_samples=n_docs,
+                return SecondMoment(matrix=matrix.to(layer.device), n_tokens=n_tokens, n_samples=n_docs,
                                     node=layer.input_node, fingerprint=fingerprint, corpus=source.name)
     matrix, n_tokens, n_docs = compute_second_moment(
         pg, tokenizer, layer, source, n_samples=n_samples, max_length=max_length, batch_size=batch_size,

@@ -33,7 +33,7 @@ from gradpatch.finite import StepGuard
 
 from .counterfact import EditRequest
 from .keys import ContextTemplates
-from .layers import LinearLayer, wrapped_model
+from .layers import LinearLayer, model_device, wrapped_model
 from .scoring import logits_of
 from .tokens import EncodedPrompt, encode_prompt_target, encode_subject_prompt, format_with_span, pad_token_id, right_pad
 
@@ -92,7 +92,7 @@ class ValueObjective:
         self.pg, self.layer, self.request = pg, layer, request
         self.kl_factor, self.weight_decay, self.clamp_factor = kl_factor, weight_decay, clamp_factor
         self.v_init = v_init.detach()
-        self.device = layer.weight.device
+        self.device = model_device(pg)
         rewrite: list[EncodedPrompt] = []
         for prefix in templates.prefixes:
             text, span = format_with_span(request.prompt, request.subject, prefix)

@@ -27,11 +27,23 @@ def accelerate_hook(module: nn.Module) -> Any:
 def run_hooked(module: nn.Module, hook: Any, args: tuple, kwargs: dict,
                forward: Callable[[tuple, dict], Any]) -> Any:
     """Run ``forward(args, kwargs)`` between ``hook.pre_forward`` and ``hook.post_forward`` on ``module``, as
-    accelerate's own forward wrapper does (under ``no_grad`` if the hook asks for it)."""
+    accelerate's own forward wrapper does (under ``no_grad`` if the hook asks for it). If ``forward`` raises (a
+    probe that stops the pass early, say), an offloading hook's ``post_forward`` still runs, so the weights it
+    loaded go back to their placeholders."""
     args, kwargs = hook.pre_forward(module, *args, **kwargs)
-    with torch.no_grad() if getattr(hook, "no_grad", False) else nullcontext():
-        output = forward(args, kwargs)
+    try:
+        with torch.no_grad() if getattr(hook, "no_grad", False) else nullcontext():
+            output = forward(args, kwargs)
+    except BaseException:
+        if offloads(hook):
+            hook.post_forward(module, None)
+        raise
     return hook.post_forward(module, output)
+
+
+def offloads(hook: Any) -> bool:
+    """Whether an accelerate hook (or one of a ``SequentialHook``'s) loads and offloads weights around calls."""
+    return any(getattr(part, "offload", False) for part in getattr(hook, "hooks", (hook,)))
 
 
 class Dispatch:
@@ -47,9 +59,8 @@ class Dispatch:
         self.source = source
         self.hook = hook
         # Only offloading hooks swap tensors; the wrappers below are fixed once this one is built.
-        offloads = any(getattr(part, "offload", False) for part in getattr(hook, "hooks", (hook,)))
         self._refreshed = [module for module in wrapper.modules() if hasattr(module, "refresh_tensors")] \
-            if offloads else []
+            if offloads(hook) else []
 
     def wrap(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         """A forward function (``forward(wrapper, *args, **kwargs)``) that runs ``forward`` inside the hook."""

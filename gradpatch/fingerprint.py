@@ -15,6 +15,7 @@ def model_fingerprint(model: nn.Module, skip: tuple[str, ...] = ()) -> str:
     sample of ``_SAMPLES`` values of each parameter (cheap: no full pass over the weights).
 
     Two loads of the same checkpoint give the same fingerprint; an in-place edit of a sampled weight changes it.
+    A weight accelerate offloaded (a meta placeholder) contributes its name, shape and dtype only.
 
     Args:
         model: the model.
@@ -26,6 +27,8 @@ def model_fingerprint(model: nn.Module, skip: tuple[str, ...] = ()) -> str:
             if skip and name.startswith(skip):
                 continue
             digest.update(f"{name}:{tuple(parameter.shape)}:{parameter.dtype}".encode())
+            if parameter.is_meta:
+                continue
             flat = parameter.detach().reshape(-1)
             step = max(1, flat.numel() // _SAMPLES)
             digest.update(flat[::step][:_SAMPLES].to(torch.float64).cpu().numpy().tobytes())

@@ -146,7 +146,7 @@ class Intervention(nn.Module):
         tensors = read_tensors(tensors_path, InterventionLoadError, fix, document.get("tensors_sha256"))
         if graph is not None:
             _check_paths(graph, [record["path"] for record in records])
-        reference = model if model is not None else getattr(graph, "_original", None)
+        reference = model if model is not None else getattr(graph, "wrapped_model", None)
         saved = document.get("model_fingerprint")
         if check_fingerprint and saved is not None and reference is not None:
             current = model_fingerprint(reference)
@@ -223,7 +223,7 @@ def _check_paths(graph: Any, paths: list[str]) -> None:
     problems = []
     for path in paths:
         try:
-            graph._tree.find(path)
+            graph.node(path)
         except KeyError as error:
             problems.append(str(error.args[0]))
     if problems:

@@ -310,6 +310,19 @@ class PatchableGraph(nn.Module):
     def _tree(self) -> NodeTree:
         return self._tree_of(self._variant(self.training, self._example))
 
+    @property
+    def wrapped_model(self) -> nn.Module:
+        """The model this graph wraps (its parameters are the graph's)."""
+        return self._original
+
+    def node(self, path: str | NodeData) -> NodeData:
+        """The node of :attr:`graph` at NodePath ``path`` (``pg.node("model.layers_0.mlp.down_proj.output")``).
+
+        Raises:
+            NodePathError: no such node (a KeyError; the message lists the closest valid NodePaths).
+        """
+        return self._tree.find(_path_string(path))
+
     def original_module(self, path: str | NodeData) -> nn.Module:
         """The original submodule behind the graph node at NodePath ``path`` (e.g. ``"model.layers_5.mlp"``).
 

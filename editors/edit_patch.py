@@ -1,0 +1,72 @@
+"""A rank-one edit as patches: ``y' = y + v (uᵀ k)`` at the layer's output, for the layer's input ``k``.
+
+Writing ``W' = W + v uᵀ`` changes the output of the layer for every input ``k`` by ``v uᵀ k``. The same change
+made by patches — one recording the layer input, one adding ``v (uᵀ k)`` to the output — leaves the weight
+untouched, so it reaches weights that cannot be written (bitsandbytes' 8-bit/4-bit storage, accelerate-offloaded
+layers), composes with other patches, and is undone by leaving the patch block (ROME, Meng et al. 2022, eq. 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gradpatch import Patch
+
+__all__ = ["KeyCapture", "RankOneAdd", "rank_one_patches"]
+
+
+@dataclass(kw_only=True)
+class KeyCapture(Patch):
+    """Keeps the layer input of the current forward pass (unchanged, with its autograd history) for
+    :class:`RankOneAdd`.
+
+    Attributes:
+        keys: holds the last input seen, ``[..., d_in]``.
+    """
+
+    keys: list[torch.Tensor] = field(default_factory=list, repr=False)
+    requires_clone: bool = field(default=False, init=False, repr=False)
+
+    def op(self, original: torch.Tensor) -> torch.Tensor:
+        self.keys[:] = [original]
+        return original
+
+
+@dataclass(kw_only=True)
+class RankOneAdd(Patch):
+    """Adds ``v (uᵀ k)`` to the layer output, ``k`` the input captured by ``capture`` in the same forward pass.
+
+    Attributes:
+        capture: the :class:`KeyCapture` at the layer's input node.
+        u: ``[d_in]``; v: ``[d_out]`` (any float dtype; the change is computed in float64 and added in the
+            activation's dtype).
+    """
+
+    capture: KeyCapture
+    u: torch.Tensor
+    v: torch.Tensor
+    requires_clone: bool = field(default=False, init=False, repr=False)
+
+    def op(self, original: torch.Tensor) -> torch.Tensor:
+        if not self.capture.keys:
+            raise RuntimeError("the rank-one patch at the output ran before its key capture at the input")
+        keys = self.capture.keys.pop()
+        # In float64, rounded once: the same precision as the weight write (W + v uᵀ in float64, then cast).
+        scale = keys.to(torch.float64) @ self.u.to(device=keys.device, dtype=torch.float64)  # [...]
+        change = scale.unsqueeze(-1) * self.v.to(device=original.device, dtype=torch.float64)
+        return original + change.to(original.dtype)
+
+
+def rank_one_patches(input_node: str, output_node: str, u: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
+    """The patch map ``{input_node: KeyCapture, output_node: RankOneAdd}`` adding ``v uᵀ k`` to the output.
+
+    Args:
+        input_node: NodePath of the layer input (keys ``[..., d_in]``).
+        output_node: NodePath of the layer output (values ``[..., d_out]``).
+        u: ``[d_in]``; v: ``[d_out]``.
+    """
+    capture = KeyCapture()
+    return {input_node: [capture], output_node: [RankOneAdd(capture=capture, u=u.detach(), v=v.detach())]}
