@@ -25,6 +25,7 @@ from torch import fx, nn
 
 from ._torch_compat import TreeSpec, tree_flatten, tree_unflatten, untraced_modules
 from .errors import DataDependentControlFlow, ShapeSpecializationError
+from .variable_names import VariableNamer
 
 #: Tensor attributes whose values are fixed by the example (rank, dtype, device) and are returned concretely.
 _STATIC_TENSOR_ATTRIBUTES = frozenset(
@@ -99,6 +100,7 @@ class ValueTracer(fx.Tracer):
         self._autocast_state: tuple[bool, ...] = ()
         #: The traced call's return value on the example inputs (containers rebuilt, proxies replaced by values).
         self.output_value: Any = None
+        self._namer: VariableNamer | None = None
 
     def trace_call(
         self,
@@ -135,8 +137,11 @@ class ValueTracer(fx.Tracer):
 
         def run(*_):  # type: ignore[no-untyped-def]  # no annotation: fx would copy it into the code
             output = call(proxies)
+            namer.finish()
             self.output_value = self.value_of(output)
             return self._lower_output(output)
+
+        namer = self._namer = VariableNamer(self.graph, run.__code__)
 
         return run, []
 
@@ -166,15 +171,19 @@ class ValueTracer(fx.Tracer):
         if kind == "call_method" and target in _VALUE_ESCAPING_METHODS:
             raise DataDependentControlFlow(f"'.{target}()' moves a tensor value into Python control flow")
         value = self._evaluate(kind, target, args, kwargs)
-        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
-        self.values[proxy.node] = value
-        return proxy
+        return self._record(super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn), value)
 
     def create_proxy_with_value(self, kind: str, target: Any, args: tuple, kwargs: dict, value: Any) -> ValueProxy:
         """Emit a node whose value is already known (a submodule call extracted separately)."""
         self._check_global_state(target)
-        proxy = super().create_proxy(kind, target, args, kwargs)
+        return self._record(super().create_proxy(kind, target, args, kwargs), value)
+
+    def _record(self, proxy: ValueProxy, value: Any) -> ValueProxy:
+        """Keep a new node's value; name the nodes stored in variables since the previous one."""
         self.values[proxy.node] = value
+        if self._namer is not None:
+            self._namer.scan()
+            self._namer.created(proxy.node)
         return proxy
 
     def to_bool(self, obj: fx.Proxy) -> bool:

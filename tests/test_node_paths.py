@@ -16,13 +16,16 @@ def llama_graph(tiny_llama, token_ids) -> PatchableGraph:
 def test_llama_attention_ops_are_nodes(llama_graph):
     attention = llama_graph.graph.model.layers_0.self_attn
     names = dir(attention)
-    for expected in ("hidden_states", "q_proj", "k_proj", "v_proj", "o_proj", "scaled_dot_product_attention",
-                     "view", "transpose", "reshape", "output"):
+    # Operations are named after the variables of transformers' code that hold them (as torch.compile names them).
+    for expected in ("hidden_states", "q_proj", "k_proj", "v_proj", "o_proj", "query_states", "key_states",
+                     "value_states", "q_embed", "k_embed", "cos", "sin", "attn_output", "output"):
         assert expected in names, expected
-    rotary = [name for name in names if name.split("_")[0] in ("mul", "add", "cat", "neg")]
-    assert {"mul", "add", "cat", "neg"} <= {name.split("_")[0] for name in rotary}
+    rotary = [name for name in names if name.split("_")[0] in ("mul", "cat", "neg")]
+    assert {"mul", "cat", "neg"} <= {name.split("_")[0] for name in rotary}
     assert attention.q_proj.output._shape == torch.Size([2, 7, 64])
-    assert attention.scaled_dot_product_attention._shape == torch.Size([2, 4, 7, 16])
+    assert attention.k_embed._shape == torch.Size([2, 2, 7, 16])  # after rotary: what goes into a KV cache
+    assert attention.attn_output._shape == torch.Size([2, 4, 7, 16])  # scaled_dot_product_attention's result
+    assert "scaled_dot_product_attention" in attention.attn_output._code
 
 
 def test_llama_mlp_ops_are_nodes(llama_graph):

@@ -130,7 +130,7 @@ def _boom(value: torch.Tensor) -> torch.Tensor:
 def test_patched_intermediate_changes_downstream(tiny_llama, token_ids):
     pg = PatchableGraph(tiny_llama, token_ids, use_cache=False)
     clean = pg(token_ids, use_cache=False).logits
-    with pg.patch({"model.layers_1.self_attn.scaled_dot_product_attention": ZeroPatch()}):
+    with pg.patch({"model.layers_1.self_attn.attn_output": ZeroPatch()}):
         patched = pg(token_ids, use_cache=False).logits
     assert not torch.allclose(clean, patched)
 

@@ -23,7 +23,7 @@ def test_smollm2_graph_matches_and_patches(smollm2):
         torch.testing.assert_close(pg(single, use_cache=False).logits, model(single, use_cache=False).logits)
         assert tokenizer.decode(pg(single, use_cache=False).logits[0, -1].argmax()) == " Paris"
         attention = pg.graph.model.layers_3.self_attn
-        assert "scaled_dot_product_attention" in dir(attention) and "cat" in dir(attention)
+        assert {"attn_output", "q_embed", "k_embed", "cat"} <= set(dir(attention))
         probe = ProbePatch()
         with pg.patch({"model.layers_3.mlp.down_proj.input": probe,
                        "model.layers_29.output": ZeroPatch(slice=(slice(None), -1))}):
