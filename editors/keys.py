@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,13 +26,14 @@ from torch import nn
 
 from gradpatch.files import atomic_write_text
 
-from .capture import layer_inputs
-from .errors import CacheRecomputedWarning
+from .capture import node_activations
+from .errors import CacheRecomputedWarning, SubjectNotFoundError
 from .layers import LinearLayer, model_device
 from .scoring import logits_of
-from .tokens import encode_subject_prompt, format_with_span, pad_token_id, right_pad
+from .tokens import EncodedPrompt, encode_subject_prompt, format_with_span, pad_token_id, right_pad
 
-__all__ = ["ContextTemplates", "compute_key", "generate_context_prefixes", "load_or_generate_prefixes"]
+__all__ = ["ContextTemplates", "compute_key", "context_activations", "generate_context_prefixes",
+           "load_or_generate_prefixes"]
 
 STARTERS: tuple[str, ...] = ("The", "Therefore", "Because", "I", "You")
 #: ``(tokens per continuation, number of continuations)``, as ROME's ``context_template_length_params``.
@@ -157,6 +158,64 @@ def load_or_generate_prefixes(
     return templates
 
 
+def context_activations(
+    pg: nn.Module,
+    tokenizer: Any,
+    nodes: Sequence[str],
+    facts: Sequence[tuple[str, str]],
+    templates: ContextTemplates,
+    patches: Mapping[str, Any] | None = None,
+    max_tokens: int = 8192,
+) -> list[torch.Tensor]:
+    """Activations at the subject's last token of every fact behind every context prefix, for several nodes at once.
+
+    Each fact's prompt is filled with its subject behind each prefix; the rows of all facts run in right-padded
+    batches of at most ``max_tokens`` tokens (rows × width), each forward pass stopping once every node was recorded.
+
+    Args:
+        pg: the model's PatchableGraph.
+        tokenizer: its tokenizer.
+        nodes: NodePaths of ``[batch, seq, d]`` nodes: a layer's input node (keys, eq. 3), a residual stream.
+        facts: ``F`` pairs ``(prompt template with "{}", subject)``.
+        templates: the ``P`` context prefixes.
+        patches: more patches for every pass (e.g. earlier layers' updates, applied as patches).
+        max_tokens: tokens per forward pass.
+
+    Returns:
+        One ``[F, P, d]`` tensor per node (the node's dtype).
+
+    Raises:
+        SubjectNotFoundError: a fact's subject covers no token of its prompt (the message names the fact).
+    """
+    encoded: list[EncodedPrompt] = []
+    for i, (prompt, subject) in enumerate(facts):
+        try:
+            for prefix in templates.prefixes:
+                text, span = format_with_span(prompt, subject, prefix)
+                encoded.append(encode_subject_prompt(tokenizer, text, span))
+        except SubjectNotFoundError as error:
+            raise SubjectNotFoundError(f"Fact {i} (subject {subject!r}, prompt {prompt!r}): {error}") from None
+    device = model_device(pg)
+    pad = pad_token_id(tokenizer)
+    parts: list[list[torch.Tensor]] = [[] for _ in nodes]
+    start = 0
+    while start < len(encoded):
+        end, width = start, 0
+        while end < len(encoded) and (end == start or (end + 1 - start) * max(width, len(encoded[end].ids))
+                                      <= max_tokens):
+            width = max(width, len(encoded[end].ids))
+            end += 1
+        chunk = encoded[start:end]
+        ids, _ = right_pad([e.ids for e in chunk], pad)
+        activations = node_activations(pg, nodes, ids.to(device), patches=patches)  # each [rows, seq, d]
+        for part, activation in zip(parts, activations):
+            rows = torch.arange(len(chunk), device=activation.device)
+            positions = torch.tensor([e.subject_last for e in chunk], device=activation.device)
+            part.append(activation[rows, positions])
+        start = end
+    return [torch.cat(part).reshape(len(facts), len(templates), -1) for part in parts]
+
+
 def compute_key(
     pg: nn.Module,
     tokenizer: Any,
@@ -178,11 +237,5 @@ def compute_key(
     Returns:
         ``k*`` ``[d_in]`` (the layer's dtype).
     """
-    encoded = []
-    for prefix in templates.prefixes:
-        text, span = format_with_span(prompt, subject, prefix)
-        encoded.append(encode_subject_prompt(tokenizer, text, span))
-    ids, _ = right_pad([e.ids for e in encoded], pad_token_id(tokenizer))
-    keys = layer_inputs(pg, layer, ids.to(model_device(pg)))  # [n_prefixes, seq, d_in]
-    positions = torch.tensor([e.subject_last for e in encoded], device=keys.device)
-    return keys[torch.arange(len(encoded), device=keys.device), positions].mean(dim=0)
+    keys = context_activations(pg, tokenizer, [layer.input_node], [(prompt, subject)], templates)[0]  # [1, P, d_in]
+    return keys[0].mean(dim=0)

@@ -15,6 +15,10 @@ loop (Adam, early stop when ``loss < 0.05``) that ``editors`` uses when nothing 
 ``gradpatch rome`` / ``eval-rome`` commands and the demo, with TensorBoard logging). Both stop at the first
 non-finite loss term, gradient or updated ``δ`` with a :class:`gradpatch.errors.NonFiniteError` naming the step
 (:func:`value_step_guard`), and :meth:`ValueResult.converged` tells whether the search converged.
+
+The prompts of one fact (:func:`encode_value_prompts`) and the terms computed from log-probabilities
+(:func:`value_terms`, vectorised over facts) are shared with the batched search of many facts
+(:mod:`editors.batch_value`), so both minimise the same objective.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ from .layers import LinearLayer, model_device, wrapped_model
 from .scoring import logits_of
 from .tokens import EncodedPrompt, encode_prompt_target, encode_subject_prompt, format_with_span, pad_token_id, right_pad
 
-__all__ = ["ValueObjective", "ValueResult", "ValueRunner", "frozen_parameters", "optimize_value",
-           "value_step_guard"]
+__all__ = ["ValueObjective", "ValuePrompts", "ValueResult", "ValueRunner", "encode_value_prompts", "frozen_parameters",
+           "optimize_value", "value_step_guard", "value_terms"]
 
 KL_PROMPT = "{} is a"
 
@@ -55,6 +59,82 @@ def frozen_parameters(model: nn.Module) -> Iterator[None]:
     finally:
         for p, flag in zip(params, flags):
             p.requires_grad_(flag)
+
+
+@dataclass(frozen=True)
+class ValuePrompts:
+    """The token sequences of one fact's value objective (eq. 4) and the positions its terms read.
+
+    Attributes:
+        rewrite: the ``N`` rewriting prompts (context prefix + prompt + target), encoded.
+        sequences: the model inputs: each rewriting prompt without its last target token, then the KL prompts.
+        subject_positions: per sequence, the index of the subject's last token (where ``δ`` is added).
+        targets: ``(sequence, column, token)`` for every target token of every rewriting prompt; the logits at
+            ``column`` (the position before the token) predict it.
+    """
+
+    rewrite: list[EncodedPrompt]
+    sequences: list[list[int]]
+    subject_positions: list[int]
+    targets: list[tuple[int, int, int]]
+
+    @property
+    def n_kl(self) -> int:
+        """Number of KL prompts (the sequences after the rewriting ones)."""
+        return len(self.sequences) - len(self.rewrite)
+
+
+def encode_value_prompts(tokenizer: Any, request: EditRequest, templates: ContextTemplates,
+                         kl_prompts: tuple[str, ...] = (KL_PROMPT,)) -> ValuePrompts:
+    """Tokenize one fact's rewriting prompts (one per context prefix) and KL prompts (eq. 4).
+
+    Raises:
+        SubjectNotFoundError: the subject does not fill the prompt's ``"{}"``.
+        TokenizationError: the target is empty or a token straddles the prompt/target boundary.
+    """
+    rewrite: list[EncodedPrompt] = []
+    for prefix in templates.prefixes:
+        text, span = format_with_span(request.prompt, request.subject, prefix)
+        rewrite.append(encode_prompt_target(tokenizer, text, request.target_new, subject_span=span))
+    essence = []
+    for template in kl_prompts:
+        text, span = format_with_span(template, request.subject)
+        essence.append(encode_subject_prompt(tokenizer, text, span))
+    targets = [(b, t - 1, e.ids[t]) for b, e in enumerate(rewrite) for t in range(e.target_start, len(e.ids))]
+    return ValuePrompts(rewrite=rewrite, sequences=[e.ids[:-1] for e in rewrite] + [e.ids for e in essence],
+                        subject_positions=[e.subject_last for e in rewrite + essence], targets=targets)
+
+
+def value_terms(per_prompt_lp: torch.Tensor, prompt_fact: torch.Tensor, kl_lp: torch.Tensor,
+                kl_reference: torch.Tensor, kl_fact: torch.Tensor, delta: torch.Tensor, v_init: torch.Tensor,
+                kl_factor: float, weight_decay: float) -> dict[str, torch.Tensor]:
+    """The terms of eq. 4 for ``F`` facts at once, each fact's from its own rows only.
+
+    Args:
+        per_prompt_lp: ``[P]`` mean target-token log-probability of each rewriting prompt.
+        prompt_fact: ``[P]`` the fact (``0..F-1``) each prompt belongs to.
+        kl_lp: ``[Q, vocab]`` next-token log-probabilities after each KL prompt, at the current ``δ``.
+        kl_reference: ``[Q, vocab]`` the same at ``δ = 0``.
+        kl_fact: ``[Q]`` the fact each KL prompt belongs to.
+        delta: ``[F, d_out]``; v_init: ``[F, d_out]`` (``v₀ = W k* + b`` per fact).
+        kl_factor: λ_KL; weight_decay: λ_wd.
+
+    Returns:
+        ``{"loss", "nll", "kl", "weight_decay", "target_prob"}``, each ``[F]``: ``nll`` the mean over the fact's
+        prompts of ``-per_prompt_lp``, ``kl`` the mean over its KL prompts of ``KL(P(·|δ) ‖ P(·|0))``, weight decay
+        ``λ_wd ‖δ‖ / ‖v₀‖²``, ``loss = nll + λ_KL kl + weight decay``; ``target_prob`` (detached) the mean over its
+        prompts of ``exp(per_prompt_lp)``.
+    """
+    n_facts = delta.shape[0]
+    zeros = per_prompt_lp.new_zeros(n_facts)
+    n_prompts = zeros.index_add(0, prompt_fact, torch.ones_like(per_prompt_lp))
+    nll = -zeros.index_add(0, prompt_fact, per_prompt_lp) / n_prompts
+    kl_rows = torch.nn.functional.kl_div(kl_reference, kl_lp, log_target=True, reduction="none").sum(-1)  # [Q]
+    kl = zeros.index_add(0, kl_fact, kl_rows) / zeros.index_add(0, kl_fact, torch.ones_like(kl_rows))
+    decay = weight_decay * delta.norm(dim=-1) / v_init.norm(dim=-1).clamp_min(1e-12) ** 2
+    target_prob = zeros.index_add(0, prompt_fact, per_prompt_lp.detach().exp()) / n_prompts
+    return {"loss": nll + kl_factor * kl + decay, "nll": nll, "kl": kl, "weight_decay": decay,
+            "target_prob": target_prob}
 
 
 class ValueObjective:
@@ -93,37 +173,22 @@ class ValueObjective:
         self.kl_factor, self.weight_decay, self.clamp_factor = kl_factor, weight_decay, clamp_factor
         self.v_init = v_init.detach()
         self.device = model_device(pg)
-        rewrite: list[EncodedPrompt] = []
-        for prefix in templates.prefixes:
-            text, span = format_with_span(request.prompt, request.subject, prefix)
-            rewrite.append(encode_prompt_target(tokenizer, text, request.target_new, subject_span=span))
-        essence = []
-        for template in kl_prompts:
-            text, span = format_with_span(template, request.subject)
-            essence.append(encode_subject_prompt(tokenizer, text, span))
-        self.rewrite = rewrite
-        # Inputs: rewriting prompts without their last target token, then the KL prompts.
-        inputs = [e.ids[:-1] for e in rewrite] + [e.ids for e in essence]
-        ids, lengths = right_pad(inputs, pad_token_id(tokenizer))
+        prompts = encode_value_prompts(tokenizer, request, templates, kl_prompts)
+        self.rewrite = prompts.rewrite
+        ids, lengths = right_pad(prompts.sequences, pad_token_id(tokenizer))
         self.input_ids = ids.to(self.device)  # [N + n_kl, seq]
-        n = len(rewrite)
-        subject_pos = [e.subject_last for e in rewrite] + [e.subject_last for e in essence]
+        n = len(prompts.rewrite)
         self.patch_index = (
-            torch.arange(len(inputs), device=self.device),
-            torch.tensor(subject_pos, device=self.device),
+            torch.arange(len(prompts.sequences), device=self.device),
+            torch.tensor(prompts.subject_positions, device=self.device),
         )
-        # Target positions: logits at t-1 predict token t, for every target token of every rewriting prompt.
-        rows, cols, tokens = [], [], []
-        for b, e in enumerate(rewrite):
-            for t in range(e.target_start, len(e.ids)):
-                rows.append(b)
-                cols.append(t - 1)
-                tokens.append(e.ids[t])
+        rows, cols, tokens = zip(*prompts.targets)
         self.target_rows = torch.tensor(rows, device=self.device)
         self.target_cols = torch.tensor(cols, device=self.device)
         self.target_tokens = torch.tensor(tokens, device=self.device)
-        self.target_counts = torch.tensor([e.n_target for e in rewrite], device=self.device, dtype=torch.float32)
-        self.kl_rows = torch.arange(n, len(inputs), device=self.device)
+        self.target_counts = torch.tensor([e.n_target for e in prompts.rewrite], device=self.device,
+                                          dtype=torch.float32)
+        self.kl_rows = torch.arange(n, len(prompts.sequences), device=self.device)
         self.kl_cols = (lengths[n:] - 1).to(self.device)
         self.kl_reference: torch.Tensor | None = None  # log P(· | "{s} is a") with δ = 0, [n_kl, vocab]
 
@@ -157,15 +222,14 @@ class ValueObjective:
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         token_lp = log_probs[self.target_rows, self.target_cols, self.target_tokens]  # [n_target_tokens]
         per_prompt = torch.zeros_like(self.target_counts).index_add(0, self.target_rows, token_lp) / self.target_counts
-        nll = -per_prompt.mean()
         kl_lp = log_probs[self.kl_rows, self.kl_cols]  # [n_kl, vocab]
         if self.kl_reference is None:
             self._set_kl_reference(logits)
-        kl = torch.nn.functional.kl_div(self.kl_reference, kl_lp, log_target=True, reduction="batchmean")
-        decay = self.weight_decay * delta.norm() / self.v_init.norm().clamp_min(1e-12) ** 2
-        loss = nll + self.kl_factor * kl + decay
-        return {"loss": loss, "nll": nll, "kl": kl, "weight_decay": decay,
-                "target_prob": per_prompt.detach().exp().mean()}
+        prompt_fact = torch.zeros(len(per_prompt), dtype=torch.long, device=per_prompt.device)
+        kl_fact = torch.zeros(len(kl_lp), dtype=torch.long, device=per_prompt.device)
+        terms = value_terms(per_prompt, prompt_fact, kl_lp, self.kl_reference, kl_fact, delta.unsqueeze(0),
+                            self.v_init.unsqueeze(0), self.kl_factor, self.weight_decay)
+        return {name: value[0] for name, value in terms.items()}
 
     def _set_kl_reference(self, logits: torch.Tensor) -> None:
         self.kl_reference = torch.log_softmax(logits.detach().float(), dim=-1)[self.kl_rows, self.kl_cols]

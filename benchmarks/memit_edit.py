@@ -1,0 +1,141 @@
+"""Time per fact of the value search, batched (MEMIT) against one fact at a time (ROME); prints JSON.
+
+Measured in one run, on the same facts' objective (ROME's eq. 4: target NLL over the context prompts, KL on
+"{subject} is a", weight decay, clamp; the same context prefixes, steps, learning rate and early stop):
+
+- ``one_at_a_time``: ``--single`` facts, each searched alone with :class:`editors.ValueObjective` and
+  :func:`editors.optimize_value` (ROME's path: one forward and backward over that fact's prompts per step);
+- ``batch_of_one``: the same facts, each alone through the batched code (:func:`editors.batch_value.optimize_values`
+  with one fact): separates what batching gains from what reading only the needed logits gains;
+- ``batched``: ``--batch`` facts searched together (one forward and backward per step carries every fact's rows,
+  in passes of at most ``--max-tokens`` tokens).
+
+``speedup = one_at_a_time.per_fact_s / batched.per_fact_s`` (target ≥ 10 at batch 100 on CPU). Per-fact step counts
+of the facts searched both ways are compared (``same_steps``): the batched search stops each fact where its own
+search stops. Keys and ``v₀`` are computed once beforehand and not timed; no statistics are needed.
+
+Run: ``.venv/bin/python benchmarks/memit_edit.py [--cases FILE] [--batch 100] [--single 10] [--tiny]``. Without
+``--cases`` it reads ``demos/rome/facts.json`` (the fact bank) and cycles ``demos/rome/cases.json`` if that is
+missing. ``--tiny`` uses a random tiny Llama and made-up facts (seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from editors import EditRequest, ValueObjective, load_cases, optimize_value, resolve_layer
+from editors.batch_value import DEFAULT_MAX_TOKENS, BatchValueObjective, optimize_values
+from editors.keys import context_activations, load_or_generate_prefixes
+from editors.rome import ROMEConfig
+from editors.stats import default_cache_dir, statistics_fingerprint
+from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
+from gradpatch import PatchableGraph
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _requests(path: str | None, n: int) -> list[EditRequest]:
+    if path is None:
+        bank = ROOT / "demos" / "rome" / "facts.json"
+        path = str(bank if bank.is_file() else ROOT / "demos" / "rome" / "cases.json")
+    cases = load_cases(path)
+    return [cases[i % len(cases)].request for i in range(n)]
+
+
+def _tiny_requests(n: int) -> list[EditRequest]:
+    words = sorted({w.strip(".,") for s in TOY_SENTENCES for w in s.split() if len(w.strip(".,")) > 2})
+    return [EditRequest(prompt="I think the answer is {}", subject=words[i % len(words)],
+                        target_new=words[(i * 7 + 3) % len(words)]) for i in range(n)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=None, help="CounterFact JSON whose requests are searched")
+    parser.add_argument("--batch", type=int, default=100, help="facts searched together (default %(default)s)")
+    parser.add_argument("--single", type=int, default=10, help="facts searched one at a time (default %(default)s)")
+    parser.add_argument("--node", default=None, help="layer whose output gets δ (default: MEMIT's last layer)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens per forward/backward pass")
+    parser.add_argument("--tiny", action="store_true", help="a random tiny Llama instead of SmolLM2-135M")
+    args = parser.parse_args(argv)
+
+    config = ROMEConfig(progress=False, value_prefixes=6)  # MEMIT's reference code uses 6 context prefixes
+    max_tokens = args.max_tokens or DEFAULT_MAX_TOKENS
+    if args.tiny:
+        tokenizer = byte_level_tokenizer()
+        model = tiny_llama(len(tokenizer))
+        node = args.node or "model.layers_1.mlp.down_proj"
+        requests = _tiny_requests(args.batch)
+        config.clamp_factor, config.context_length_params = 500.0, ((5, 4), (10, 4))
+    else:
+        from gradpatch.models import load_embedded_model
+
+        model, tokenizer = load_embedded_model()
+        node = args.node or "model.layers_6.mlp.down_proj"
+        requests = _requests(args.cases, args.batch)
+    pg = PatchableGraph(model, torch.randint(0, len(tokenizer), (2, 8)), use_cache=False).eval()
+    layer = resolve_layer(pg, node)
+    templates = load_or_generate_prefixes(pg, tokenizer, None if args.tiny else default_cache_dir(),
+                                          statistics_fingerprint(pg), length_params=config.context_length_params,
+                                          seed=config.template_seed).subset(config.value_prefixes)
+    keys = context_activations(pg, tokenizer, [layer.input_node], [(r.prompt, r.subject) for r in requests],
+                               templates, max_tokens=max_tokens)[0].mean(dim=1)  # [F, d_in]
+    with torch.no_grad():
+        v_init = layer.forward_value(keys)  # [F, d_out]
+    search = {"steps": config.steps, "lr": config.lr, "early_stop_loss": config.early_stop_loss}
+    terms = {"kl_factor": config.kl_factor, "weight_decay": config.weight_decay, "clamp_factor": config.clamp_factor}
+    n_single = min(args.single, len(requests))
+
+    t0 = time.perf_counter()
+    alone = [optimize_value(ValueObjective(pg, tokenizer, layer, requests[i], templates, v_init[i], **terms),
+                            **search) for i in range(n_single)]
+    t1 = time.perf_counter()
+    ones = [optimize_values(BatchValueObjective(pg, tokenizer, layer, [requests[i]], templates, v_init[i : i + 1],
+                                                max_tokens=max_tokens, **terms), **search)[0]
+            for i in range(n_single)]
+    t2 = time.perf_counter()
+    together = optimize_values(BatchValueObjective(pg, tokenizer, layer, requests, templates, v_init,
+                                                   max_tokens=max_tokens, **terms), **search)
+    t3 = time.perf_counter()
+
+    def summary(results: list, seconds: float) -> dict:
+        return {"facts": len(results), "seconds": seconds, "per_fact_s": seconds / max(len(results), 1),
+                "mean_steps": sum(r.steps for r in results) / max(len(results), 1),
+                "converged": sum(r.converged(config.early_stop_loss) for r in results)}
+
+    single, batch_of_one, batched = summary(alone, t1 - t0), summary(ones, t2 - t1), summary(together, t3 - t2)
+    result = {
+        "benchmark": "memit_edit",
+        "model": "tiny-llama" if args.tiny else "embedded:SmolLM2-135M-Instruct",
+        "node": node,
+        "value_prefixes": len(templates),
+        "value_prompts_per_fact": len(templates) + 1,
+        "max_tokens": max_tokens,
+        "one_at_a_time": single,
+        "batch_of_one": batch_of_one,
+        "batched": batched,
+        "speedup": single["per_fact_s"] / batched["per_fact_s"],
+        "speedup_vs_batch_of_one": batch_of_one["per_fact_s"] / batched["per_fact_s"],
+        "target_speedup": 10.0,
+        "ok": single["per_fact_s"] / batched["per_fact_s"] >= 10.0,
+        "same_steps": [a.steps for a in alone] == [b.steps for b in together[:n_single]],
+        "max_delta_difference": max(float((a.delta - b.delta).abs().max()) for a, b in zip(alone, together)),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+    }
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""Value search for many facts at once: ROME's objective (eq. 4), one forward and backward per step for a batch.
+
+MEMIT (Meng et al. 2023, arXiv 2210.07229, §4.3, eqs. 15–16) finds, for every fact ``i`` of a batch, the change
+``δ_i`` of the layer output at the subject's last token that makes the model say ``target_new``, with the objective
+ROME uses for one fact (:class:`editors.value.ValueObjective`: target NLL over the context prompts, KL on
+``"{subject} is a"``, weight decay, norm clamp). :class:`BatchValueObjective` puts the rows of many facts into one
+right-padded batch, each with its own delta: ``δ`` is ``[F, d_out]`` and the :class:`gradpatch.AddPatch` at the
+layer's output adds row ``δ[fact of row]`` at that row's subject position. The loss is the sum over facts of each
+fact's own loss, so a fact's gradient is exactly the gradient of its own objective, and Adam (elementwise) moves each
+row as it would move that fact's delta alone. Each fact stops when its loss is below ``early_stop_loss`` (its row is
+frozen and its prompts leave the batch), as the one-fact search stops, so :func:`optimize_values` returns the deltas
+one-at-a-time searches would return, up to float rounding (``tests/test_batch_value.py``).
+
+Logits are computed only where the terms read them (:func:`editors.selected_logits.logits_at`), and a step whose rows
+exceed ``max_tokens`` tokens runs as several forward/backward passes whose gradients add up before the one optimizer
+step (memory: SmolLM2-135M keeps ~40 kB of activations per token and layer for the backward pass).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradpatch import AddPatch
+from gradpatch.finite import StepGuard
+
+from .counterfact import EditRequest
+from .keys import ContextTemplates
+from .layers import LinearLayer, model_device
+from .selected_logits import logits_at, output_embedding_input_node
+from .tokens import pad_token_id, right_pad
+from .value import KL_PROMPT, ValuePrompts, ValueResult, encode_value_prompts, frozen_parameters, value_terms
+
+__all__ = ["BatchValueObjective", "optimize_values"]
+
+#: Tokens (rows × padded width) per forward/backward pass of the batched value search.
+DEFAULT_MAX_TOKENS = 4096
+
+
+class BatchValueObjective:
+    """Eq. 4 of ROME for ``F`` facts: the loss of each fact as a function of its row of ``δ`` ``[F, d_out]``.
+
+    Args:
+        pg: the model's PatchableGraph (in ``eval()``).
+        tokenizer: its tokenizer.
+        layer: the layer whose output receives ``δ`` (for MEMIT, the last edited layer).
+        requests: the ``F`` facts.
+        templates: context prefixes of the rewriting prompts.
+        v_init: ``[F, d_out]``: ``v₀`` per fact, the norm reference of the weight decay and the clamp.
+        kl_factor, weight_decay, clamp_factor: as :class:`editors.value.ValueObjective`.
+        kl_prompts: templates of the essence prompts.
+        max_tokens: tokens (rows × padded width) per forward/backward pass; a step runs as several passes when
+            the active facts' rows need more (one fact's rows always share a pass).
+
+    Raises:
+        ValueError: ``v_init`` is not ``[F, d_out]`` or ``max_tokens`` is not positive.
+        SubjectNotFoundError, TokenizationError: a request cannot be encoded (the message names its subject).
+    """
+
+    def __init__(self, pg: nn.Module, tokenizer: Any, layer: LinearLayer, requests: Sequence[EditRequest],
+                 templates: ContextTemplates, v_init: torch.Tensor, kl_factor: float = 0.0625,
+                 weight_decay: float = 1e-3, clamp_factor: float = 4.0, kl_prompts: tuple[str, ...] = (KL_PROMPT,),
+                 max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+        if tuple(v_init.shape) != (len(requests), layer.d_out):
+            raise ValueError(f"v_init is {list(v_init.shape)}; expected [{len(requests)}, {layer.d_out}] "
+                             f"(one v₀ per request)")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        self.pg, self.layer, self.requests = pg, layer, list(requests)
+        self.kl_factor, self.weight_decay, self.clamp_factor = kl_factor, weight_decay, clamp_factor
+        self.v_init = v_init.detach()
+        self.max_tokens = max_tokens
+        self.device = model_device(pg)
+        self.pad = pad_token_id(tokenizer)
+        self.prompts: list[ValuePrompts] = []
+        for i, request in enumerate(self.requests):
+            try:
+                self.prompts.append(encode_value_prompts(tokenizer, request, templates, kl_prompts))
+            except ValueError as error:
+                raise type(error)(f"Request {i} (subject {request.subject!r}): {error}") from None
+        self.head_node = output_embedding_input_node(pg)
+        self.kl_reference: list[torch.Tensor | None] = [None] * len(self.requests)  # [n_kl, vocab] per fact
+
+    @property
+    def n_facts(self) -> int:
+        """``F``."""
+        return len(self.requests)
+
+    def chunks(self, facts: Sequence[int]) -> list[list[int]]:
+        """Split ``facts`` into groups whose rows fit ``max_tokens`` (rows × widest row) per pass."""
+        groups: list[list[int]] = []
+        current: list[int] = []
+        rows = width = 0
+        for fact in facts:
+            sequences = self.prompts[fact].sequences
+            new_rows, new_width = rows + len(sequences), max(width, max(len(s) for s in sequences))
+            if current and new_rows * new_width > self.max_tokens:
+                groups.append(current)
+                current, new_rows, new_width = [], len(sequences), max(len(s) for s in sequences)
+            current.append(fact)
+            rows, width = new_rows, new_width
+        if current:
+            groups.append(current)
+        return groups
+
+    def loss(self, delta: torch.Tensor, facts: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The terms of ``facts`` (one forward pass; differentiable with respect to ``delta``).
+
+        The KL reference of a fact is taken from its first evaluation, which must be at ``δ = 0`` (the search starts
+        there).
+
+        Args:
+            delta: ``[F, d_out]`` (an ``nn.Parameter`` during optimisation).
+            facts: indices of the facts evaluated in this pass.
+
+        Returns:
+            ``{"loss", "nll", "kl", "weight_decay", "target_prob"}``, each ``[len(facts)]``.
+
+        Raises:
+            ValueError: a fact is evaluated first at a non-zero ``δ``.
+        """
+        batch = self._batch(facts)
+        device = self.device
+        fact_ids = torch.tensor(list(facts), device=device)
+        values = delta[fact_ids][batch["row_fact"]]  # [rows, d_out]: each row gets its own fact's δ
+        patch = AddPatch(value=values, slice=(batch["patch_rows"], batch["patch_cols"]))
+        logits = logits_at(self.pg, batch["input_ids"], batch["read_rows"], batch["read_cols"],
+                           {self.layer.output_node: patch}, head_node=self.head_node)
+        log_probs = torch.log_softmax(logits.float(), dim=-1)  # [target tokens + KL prompts, vocab]
+        n_tokens = len(batch["tokens"])
+        token_lp = log_probs[torch.arange(n_tokens, device=device), batch["tokens"]]
+        n_prompts = len(batch["prompt_fact"])
+        per_prompt = (token_lp.new_zeros(n_prompts).index_add(0, batch["token_prompt"], token_lp)
+                      / batch["prompt_lengths"])
+        kl_lp = log_probs[n_tokens:]
+        reference = self._kl_reference(facts, kl_lp, delta)
+        return value_terms(per_prompt, batch["prompt_fact"], kl_lp, reference, batch["kl_fact"], delta[fact_ids],
+                           self.v_init[fact_ids], self.kl_factor, self.weight_decay)
+
+    def _batch(self, facts: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The right-padded rows of ``facts`` and the positions the terms read: every target token's logit position
+        first, then every KL prompt's last position; facts are numbered by their slot in ``facts``."""
+        sequences: list[list[int]] = []
+        lists: dict[str, list[int]] = {name: [] for name in (
+            "patch_cols", "row_fact", "target_rows", "target_cols", "tokens", "token_prompt", "prompt_fact",
+            "prompt_lengths", "kl_rows", "kl_cols", "kl_fact")}
+        for slot, fact in enumerate(facts):
+            prompts = self.prompts[fact]
+            offset, first_prompt = len(sequences), len(lists["prompt_fact"])
+            sequences += prompts.sequences
+            lists["patch_cols"] += prompts.subject_positions
+            lists["row_fact"] += [slot] * len(prompts.sequences)
+            for row, col, token in prompts.targets:
+                lists["target_rows"].append(offset + row)
+                lists["target_cols"].append(col)
+                lists["tokens"].append(token)
+                lists["token_prompt"].append(first_prompt + row)
+            lists["prompt_fact"] += [slot] * len(prompts.rewrite)
+            lists["prompt_lengths"] += [e.n_target for e in prompts.rewrite]
+            for k in range(len(prompts.rewrite), len(prompts.sequences)):
+                lists["kl_rows"].append(offset + k)
+                lists["kl_cols"].append(len(prompts.sequences[k]) - 1)
+                lists["kl_fact"].append(slot)
+        device = self.device
+        batch = {name: torch.tensor(values, device=device) for name, values in lists.items()}
+        batch["prompt_lengths"] = batch["prompt_lengths"].float()
+        ids, _ = right_pad(sequences, self.pad)
+        batch["input_ids"] = ids.to(device)
+        batch["patch_rows"] = torch.arange(len(sequences), device=device)
+        batch["read_rows"] = torch.cat([batch["target_rows"], batch["kl_rows"]])
+        batch["read_cols"] = torch.cat([batch["target_cols"], batch["kl_cols"]])
+        return batch
+
+    def _kl_reference(self, facts: Sequence[int], kl_lp: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The ``δ = 0`` log-probabilities of ``facts``' KL prompts ``[Q, vocab]``, kept from each fact's first
+        evaluation (which must be at ``δ = 0``)."""
+        parts = []
+        start = 0
+        for fact in facts:
+            n_kl = self.prompts[fact].n_kl
+            if self.kl_reference[fact] is None:
+                if bool(delta[fact].detach().abs().max() > 0):
+                    raise ValueError(f"Fact {fact} ({self.requests[fact].subject!r}) is evaluated first at a "
+                                     f"non-zero δ; the batched search starts every fact at δ = 0")
+                self.kl_reference[fact] = kl_lp[start : start + n_kl].detach()
+            parts.append(self.kl_reference[fact])
+            start += n_kl
+        return torch.cat(parts)
+
+    @torch.no_grad()
+    def project_(self, delta: torch.Tensor) -> None:
+        """Clamp every row ``‖δ_i‖ ≤ clamp_factor · ‖v₀_i‖`` in place (after each optimiser step)."""
+        max_norm = self.clamp_factor * self.v_init.norm(dim=-1, keepdim=True)  # [F, 1]
+        norm = delta.norm(dim=-1, keepdim=True)
+        delta.mul_(torch.where(norm > max_norm, max_norm / norm.clamp_min(1e-30), torch.ones_like(norm)))
+
+
+#: ``callback(step, {fact: terms})``: called once per step with the terms (floats) of every fact evaluated.
+BatchStepCallback = Callable[[int, dict[int, dict[str, float]]], None]
+
+
+def _fact_guard(objective: BatchValueObjective, fact: int, lr: float) -> StepGuard:
+    """:func:`editors.value.value_step_guard` naming the fact."""
+    return StepGuard(f"batched value step, fact {fact} (subject {objective.requests[fact].subject!r})",
+                     f"lower the learning rate (lr={lr:g}) or keep the norm clamp (clamp_factor); the weights were "
+                     f"not changed")
+
+
+def optimize_values(
+    objective: BatchValueObjective,
+    *,
+    steps: int = 25,
+    lr: float = 0.5,
+    early_stop_loss: float = 0.05,
+    callback: BatchStepCallback | None = None,
+) -> list[ValueResult]:
+    """Minimise every fact's loss with Adam from ``δ = 0``, all facts in the same forward/backward passes.
+
+    Each step evaluates the facts still searching (in passes of at most ``objective.max_tokens`` tokens); a fact
+    whose loss is below ``early_stop_loss`` stops there, before stepping, and keeps its ``δ`` (exactly as
+    :func:`editors.value.optimize_value` stops); the others take one Adam step on the summed loss (each row's
+    gradient is its own fact's) and are clamped. The model's parameters are frozen meanwhile and restored after.
+
+    Args:
+        objective: the facts' losses.
+        steps: maximum optimiser steps per fact (25).
+        lr: Adam learning rate (0.5).
+        early_stop_loss: a fact stops once its loss is below this (0.05).
+        callback: called after each step's evaluations with ``(step, {fact: terms})``.
+
+    Returns:
+        One :class:`editors.value.ValueResult` per fact, in request order (``steps``: that fact's optimiser steps).
+
+    Raises:
+        ValueError: ``lr`` is not a finite positive number.
+        NonFiniteError: a fact's loss term, gradient or ``δ`` became NaN or inf (the message names the fact and
+            the step); nothing is returned.
+    """
+    if not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a finite positive number, got {lr}; ROME and MEMIT use 0.5")
+    n = objective.n_facts
+    delta = nn.Parameter(torch.zeros_like(objective.v_init))  # [F, d_out]
+    optimizer = torch.optim.Adam([delta], lr=lr)
+    histories: list[list[dict[str, float]]] = [[] for _ in range(n)]
+    taken = [0] * n
+    active = list(range(n))
+    with frozen_parameters(objective.pg), torch.enable_grad():
+        for step in range(steps):
+            if not active:
+                break
+            optimizer.zero_grad(set_to_none=True)
+            stepping: list[int] = []
+            evaluated: dict[int, dict[str, float]] = {}
+            for chunk in objective.chunks(active):
+                terms = objective.loss(delta, chunk)
+                columns = {name: value.detach().tolist() for name, value in terms.items()}
+                keep = []
+                for j, fact in enumerate(chunk):
+                    record = {name: values[j] for name, values in columns.items()}
+                    _fact_guard(objective, fact, lr).check_terms(step, record)
+                    histories[fact].append(record)
+                    evaluated[fact] = record
+                    if record["loss"] >= early_stop_loss:
+                        keep.append(j)
+                if keep:
+                    terms["loss"][torch.tensor(keep, device=delta.device)].sum().backward()
+                stepping += [chunk[j] for j in keep]
+            if callback is not None:
+                callback(step, evaluated)
+            if not stepping:
+                break
+            rows = torch.tensor(stepping, device=delta.device)
+            for fact in stepping:
+                _fact_guard(objective, fact, lr).check_gradients(step, {"delta": delta.grad[fact]}, evaluated[fact])
+            before = delta.detach().clone()
+            with _fact_guard(objective, stepping[0], lr).update(step, lr):
+                optimizer.step()
+            with torch.no_grad():
+                kept = torch.ones(n, dtype=torch.bool, device=delta.device)
+                kept[rows] = False
+                delta[kept] = before[kept]  # stopped facts keep their δ (Adam's momentum would move them)
+            objective.project_(delta)
+            for fact in stepping:
+                _fact_guard(objective, fact, lr).check_values(step, {"delta": delta[fact]})
+                taken[fact] += 1
+            active = stepping
+    final = delta.detach().clone()
+    return [ValueResult(delta=final[i], v_star=objective.v_init[i] + final[i], steps=taken[i], history=histories[i])
+            for i in range(n)]
