@@ -1,6 +1,9 @@
-"""A ROME edit: a rank-one change ``W' = W + v uᵀ`` of one linear layer, reversible bit for bit.
+"""A weight edit: a rank-one (ROME) or rank-r (MEMIT, AlphaEdit) change ``W' = W + V Uᵀ`` of one linear layer,
+reversible bit for bit.
 
-An :class:`Edit` keeps the layer's NodePath and the factors ``u`` (``[d_in]``) and ``v`` (``[d_out]``). ``apply``
+An :class:`Edit` keeps the layer's NodePath and the factors: ``u`` ``[d_in]`` and ``v`` ``[d_out]`` for ROME's rank-one
+edit ``v uᵀ``, or ``U`` ``[d_in, r]`` and ``V`` ``[d_out, r]`` for a rank-r one ``V Uᵀ`` (stored in the same fields;
+:mod:`editors.edit_batch` groups the per-layer edits of a many-fact edit). ``apply``
 writes the new weight in place (one ``copy_`` after everything was computed and checked, so a failure leaves
 the weight untouched) and keeps a copy of the original tensor; ``restore`` writes that copy back, so the
 weights are bit-identical to those before ``apply``. Several edits can be stacked; restore them in reverse
@@ -37,15 +40,16 @@ from gradpatch.files import atomic_write_bytes, atomic_write_text, read_json, re
 from gradpatch.finite import check_finite
 
 from .counterfact import EditRequest
-from .edit_patch import rank_one_patches
+from .edit_patch import low_rank_patches
 from .errors import EditError, EditFingerprintError, EditLoadError, EditNotConvergedError
 from .layers import LinearLayer, resolve_layer, wrapped_model
 
-__all__ = ["Edit", "apply_edits", "load_edits", "restore_edits", "save_edits"]
+__all__ = ["Edit", "apply_edits", "load_edits", "read_edit_folder", "restore_edits", "save_edits"]
 
 _FORMAT = "gradpatch.rome-edit"
-#: 2: the SHA-256 of edit.safetensors in edit.json (version 1 files still load).
-_VERSION = 2
+#: 2: the SHA-256 of edit.safetensors in edit.json; 3: rank-r factors (``"rank"`` in a record). Older files still
+#: load.
+_VERSION = 3
 _LOAD_FIX = "save the edits again with Edit.save or editors.save_edits"
 
 #: Edited module -> the edits applied to its weight and not restored (to refuse a second copy of one of them).
@@ -62,12 +66,13 @@ def _fingerprint(target: nn.Module) -> str:
 
 @dataclass(eq=False)
 class Edit:
-    """One rank-one weight edit ``W' = W + v uᵀ`` (``W`` in ``[d_out, d_in]`` orientation).
+    """One weight edit ``W' = W + v uᵀ`` (rank one) or ``W' = W + V Uᵀ`` (rank r), ``W`` in ``[d_out, d_in]``
+    orientation.
 
     Attributes:
         node: NodePath of the edited layer, e.g. ``"model.layers_4.mlp.down_proj"``.
-        u: key-side factor ``C⁻¹k*/(k*ᵀC⁻¹k*)``, ``[d_in]`` (float32 or float64).
-        v: value-side factor ``v* - W k*``, ``[d_out]``.
+        u: key-side factor: ROME's ``C⁻¹k*/(k*ᵀC⁻¹k*)`` ``[d_in]``, or ``U`` ``[d_in, r]`` (float32 or float64).
+        v: value-side factor: ROME's ``v* - W k*`` ``[d_out]``, or ``V`` ``[d_out, r]``.
         request: the fact this edit writes (for the record).
         model_fingerprint: fingerprint of the model the edit was computed on (checked by ``apply``).
         info: JSON-able extras: hyperparameters, losses, timings.
@@ -86,6 +91,11 @@ class Edit:
     _patched_module: nn.Module | None = field(default=None, repr=False)
 
     @property
+    def rank(self) -> int:
+        """``r``: 1 for ROME's vector factors, the number of columns for matrix factors."""
+        return 1 if self.u.dim() == 1 else int(self.u.shape[1])
+
+    @property
     def applied(self) -> bool:
         """Whether the edit is currently applied (in the weight, holding the original for ``restore``, or as
         patches)."""
@@ -99,20 +109,21 @@ class Edit:
             EditLoadError: the factors do not fit the layer.
         """
         layer = self.layer(target)
-        return rank_one_patches(layer.input_node, layer.output_node, self.u, self.v)
+        return low_rank_patches(layer.input_node, layer.output_node, self.u, self.v)
 
     def layer(self, target: nn.Module) -> LinearLayer:
         """The edited layer in ``target`` (a PatchableGraph or the model), checked against the factor shapes.
 
         Raises:
-            EditLoadError: ``u`` is not ``[d_in]`` or ``v`` is not ``[d_out]`` for this layer (rank included).
+            EditLoadError: ``u`` is not ``[d_in]`` / ``[d_in, r]`` or ``v`` not ``[d_out]`` / ``[d_out, r]`` for this
+                layer (the same ``r`` in both).
         """
         layer = resolve_layer(target, self.node)
-        if (tuple(self.u.shape), tuple(self.v.shape)) != ((layer.d_in,), (layer.d_out,)):
+        if (tuple(self.u.shape), tuple(self.v.shape)) != _factor_shapes(layer.d_in, layer.d_out, self.u.dim(), self.rank):
             raise EditLoadError(
                 f"Edit of {self.node} has u {list(self.u.shape)} and v {list(self.v.shape)} but the layer maps "
-                f"{layer.d_in} -> {layer.d_out} (u [{layer.d_in}], v [{layer.d_out}]): apply it to the model it was "
-                f"computed on"
+                f"{layer.d_in} -> {layer.d_out} (u [{layer.d_in}] and v [{layer.d_out}], or u [{layer.d_in}, r] and "
+                f"v [{layer.d_out}, r]): apply it to the model it was computed on"
             )
         return layer
 
@@ -242,8 +253,9 @@ class Edit:
         """The JSON part of the saved edit (no tensors)."""
         return {
             "node": self.node,
-            "d_in": int(self.u.numel()),
-            "d_out": int(self.v.numel()),
+            "d_in": int(self.u.shape[0]),
+            "d_out": int(self.v.shape[0]),
+            **({"rank": self.rank} if self.u.dim() == 2 else {}),
             "request": None if self.request is None else self.request.to_dict(),
             "model_fingerprint": self.model_fingerprint,
             "info": self.info,
@@ -266,6 +278,11 @@ class Edit:
         return edits[0]
 
 
+def _factor_shapes(d_in: int, d_out: int, dims: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of ``(u, v)``: ``([d_in], [d_out])`` for vector factors, ``([d_in, r], [d_out, r])`` for matrices."""
+    return ((d_in,), (d_out,)) if dims == 1 else ((d_in, rank), (d_out, rank))
+
+
 def _live_records(module: nn.Module, weight: torch.Tensor) -> list[Edit]:
     """The edits applied to ``weight`` (of ``module``) and not restored. Records whose edit is no longer in the weight
     — it holds exactly the value from before that edit again (restored by hand, reloaded) — are dropped."""
@@ -274,11 +291,17 @@ def _live_records(module: nn.Module, weight: torch.Tensor) -> list[Edit]:
     return records
 
 
-def save_edits(edits: Sequence[Edit], path: str | os.PathLike[str]) -> Path:
+def save_edits(edits: Sequence[Edit], path: str | os.PathLike[str], batch: dict[str, Any] | None = None) -> Path:
     """Save edits (applied in list order) to directory ``path``: ``edit.safetensors``, then ``edit.json``.
 
     Each file is written atomically (temporary file + rename), the JSON last and recording the tensors file's
     SHA-256, so a crash never leaves a pair that loads as something else.
+
+    Args:
+        edits: the edits.
+        path: the directory.
+        batch: JSON-able record of the many-fact edit these per-layer edits form (``"batch"`` in ``edit.json``;
+            see :class:`editors.edit_batch.BatchEdit`).
 
     Returns:
         The directory.
@@ -294,14 +317,23 @@ def save_edits(edits: Sequence[Edit], path: str | os.PathLike[str]) -> Path:
     check_finite(tensors, "edit factors", "nothing was saved: recompute the edit")
     data = save_safetensors(tensors, metadata={"format": _FORMAT})
     meta = {"format": _FORMAT, "version": _VERSION, "edits": [e.to_json() for e in edits],
-            "tensors_sha256": sha256_hex(data)}
+            **({"batch": batch} if batch is not None else {}), "tensors_sha256": sha256_hex(data)}
     atomic_write_bytes(folder / "edit.safetensors", data)
     atomic_write_text(folder / "edit.json", json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
     return folder
 
 
 def load_edits(path: str | os.PathLike[str]) -> list[Edit]:
-    """Load edits saved with :func:`save_edits` (not applied).
+    """Load edits saved with :func:`save_edits` (not applied): :func:`read_edit_folder` without the JSON.
+
+    Raises:
+        EditLoadError: as :func:`read_edit_folder`.
+    """
+    return read_edit_folder(path)[0]
+
+
+def read_edit_folder(path: str | os.PathLike[str]) -> tuple[list[Edit], dict[str, Any], Path]:
+    """The edits saved in a folder with :func:`save_edits` (not applied), its ``edit.json`` content and path.
 
     Raises:
         EditLoadError: missing files; an unreadable, garbled or incomplete ``edit.json`` (a missing ``d_in``, say);
@@ -322,7 +354,8 @@ def load_edits(path: str | os.PathLike[str]) -> list[Edit]:
     if not isinstance(records, list):
         raise EditLoadError(f"{meta_path} has no 'edits' list; {_LOAD_FIX}")
     tensors = read_tensors(tensor_path, EditLoadError, _LOAD_FIX, meta.get("tensors_sha256"))
-    return [_edit_from_record(i, record, tensors, meta_path, tensor_path) for i, record in enumerate(records)]
+    edits = [_edit_from_record(i, record, tensors, meta_path, tensor_path) for i, record in enumerate(records)]
+    return edits, meta, meta_path
 
 
 def _edit_from_record(i: int, record: Any, tensors: dict[str, torch.Tensor], meta_path: Path,
@@ -347,14 +380,18 @@ def _edit_from_record(i: int, record: Any, tensors: dict[str, torch.Tensor], met
     if not (fingerprint is None or isinstance(fingerprint, str)) or not isinstance(info, dict):
         raise EditLoadError(f"{where}: model_fingerprint must be a string or null and info an object; {_LOAD_FIX}")
     factors = []
-    for name, size in zip(("u", "v"), sizes):
+    rank = record.get("rank")
+    if rank is not None and not (isinstance(rank, int) and not isinstance(rank, bool) and rank > 0):
+        raise EditLoadError(f"{where}: rank must be a positive integer, got {rank!r}; {_LOAD_FIX}")
+    shapes = _factor_shapes(sizes[0], sizes[1], 1 if rank is None else 2, rank or 1)
+    for name, shape in zip(("u", "v"), shapes):
         key = f"{i}.{name}"
         if key not in tensors:
             raise EditLoadError(f"{tensor_path} lacks tensor {key!r}; the files do not belong together: {_LOAD_FIX}")
         factor = tensors[key]
-        if tuple(factor.shape) != (size,):
+        if tuple(factor.shape) != shape:
             raise EditLoadError(f"{tensor_path}: {key!r} has shape {list(factor.shape)}, but edit.json says "
-                                f"[{size}]; {_LOAD_FIX}")
+                                f"{list(shape)}; {_LOAD_FIX}")
         if not bool(torch.isfinite(factor).all()):
             raise EditLoadError(f"{tensor_path}: {key!r} holds NaN or inf; {_LOAD_FIX}")
         factors.append(factor)

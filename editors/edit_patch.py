@@ -1,9 +1,11 @@
-"""A rank-one edit as patches: ``y' = y + v (uᵀ k)`` at the layer's output, for the layer's input ``k``.
+"""An edit as patches: ``y' = y + v (uᵀ k)`` (rank one) or ``y' = y + V (Uᵀ k)`` (rank r) at the layer's output, for
+the layer's input ``k``.
 
 Writing ``W' = W + v uᵀ`` changes the output of the layer for every input ``k`` by ``v uᵀ k``. The same change
 made by patches — one recording the layer input, one adding ``v (uᵀ k)`` to the output — leaves the weight
 untouched, so it reaches weights that cannot be written (bitsandbytes' 8-bit/4-bit storage, accelerate-offloaded
-layers), composes with other patches, and is undone by leaving the patch block (ROME, Meng et al. 2022, eq. 2).
+layers), composes with other patches, and is undone by leaving the patch block (ROME, Meng et al. 2022, eq. 2; the
+rank-r updates of MEMIT, arXiv 2210.07229 eq. 14, and AlphaEdit alike).
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import torch
 
 from gradpatch import Patch
 
-__all__ = ["KeyCapture", "RankOneAdd", "rank_one_patches"]
+__all__ = ["KeyCapture", "LowRankAdd", "low_rank_patches"]
 
 
 @dataclass(kw_only=True)
 class KeyCapture(Patch):
     """Keeps the layer input of the current forward pass (unchanged, with its autograd history) for
-    :class:`RankOneAdd`.
+    :class:`LowRankAdd`.
 
     Attributes:
         keys: holds the last input seen, ``[..., d_in]``.
@@ -36,13 +38,14 @@ class KeyCapture(Patch):
 
 
 @dataclass(kw_only=True)
-class RankOneAdd(Patch):
-    """Adds ``v (uᵀ k)`` to the layer output, ``k`` the input captured by ``capture`` in the same forward pass.
+class LowRankAdd(Patch):
+    """Adds ``v (uᵀ k)`` (or ``V (Uᵀ k)``) to the layer output, ``k`` the input captured by ``capture`` in the same
+    forward pass.
 
     Attributes:
         capture: the :class:`KeyCapture` at the layer's input node.
-        u: ``[d_in]``; v: ``[d_out]`` (any float dtype; the change is computed in float64 and added in the
-            activation's dtype).
+        u: ``[d_in]`` or ``[d_in, r]``; v: ``[d_out]`` or ``[d_out, r]`` (any float dtype; the change is computed in
+            float64 and added in the activation's dtype).
     """
 
     capture: KeyCapture
@@ -52,21 +55,22 @@ class RankOneAdd(Patch):
 
     def op(self, original: torch.Tensor) -> torch.Tensor:
         if not self.capture.keys:
-            raise RuntimeError("the rank-one patch at the output ran before its key capture at the input")
+            raise RuntimeError("the low-rank patch at the output ran before its key capture at the input")
         keys = self.capture.keys.pop()
         # In float64, rounded once: the same precision as the weight write (W + v uᵀ in float64, then cast).
-        scale = keys.to(torch.float64) @ self.u.to(device=keys.device, dtype=torch.float64)  # [...]
-        change = scale.unsqueeze(-1) * self.v.to(device=original.device, dtype=torch.float64)
+        scale = keys.to(torch.float64) @ self.u.to(device=keys.device, dtype=torch.float64)  # [...] or [..., r]
+        v = self.v.to(device=original.device, dtype=torch.float64)
+        change = scale @ v.T if v.dim() == 2 else scale.unsqueeze(-1) * v
         return original + change.to(original.dtype)
 
 
-def rank_one_patches(input_node: str, output_node: str, u: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
-    """The patch map ``{input_node: KeyCapture, output_node: RankOneAdd}`` adding ``v uᵀ k`` to the output.
+def low_rank_patches(input_node: str, output_node: str, u: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
+    """The patch map ``{input_node: KeyCapture, output_node: LowRankAdd}`` adding ``v uᵀ k`` to the output.
 
     Args:
         input_node: NodePath of the layer input (keys ``[..., d_in]``).
         output_node: NodePath of the layer output (values ``[..., d_out]``).
-        u: ``[d_in]``; v: ``[d_out]``.
+        u: ``[d_in]`` or ``[d_in, r]``; v: ``[d_out]`` or ``[d_out, r]``.
     """
     capture = KeyCapture()
-    return {input_node: [capture], output_node: [RankOneAdd(capture=capture, u=u.detach(), v=v.detach())]}
+    return {input_node: [capture], output_node: [LowRankAdd(capture=capture, u=u.detach(), v=v.detach())]}

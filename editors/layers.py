@@ -190,11 +190,11 @@ class LinearLayer:
             yield
 
     def delta_weight(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The rank-one change ``v uᵀ`` in the weight's storage layout.
+        """The change ``v uᵀ`` (rank one) or ``V Uᵀ`` (rank r) in the weight's storage layout.
 
         Args:
-            u: key-side factor ``[d_in]``.
-            v: value-side factor ``[d_out]``.
+            u: key-side factor ``[d_in]`` or ``[d_in, r]``.
+            v: value-side factor ``[d_out]`` or ``[d_out, r]``.
 
         Returns:
             ``[d_out, d_in]`` for ``nn.Linear``, ``[d_in, d_out]`` for ``Conv1D``, computed in float64 and
@@ -202,7 +202,10 @@ class LinearLayer:
         """
         u = u.detach().to(device=self.weight.device, dtype=torch.float64)
         v = v.detach().to(device=self.weight.device, dtype=torch.float64)
-        delta = torch.outer(u, v) if self.transposed else torch.outer(v, u)
+        if u.dim() == 2:
+            delta = u @ v.T if self.transposed else v @ u.T
+        else:
+            delta = torch.outer(u, v) if self.transposed else torch.outer(v, u)
         return delta.to(self.weight.dtype)
 
 
