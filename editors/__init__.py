@@ -1,6 +1,7 @@
 """editors: model-editing algorithms on top of the gradpatch patch engine.
 
-ROME (Meng et al. 2022, arXiv 2202.05262) at any linear layer chosen by NodePath::
+ROME (Meng et al. 2022, arXiv 2202.05262) at any linear layer chosen by NodePath, and many facts at once at several
+layers with MEMIT (arXiv 2210.07229) and AlphaEdit (arXiv 2410.02355)::
 
     from gradpatch import PatchableGraph
     from editors import ROME, EditRequest
@@ -11,24 +12,41 @@ ROME (Meng et al. 2022, arXiv 2202.05262) at any linear layer chosen by NodePath
     edit.save("edits/france")        # safetensors + JSON
     edit.restore(pg)                 # bit-identical original weights
 
-See docs/rome.md.
+    memit = MEMIT(pg, tokenizer, [f"model.layers_{i}.mlp.down_proj" for i in range(2, 7)])
+    batch = memit.edit(requests)     # a BatchEdit: one low-rank edit per layer
+    batch.restore(pg)
+
+See docs/rome.md and docs/memit.md.
 """
 
+from .alphaedit import AlphaEdit, AlphaEditConfig
+from .batch_value import BatchValueObjective, optimize_values
 from .corpus import Corpus, open_corpus, wiki_summaries, wiki_summaries_path
 from .counterfact import CounterFactCase, EditRequest, load_cases, save_cases
 from .edit import Edit, apply_edits, load_edits, restore_edits, save_edits
-from .errors import EditError, EditLoadError, LayerKindError, StatisticsError, SubjectNotFoundError, TokenizationError
+from .edit_batch import BatchEdit
+from .errors import (ConflictingRequestsError, EditError, EditLoadError, LayerKindError, StatisticsError,
+                     SubjectNotFoundError, TokenizationError)
 from .evaluate import evaluate_cases, score_case
-from .keys import ContextTemplates, compute_key, generate_context_prefixes
+from .keys import ContextTemplates, compute_key, context_activations, generate_context_prefixes
 from .layers import LinearLayer, resolve_layer
+from .memit import DEFAULT_SMOLLM2_NODES, MEMIT, MEMITConfig
 from .rank_one import rank_one_factors, rank_one_update, solve_second_moment
 from .rome import DEFAULT_SMOLLM2_NODE, ROME, ROMEConfig
-from .stats import SecondMoment, compute_second_moment, default_cache_dir, layer_second_moment, statistics_fingerprint
+from .stats import (SecondMoment, compute_second_moment, compute_second_moments, default_cache_dir, layer_second_moment,
+                    layer_second_moments, statistics_fingerprint)
 from .value import ValueObjective, ValueResult, ValueRunner, optimize_value
 
 __all__ = [
     "DEFAULT_SMOLLM2_NODE",
+    "DEFAULT_SMOLLM2_NODES",
+    "MEMIT",
     "ROME",
+    "AlphaEdit",
+    "AlphaEditConfig",
+    "BatchEdit",
+    "BatchValueObjective",
+    "ConflictingRequestsError",
     "ContextTemplates",
     "Corpus",
     "CounterFactCase",
@@ -38,6 +56,7 @@ __all__ = [
     "EditRequest",
     "LayerKindError",
     "LinearLayer",
+    "MEMITConfig",
     "ROMEConfig",
     "SecondMoment",
     "StatisticsError",
@@ -49,14 +68,18 @@ __all__ = [
     "apply_edits",
     "compute_key",
     "compute_second_moment",
+    "compute_second_moments",
+    "context_activations",
     "default_cache_dir",
     "evaluate_cases",
     "generate_context_prefixes",
     "layer_second_moment",
+    "layer_second_moments",
     "load_cases",
     "load_edits",
     "open_corpus",
     "optimize_value",
+    "optimize_values",
     "rank_one_factors",
     "rank_one_update",
     "resolve_layer",

@@ -137,7 +137,8 @@ def load_cases(source: str | os.PathLike[str] | Iterable[Mapping[str, Any]]) -> 
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: the JSON is not a list of records, or a record is malformed (the message says which).
+        ValueError: the JSON is not a list of records, or a record is malformed (the message names the case and
+            the record's index), e.g. a prompt without the ``"{}"`` the subject fills (SubjectNotFoundError).
     """
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
@@ -150,7 +151,14 @@ def load_cases(source: str | os.PathLike[str] | Iterable[Mapping[str, Any]]) -> 
         records = list(source)
     if not isinstance(records, Sequence) or not records:
         raise ValueError("Expected a non-empty JSON list of CounterFact records")
-    return [CounterFactCase.from_dict(r) for r in records]
+    cases = []
+    for i, record in enumerate(records):
+        try:
+            cases.append(CounterFactCase.from_dict(record))
+        except ValueError as exc:  # SubjectNotFoundError included: say which case to fix
+            case_id = record.get("case_id", "?") if isinstance(record, Mapping) else "?"
+            raise type(exc)(f"Case {case_id} (record {i}): {exc}") from None
+    return cases
 
 
 def save_cases(cases: Sequence[CounterFactCase], path: str | os.PathLike[str]) -> None:

@@ -9,6 +9,7 @@ from gradpatch.errors import FingerprintMismatchError
 
 __all__ = [
     "CacheRecomputedWarning",
+    "ConflictingRequestsError",
     "EditError",
     "EditFingerprintError",
     "EditLoadError",
@@ -34,6 +35,10 @@ class TokenizationError(EditError, ValueError):
 
 class LayerKindError(EditError, TypeError):
     """The chosen NodePath is not a linear layer ROME can edit (``nn.Linear`` or a GPT-2 style ``Conv1D``)."""
+
+
+class ConflictingRequestsError(EditError, ValueError):
+    """A batch of facts asks for two different targets for one subject (the message names both requests)."""
 
 
 class StatisticsError(EditError, ValueError):

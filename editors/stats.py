@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from torch import nn
 from gradpatch import model_fingerprint
 from gradpatch.files import atomic_write_bytes
 
-from .capture import layer_inputs
+from .capture import node_activations
 from .corpus import Corpus, open_corpus
 from .errors import CacheRecomputedWarning, StatisticsError
 from .layers import LinearLayer, model_device, resolve_layer, wrapped_model
@@ -39,8 +40,10 @@ from .tokens import pad_token_id, right_pad
 __all__ = [
     "SecondMoment",
     "compute_second_moment",
+    "compute_second_moments",
     "default_cache_dir",
     "layer_second_moment",
+    "layer_second_moments",
     "statistics_fingerprint",
 ]
 
@@ -100,26 +103,27 @@ def _cache_file(cache_dir: Path, fingerprint: str, node: str, corpus: str, n_sam
     return cache_dir / fingerprint / f"{node}__{safe_corpus}__n{n_samples}__len{max_length}__{dtype_name}.safetensors"
 
 
-def compute_second_moment(
+def compute_second_moments(
     pg: nn.Module,
     tokenizer: Any,
-    layer: LinearLayer,
+    layers: Sequence[LinearLayer],
     corpus: Corpus,
     n_samples: int = DEFAULT_N_SAMPLES,
     max_length: int = DEFAULT_MAX_LENGTH,
     batch_size: int = 16,
     accumulate_dtype: torch.dtype = torch.float64,
     progress: bool = True,
-) -> tuple[torch.Tensor, int, int]:
-    """Stream ``n_samples`` documents through the model and accumulate ``Σ k kᵀ`` at the layer input.
+) -> tuple[list[torch.Tensor], int, int]:
+    """Stream ``n_samples`` documents through the model once and accumulate ``Σ k kᵀ`` at every layer's input.
 
     Documents are truncated to ``max_length`` tokens, grouped by length (fewer pads) and right-padded; pad
-    positions and special tokens (BOS/EOS) are left out. Each forward pass stops at the layer input.
+    positions and special tokens (BOS/EOS) are left out. Each forward pass stops once the last of the layers'
+    inputs is recorded, so statistics for layers 2 to 6 cost one pass to layer 6, not five.
 
     Args:
         pg: the model's :class:`gradpatch.PatchableGraph`.
         tokenizer: its tokenizer.
-        layer: the edited layer.
+        layers: the edited layers.
         corpus: the documents.
         n_samples: documents to read (fewer if the corpus is shorter).
         max_length: truncation length in tokens.
@@ -128,7 +132,7 @@ def compute_second_moment(
         progress: show a tqdm progress bar.
 
     Returns:
-        ``(C [d_in, d_in] float64, n_tokens, n_documents)``.
+        ``([C [d_in, d_in] float64 per layer], n_tokens, n_documents)``.
 
     Raises:
         StatisticsError: the corpus yields no token.
@@ -137,14 +141,15 @@ def compute_second_moment(
 
     pad = pad_token_id(tokenizer)
     special = torch.tensor(sorted(set(getattr(tokenizer, "all_special_ids", []) or [])), dtype=torch.long)
-    device = layer.device
-    total = torch.zeros(layer.d_in, layer.d_in, dtype=accumulate_dtype, device=device)
+    totals = [torch.zeros(layer.d_in, layer.d_in, dtype=accumulate_dtype, device=layer.device) for layer in layers]
+    nodes = [layer.input_node for layer in layers]
     n_tokens = n_docs = 0
-    bar = tqdm(total=n_samples, desc=f"second moment {layer.input_node}", unit="doc", disable=not progress)
+    what = nodes[0] if len(nodes) == 1 else f"{len(nodes)} layers"
+    bar = tqdm(total=n_samples, desc=f"second moment {what}", unit="doc", disable=not progress)
     group: list[list[int]] = []
 
     def flush(docs: list[list[int]]) -> None:
-        nonlocal total, n_tokens
+        nonlocal n_tokens
         docs = sorted(docs, key=len)
         for i in range(0, len(docs), batch_size):
             chunk = docs[i : i + batch_size]
@@ -152,10 +157,11 @@ def compute_second_moment(
             keep = torch.arange(ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
             if special.numel():
                 keep &= ~torch.isin(ids, special)
-            keys = layer_inputs(pg, layer, ids.to(model_device(pg)))  # [batch, seq, d_in]
-            k = keys[keep.to(keys.device)].to(device=device, dtype=accumulate_dtype)  # [tokens, d_in]
-            total += k.T @ k
-            n_tokens += int(k.shape[0])
+            inputs = node_activations(pg, nodes, ids.to(model_device(pg)))  # each [batch, seq, d_in]
+            for total, keys in zip(totals, inputs):
+                k = keys[keep.to(keys.device)].to(device=total.device, dtype=accumulate_dtype)  # [tokens, d_in]
+                total += k.T @ k
+            n_tokens += int(keep.sum())
             bar.update(len(chunk))
 
     try:
@@ -175,7 +181,104 @@ def compute_second_moment(
         bar.close()
     if n_tokens == 0:
         raise StatisticsError("The corpus gave no token; pass a corpus with text (a file, or a list of strings)")
-    return (total / n_tokens).to(torch.float64), n_tokens, n_docs
+    return [(total / n_tokens).to(torch.float64) for total in totals], n_tokens, n_docs
+
+
+def compute_second_moment(
+    pg: nn.Module,
+    tokenizer: Any,
+    layer: LinearLayer,
+    corpus: Corpus,
+    n_samples: int = DEFAULT_N_SAMPLES,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    batch_size: int = 16,
+    accumulate_dtype: torch.dtype = torch.float64,
+    progress: bool = True,
+) -> tuple[torch.Tensor, int, int]:
+    """:func:`compute_second_moments` for one layer: ``(C [d_in, d_in] float64, n_tokens, n_documents)``.
+
+    Raises:
+        StatisticsError: the corpus yields no token.
+    """
+    matrices, n_tokens, n_docs = compute_second_moments(pg, tokenizer, [layer], corpus, n_samples=n_samples,
+                                                        max_length=max_length, batch_size=batch_size,
+                                                        accumulate_dtype=accumulate_dtype, progress=progress)
+    return matrices[0], n_tokens, n_docs
+
+
+def layer_second_moments(
+    pg: nn.Module,
+    tokenizer: Any,
+    nodes: Sequence[str | LinearLayer],
+    corpus: Corpus | str | os.PathLike[str] | Any | None = None,
+    n_samples: int = DEFAULT_N_SAMPLES,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    batch_size: int = 16,
+    cache_dir: str | os.PathLike[str] | None = None,
+    use_cache: bool = True,
+    accumulate_dtype: torch.dtype = torch.float64,
+    progress: bool = True,
+) -> list[SecondMoment]:
+    """``C = E[k kᵀ]`` at several layers' inputs: each read from the cache, the missing ones computed in one pass
+    over the corpus (:func:`compute_second_moments`) and cached one file per layer.
+
+    Args:
+        pg: the model's :class:`gradpatch.PatchableGraph`.
+        tokenizer: its tokenizer.
+        nodes: NodePaths of the edited layers (or resolved :class:`LinearLayer` objects).
+        corpus: ``None`` (Wikipedia summaries), a file path, an iterable of strings or a :class:`Corpus`.
+            Anonymous iterables are not cached unless given as ``Corpus(name=..., texts=...)``.
+        n_samples: documents to read.
+        max_length: truncation length in tokens.
+        batch_size: documents per forward pass.
+        cache_dir: cache folder (default :func:`default_cache_dir`).
+        use_cache: read and write the cache.
+        accumulate_dtype: float64 (default) or float32 accumulation.
+        progress: show a progress bar while computing.
+
+    Returns:
+        One :class:`SecondMoment` per node, in order.
+
+    Raises:
+        KeyError, LayerKindError: a NodePath is not a linear layer of the graph.
+        StatisticsError: the corpus yields no token.
+    """
+    layers = [node if isinstance(node, LinearLayer) else resolve_layer(pg, node) for node in nodes]
+    source = open_corpus(corpus)
+    results: list[SecondMoment | None] = [None] * len(layers)
+    paths: list[Path | None] = [None] * len(layers)
+    fingerprints = [statistics_fingerprint(pg, skip=(layer.path,)) for layer in layers]
+    for i, layer in enumerate(layers):
+        if not use_cache or source.name is None:
+            continue
+        folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        paths[i] = _cache_file(folder, fingerprints[i], layer.input_node, source.name, n_samples, max_length,
+                               accumulate_dtype)
+        cached = _read_cache(paths[i], layer, fingerprints[i], accumulate_dtype) if paths[i].is_file() else None
+        if cached is not None:
+            matrix, n_tokens, n_docs = cached
+            results[i] = SecondMoment(matrix=matrix.to(layer.device), n_tokens=n_tokens, n_samples=n_docs,
+                                      node=layer.input_node, fingerprint=fingerprints[i], corpus=source.name)
+    missing = [i for i, result in enumerate(results) if result is None]
+    if missing:
+        matrices, n_tokens, n_docs = compute_second_moments(
+            pg, tokenizer, [layers[i] for i in missing], source, n_samples=n_samples, max_length=max_length,
+            batch_size=batch_size, accumulate_dtype=accumulate_dtype, progress=progress,
+        )
+        for i, matrix in zip(missing, matrices):
+            layer, path = layers[i], paths[i]
+            if path is not None:
+                # Stored in the accumulation dtype the file name gives (float32 accumulation loses nothing by it).
+                data = save_safetensors(
+                    {"second_moment": matrix.to(accumulate_dtype).cpu().contiguous()},
+                    metadata={"node": layer.input_node, "fingerprint": fingerprints[i], "corpus": str(source.name),
+                              "n_samples": str(n_samples), "n_documents": str(n_docs), "n_tokens": str(n_tokens),
+                              "max_length": str(max_length)},
+                )
+                atomic_write_bytes(path, data)
+            results[i] = SecondMoment(matrix=matrix, n_tokens=n_tokens, n_samples=n_docs, node=layer.input_node,
+                                      fingerprint=fingerprints[i], corpus=source.name)
+    return [result for result in results if result is not None]
 
 
 def layer_second_moment(
@@ -191,53 +294,15 @@ def layer_second_moment(
     accumulate_dtype: torch.dtype = torch.float64,
     progress: bool = True,
 ) -> SecondMoment:
-    """``C = E[k kᵀ]`` at a layer's input, read from the cache or computed and cached.
-
-    Args:
-        pg: the model's :class:`gradpatch.PatchableGraph`.
-        tokenizer: its tokenizer.
-        node: NodePath of the edited layer (or a resolved :class:`LinearLayer`).
-        corpus: ``None`` (Wikipedia summaries), a file path, an iterable of strings or a :class:`Corpus`.
-            Anonymous iterables are not cached unless given as ``Corpus(name=..., texts=...)``.
-        n_samples: documents to read.
-        max_length: truncation length in tokens.
-        batch_size: documents per forward pass.
-        cache_dir: cache folder (default :func:`default_cache_dir`).
-        use_cache: read and write the cache.
-        accumulate_dtype: float64 (default) or float32 accumulation.
-        progress: show a progress bar while computing.
+    """``C = E[k kᵀ]`` at a layer's input, read from the cache or computed and cached
+    (:func:`layer_second_moments` for one layer; the arguments are the same).
 
     Returns:
         A :class:`SecondMoment`.
     """
-    layer = node if isinstance(node, LinearLayer) else resolve_layer(pg, node)
-    source = open_corpus(corpus)
-    fingerprint = statistics_fingerprint(pg, skip=(layer.path,))
-    path = None
-    if use_cache and source.name is not None:
-        folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        path = _cache_file(folder, fingerprint, layer.input_node, source.name, n_samples, max_length, accumulate_dtype)
-        if path.is_file():
-            cached = _read_cache(path, layer, fingerprint, accumulate_dtype)
-            if cached is not None:
-                matrix, n_tokens, n_docs = cached
-                return SecondMoment(matrix=matrix.to(layer.device), n_tokens=n_tokens, n_samples=n_docs,
-                                    node=layer.input_node, fingerprint=fingerprint, corpus=source.name)
-    matrix, n_tokens, n_docs = compute_second_moment(
-        pg, tokenizer, layer, source, n_samples=n_samples, max_length=max_length, batch_size=batch_size,
-        accumulate_dtype=accumulate_dtype, progress=progress,
-    )
-    if path is not None:
-        # Stored in the accumulation dtype the file name gives (float32 accumulation loses nothing by it).
-        data = save_safetensors(
-            {"second_moment": matrix.to(accumulate_dtype).cpu().contiguous()},
-            metadata={"node": layer.input_node, "fingerprint": fingerprint, "corpus": str(source.name),
-                      "n_samples": str(n_samples), "n_documents": str(n_docs), "n_tokens": str(n_tokens),
-                      "max_length": str(max_length)},
-        )
-        atomic_write_bytes(path, data)
-    return SecondMoment(matrix=matrix, n_tokens=n_tokens, n_samples=n_docs, node=layer.input_node,
-                        fingerprint=fingerprint, corpus=source.name)
+    return layer_second_moments(pg, tokenizer, [node], corpus=corpus, n_samples=n_samples, max_length=max_length,
+                                batch_size=batch_size, cache_dir=cache_dir, use_cache=use_cache,
+                                accumulate_dtype=accumulate_dtype, progress=progress)[0]
 
 
 def _read_cache(path: Path, layer: LinearLayer, fingerprint: str,

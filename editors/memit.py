@@ -1,0 +1,326 @@
+"""MEMIT (Meng, Sen Sharma, Andonian, Belinkov, Bau 2023, *Mass-Editing Memory in a Transformer*, arXiv 2210.07229):
+many facts written at once into several linear layers chosen by NodePath.
+
+For ``F`` facts and edited layers ``l_1 < ... < l_m`` (e.g. ``model.layers_{2..6}.mlp.down_proj``), following §4.3
+and Algorithm 1 of the paper:
+
+1. **Target residuals** (eqs. 15–16): ``z_i = h_i^L + δ_i``, ``h^L`` the residual stream after the last edited layer's
+   block at the subject's last token, ``δ_i`` found by ROME's value objective at that layer's output (the output is
+   added to the residual stream there), all facts in one batched search (:mod:`editors.batch_value`).
+2. **Spread over the layers**: for each layer ``l_j`` in order, with the updates of the earlier layers in place (as
+   patches: no weight is written while computing), measure each fact's key ``k_i`` at ``l_j`` (the layer input at the
+   subject's last token, averaged over the context prefixes, eq. 3 of ROME) and its current ``h_i^L``; the layer takes
+   the share ``r_i = (z_i − h_i^L) / (m − j + 1)`` of what is left.
+3. **Update** (eq. 14): ``ΔW = R Kᵀ (λ C + K Kᵀ)⁻¹`` per layer, ``C = E[k kᵀ]`` from the statistics cache
+   (:mod:`editors.stats`; all layers' statistics in one pass over the corpus), ``λ`` = ``mom2_update_weight``.
+
+The result is a :class:`editors.edit_batch.BatchEdit`: one rank-``F`` edit per layer, applied and restored as one.
+AlphaEdit (:mod:`editors.alphaedit`) is this pipeline with another update (step 3).
+
+Usage::
+
+    memit = MEMIT(pg, tokenizer, [f"model.layers_{i}.mlp.down_proj" for i in range(2, 7)])
+    batch = memit.edit(requests)        # computed and applied in place
+    batch.restore(pg)                   # bit-identical original weights
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradpatch import CustomPatch, model_fingerprint
+
+from .batch_value import DEFAULT_MAX_TOKENS, BatchStepCallback, BatchValueObjective, optimize_values
+from .corpus import Corpus
+from .counterfact import EditRequest
+from .edit import Edit
+from .edit_batch import BatchEdit
+from .edit_patch import low_rank_patches
+from .errors import ConflictingRequestsError, EditError, LayerKindError
+from .keys import ContextTemplates, context_activations, load_or_generate_prefixes
+from .layers import LinearLayer, model_device, resolve_layer, wrapped_model
+from .multi_update import memit_factors
+from .rome import ROMEConfig
+from .stats import SecondMoment, default_cache_dir, layer_second_moments, statistics_fingerprint
+from .value import ValueResult
+
+__all__ = ["DEFAULT_SMOLLM2_NODES", "MEMIT", "MEMITConfig", "check_requests"]
+
+#: MEMIT's default layers for SmolLM2-135M (30 layers), chosen on the development split of the fact bank
+#: (docs/memit.md).
+DEFAULT_SMOLLM2_NODES: tuple[str, ...] = tuple(f"model.layers_{i}.mlp.down_proj" for i in range(2, 7))
+
+
+@dataclass
+class MEMITConfig(ROMEConfig):
+    """MEMIT's hyperparameters: ROME's value search and statistics settings (:class:`editors.rome.ROMEConfig`), plus:
+
+    Attributes:
+        value_prefixes: context prefixes of the value search (6: the reference code's templates, the empty one and
+            five others; ROME uses 11).
+        key_prefixes: context prefixes the keys and residuals are averaged over (6, as the reference code).
+        mom2_update_weight: ``λ`` of eq. 14 (15,000, the reference code's value for GPT-J).
+        max_tokens: tokens per forward pass of the batched value search and the key passes.
+    """
+
+    value_prefixes: int | None = 6
+    key_prefixes: int | None = 6
+    mom2_update_weight: float = 15000.0
+    max_tokens: int = DEFAULT_MAX_TOKENS
+
+
+def check_requests(requests: Sequence[EditRequest]) -> list[EditRequest]:
+    """The requests of one batch, checked: at least one, and no subject asked for two different targets.
+
+    Raises:
+        ValueError: no request.
+        ConflictingRequestsError: two requests give one subject different ``target_new`` (both are named).
+    """
+    requests = list(requests)
+    if not requests:
+        raise ValueError("No request to edit: give at least one EditRequest")
+    first: dict[str, int] = {}
+    for i, request in enumerate(requests):
+        j = first.setdefault(request.subject, i)
+        if requests[j].target_new != request.target_new:
+            raise ConflictingRequestsError(
+                f"Requests {j} and {i} give subject {request.subject!r} two targets ({requests[j].target_new!r} and "
+                f"{request.target_new!r}); keep one of them in this batch (edit the other in a later batch)")
+    return requests
+
+
+def forward_order(pg: nn.Module, tokenizer: Any, layers: Sequence[LinearLayer]) -> list[LinearLayer]:
+    """``layers`` sorted in the order a forward pass reaches their inputs (one pass on a short text)."""
+    seen: list[str] = []
+
+    def note(node: str) -> CustomPatch:
+        return CustomPatch(custom_op=lambda x: seen.append(node) or x)
+
+    ids = torch.tensor([list(tokenizer("The capital of France is")["input_ids"])] * 2, device=model_device(pg))
+    with torch.no_grad(), pg.patch({layer.input_node: note(layer.input_node) for layer in layers}):
+        pg(ids, use_cache=False)
+    order = {node: i for i, node in reversed(list(enumerate(seen)))}
+    return sorted(layers, key=lambda layer: order.get(layer.input_node, len(order)))
+
+
+def residual_node_of(layer: LinearLayer) -> str:
+    """The residual stream after the block holding ``layer``: the ``.output`` of the nearest enclosing module whose
+    name is a numbered element of a list (``model.layers_6`` for ``model.layers_6.mlp.down_proj``,
+    ``transformer.h_5`` for ``transformer.h_5.mlp.c_proj``).
+
+    Raises:
+        LayerKindError: no enclosing module has such a name (pass ``residual_node=`` explicitly).
+    """
+    parts = layer.path.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        if re.fullmatch(r".+_\d+", parts[end - 1]):
+            return ".".join(parts[:end]) + ".output"
+    raise LayerKindError(f"Cannot tell which block {layer.path!r} belongs to; pass residual_node=, the NodePath of "
+                         f"the residual stream after it (e.g. 'model.layers_6.output')")
+
+
+class MEMIT:
+    """Compute and apply MEMIT edits of many facts at several linear layers of a PatchableGraph.
+
+    Statistics and context prefixes are computed once per instance (statistics cached on disk, all layers in one
+    pass over the corpus).
+
+    Args:
+        pg: the model's :class:`gradpatch.PatchableGraph` (in ``eval()``).
+        tokenizer: its tokenizer.
+        nodes: NodePaths of the edited linear layers (any order; they are used in forward order), e.g.
+            ``[f"model.layers_{i}.mlp.down_proj" for i in range(2, 7)]``. Their outputs must all have the width of
+            the residual stream.
+        config: hyperparameters.
+        corpus: corpus of the statistics (as :class:`editors.ROME`).
+        statistics: precomputed ``C`` per layer (same order as ``nodes``) instead of computing / loading them.
+        residual_node: NodePath of the residual stream after the last layer's block (default: derived, e.g.
+            ``model.layers_6.output``; see :func:`residual_node_of`).
+
+    Raises:
+        KeyError, LayerKindError: a NodePath is not a linear layer of the graph (the message names it).
+        ValueError: no node, a node given twice, statistics of another count, or layers of different output widths.
+    """
+
+    method = "memit"
+
+    def __init__(self, pg: nn.Module, tokenizer: Any, nodes: Sequence[str], config: MEMITConfig | None = None,
+                 corpus: Corpus | str | os.PathLike[str] | Any | None = None,
+                 statistics: Sequence[SecondMoment | torch.Tensor] | None = None,
+                 residual_node: str | None = None) -> None:
+        if not nodes:
+            raise ValueError("MEMIT needs at least one NodePath of a linear layer to edit")
+        if len(set(nodes)) != len(nodes):
+            raise ValueError(f"A NodePath is given twice in {list(nodes)}; give each layer once")
+        self.pg, self.tokenizer = pg, tokenizer
+        self.config: MEMITConfig = config or MEMITConfig()
+        given = [resolve_layer(pg, node) for node in nodes]
+        self.layers: list[LinearLayer] = forward_order(pg, tokenizer, given)
+        widths = {layer.path: layer.d_out for layer in self.layers}
+        if len(set(widths.values())) != 1:
+            raise ValueError(f"The edited layers' outputs differ in width ({widths}); MEMIT spreads one residual "
+                             f"over them: pick layers that write to the residual stream (e.g. MLP down_proj)")
+        self.residual_node = residual_node or residual_node_of(self.layers[-1])
+        self.corpus = corpus
+        self._statistics: list[SecondMoment] | None = None
+        if statistics is not None:
+            if len(statistics) != len(nodes):
+                raise ValueError(f"{len(statistics)} statistics for {len(nodes)} layers; give one per node")
+            by_node = dict(zip([layer.path for layer in given], statistics))
+            self._statistics = [self._as_moment(by_node[layer.path], layer) for layer in self.layers]
+        self._templates: ContextTemplates | None = None
+        self.last_values: list[ValueResult] = []
+
+    @staticmethod
+    def _as_moment(statistic: SecondMoment | torch.Tensor, layer: LinearLayer) -> SecondMoment:
+        if isinstance(statistic, SecondMoment):
+            return statistic
+        return SecondMoment(matrix=statistic.to(torch.float64), n_tokens=0, n_samples=0, node=layer.input_node,
+                            fingerprint="", corpus=None)
+
+    @property
+    def nodes(self) -> list[str]:
+        """NodePaths of the edited layers, in forward order."""
+        return [layer.path for layer in self.layers]
+
+    def statistics(self) -> list[SecondMoment]:
+        """``C`` at every layer's input (memoised; from the disk cache, the missing ones in one pass)."""
+        if self._statistics is None:
+            c = self.config
+            self._statistics = layer_second_moments(
+                self.pg, self.tokenizer, self.layers, corpus=self.corpus, n_samples=c.n_samples,
+                max_length=c.max_length, batch_size=c.stats_batch_size, cache_dir=c.cache_dir, use_cache=c.use_cache,
+                progress=c.progress)
+        return self._statistics
+
+    def templates(self) -> ContextTemplates:
+        """The context prefixes (memoised; the cache of :class:`editors.ROME`, keyed by the model without the
+        edited layers)."""
+        if self._templates is None:
+            c = self.config
+            cache = None if not c.use_cache else str(c.cache_dir or default_cache_dir())
+            fingerprint = statistics_fingerprint(self.pg, skip=tuple(self.nodes))
+            self._templates = load_or_generate_prefixes(self.pg, self.tokenizer, cache, fingerprint,
+                                                        length_params=c.context_length_params, seed=c.template_seed)
+        return self._templates
+
+    def _layer_update(self, index: int, keys: torch.Tensor, residuals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eq. 14 at layer ``index``: factors ``(U [d_in, F], V [d_out, F])``."""
+        return memit_factors(keys, residuals, self.statistics()[index].matrix, self.config.mom2_update_weight,
+                             node=self.layers[index].path)
+
+    def compute(self, requests: Sequence[EditRequest], callback: BatchStepCallback | None = None) -> BatchEdit:
+        """Compute the edit of ``requests`` without touching the weights.
+
+        Args:
+            requests: the facts of the batch.
+            callback: called after each step of the batched value search with ``(step, {fact: terms})``.
+
+        Returns:
+            The :class:`BatchEdit` (not applied); ``info["facts"]`` holds each fact's value search (steps, converged,
+            losses, target probability, ``‖δ‖``), ``info["timings_s"]`` the phases.
+
+        Raises:
+            EditError: the graph is in training mode, or the residual node is not as wide as the layers' outputs.
+            ConflictingRequestsError: one subject with two targets.
+            SubjectNotFoundError, TokenizationError: a request cannot be encoded (named).
+            StatisticsError: a layer's system is singular (named).
+            NonFiniteError: the value search went non-finite (the fact is named).
+        """
+        if getattr(self.pg, "training", False):
+            raise EditError("The PatchableGraph is in training mode (dropout would randomise the edit): call pg.eval()")
+        requests = check_requests(requests)
+        c, layers, last = self.config, self.layers, self.layers[-1]
+        statistics = self.statistics()
+        templates = self.templates()
+        key_templates, value_templates = templates.subset(c.key_prefixes), templates.subset(c.value_prefixes)
+        fingerprint = model_fingerprint(wrapped_model(self.pg))
+        facts = [(r.prompt, r.subject) for r in requests]
+        t0 = time.perf_counter()
+        first, at_last, h_start = (a.mean(dim=1) for a in context_activations(
+            self.pg, self.tokenizer, [layers[0].input_node, last.input_node, self.residual_node], facts,
+            key_templates, max_tokens=c.max_tokens))  # [F, d_in], [F, d_in_last], [F, d_model]
+        if h_start.shape[-1] != last.d_out:
+            raise EditError(f"The residual node {self.residual_node} is {h_start.shape[-1]} wide but {last.path} "
+                            f"writes {last.d_out}; pass residual_node= (the stream the layer's output is added to)")
+        with torch.no_grad():
+            v_init = last.forward_value(at_last)  # [F, d_out]
+        t1 = time.perf_counter()
+        objective = BatchValueObjective(self.pg, self.tokenizer, last, requests, value_templates, v_init,
+                                        kl_factor=c.kl_factor, weight_decay=c.weight_decay,
+                                        clamp_factor=c.clamp_factor, max_tokens=c.max_tokens)
+        results = optimize_values(objective, steps=c.steps, lr=c.lr, early_stop_loss=c.early_stop_loss,
+                                  callback=callback)
+        self.last_values = results
+        deltas = torch.stack([r.delta for r in results]).to(torch.float64)  # [F, d_out]: z - h^L at the start
+        t2 = time.perf_counter()
+        edits: list[Edit] = []
+        patches: dict[str, list[Any]] = {}
+        layer_info = []
+        for j, layer in enumerate(layers):
+            if j == 0:
+                keys, h_now = first, h_start
+            else:
+                keys, h_now = (a.mean(dim=1) for a in context_activations(
+                    self.pg, self.tokenizer, [layer.input_node, self.residual_node], facts, key_templates,
+                    patches=patches, max_tokens=c.max_tokens))
+            left = deltas - (h_now - h_start).to(torch.float64)  # z - h^L now, [F, d_out]
+            u, v = self._layer_update(j, keys, left / (len(layers) - j))
+            edits.append(Edit(node=layer.path, u=u, v=v))
+            for node, items in low_rank_patches(layer.input_node, layer.output_node, u, v).items():
+                patches.setdefault(node, []).extend(items)
+            layer_info.append({"node": layer.path, "residual_left_norm": float(left.norm(dim=-1).mean()),
+                               "key_norm": float(keys.norm(dim=-1).mean())})
+        t3 = time.perf_counter()
+        info = self._info(requests, results, statistics, layer_info, key_templates, value_templates,
+                          {"keys": t1 - t0, "value": t2 - t1, "update": t3 - t2})
+        return BatchEdit(edits=edits, requests=requests, model_fingerprint=fingerprint, info=info)
+
+    def _info(self, requests: list[EditRequest], results: list[ValueResult], statistics: list[SecondMoment],
+              layers: list[dict[str, Any]], key_templates: ContextTemplates, value_templates: ContextTemplates,
+              timings: dict[str, float]) -> dict[str, Any]:
+        c = self.config
+        facts = []
+        for request, result in zip(requests, results):
+            last = result.history[-1] if result.history else {}
+            facts.append({"subject": request.subject, "steps": result.steps,
+                          "converged": result.converged(c.early_stop_loss),
+                          "first_loss": result.history[0]["loss"] if result.history else None,
+                          "loss": last.get("loss"), "target_prob": last.get("target_prob"),
+                          "delta_norm": float(result.delta.norm())})
+        return {
+            "method": self.method,
+            "nodes": self.nodes,
+            "residual_node": self.residual_node,
+            "n_facts": len(requests),
+            "converged": all(f["converged"] for f in facts),
+            "n_key_prompts": len(key_templates),
+            "n_value_prompts": len(value_templates),
+            "statistics": [{"node": s.node, "n_tokens": s.n_tokens, "n_samples": s.n_samples, "corpus": s.corpus}
+                           for s in statistics],
+            "layers": layers,
+            "facts": facts,
+            "timings_s": timings,
+            "config": c.to_json(),
+        }
+
+    def edit(self, requests: Sequence[EditRequest], callback: BatchStepCallback | None = None) -> BatchEdit:
+        """Compute the edit of ``requests`` and apply it in place (``batch.restore(pg)`` undoes it exactly).
+
+        Several calls edit several batches in sequence, each computed on the model with the earlier ones applied. A
+        failure leaves the weights as they were.
+
+        Raises:
+            EditNotConvergedError: a fact's value search did not converge and ``config.allow_unconverged`` is False.
+            The errors of :meth:`compute`.
+        """
+        batch = self.compute(requests, callback=callback)
+        return batch.apply(self.pg, allow_unconverged=self.config.allow_unconverged)

@@ -1,0 +1,138 @@
+"""Closed-form many-fact updates of one linear layer: MEMIT (arXiv 2210.07229, eq. 14) and AlphaEdit
+(arXiv 2410.02355, §3, the null-space projected update).
+
+Both store ``F`` new associations ``K -> W K + R`` (keys ``K`` ``[d_in, F]``, residuals ``R`` ``[d_out, F]``: what each
+key's output must gain) in a layer ``W`` ``[d_out, d_in]`` whose preserved keys have the uncentred second moment
+``C = E[k kᵀ]`` ``[d_in, d_in]``, and return the change as factors ``ΔW = V Uᵀ`` with ``V = R``:
+
+- MEMIT:  ``ΔW = R Kᵀ (λ C + K Kᵀ)⁻¹``, so ``U = (λ C + K Kᵀ)⁻¹ K``. ``λ`` (``mom2_update_weight``, 15,000 in the
+  reference code) weighs the preserved keys against the new ones.
+- AlphaEdit: ``ΔW = R Kᵀ P (K_p K_pᵀ P + K Kᵀ P + α I)⁻¹``, so ``U = P (P (K Kᵀ + K_p K_pᵀ) + α I)⁻¹ P K``, where
+  ``P`` projects onto the null space of ``C`` (:func:`null_space_projector`): ``ΔW k = 0`` for every key in the
+  span of the preserved keys, so the update cannot disturb them; ``K_p K_pᵀ`` sums the keys of the facts edited by
+  earlier batches (kept by the editor), and ``α`` (``L2``, 10 in the reference code) regularises ``ΔW``.
+
+All algebra runs in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import StatisticsError
+
+__all__ = ["alphaedit_factors", "memit_factors", "null_space_projector"]
+
+
+def _as_columns(keys: torch.Tensor, residuals: torch.Tensor, d_in: int, node: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``K`` ``[d_in, F]`` and ``R`` ``[d_out, F]`` in float64 from row-major ``[F, d_in]`` / ``[F, d_out]``."""
+    if keys.dim() != 2 or residuals.dim() != 2 or keys.shape[0] != residuals.shape[0] or keys.shape[1] != d_in:
+        raise ValueError(f"{node}: keys {list(keys.shape)} and residuals {list(residuals.shape)} must be [F, {d_in}] "
+                         f"and [F, d_out] for the same F")
+    return keys.detach().to(torch.float64).T, residuals.detach().to(torch.float64).T
+
+
+def memit_factors(keys: torch.Tensor, residuals: torch.Tensor, second_moment: torch.Tensor, mom2_update_weight: float,
+                  node: str = "the layer") -> tuple[torch.Tensor, torch.Tensor]:
+    """MEMIT's update of one layer (eq. 14): ``ΔW = R Kᵀ (λ C + K Kᵀ)⁻¹ = V Uᵀ``.
+
+    Args:
+        keys: ``[F, d_in]``: each fact's key at this layer (``K`` transposed).
+        residuals: ``[F, d_out]``: what each fact's output at this layer must gain (``R`` transposed).
+        second_moment: ``C`` ``[d_in, d_in]``.
+        mom2_update_weight: ``λ`` (> 0 unless the keys alone span ``d_in``).
+        node: the layer's NodePath, for messages.
+
+    Returns:
+        ``U = (λ C + K Kᵀ)⁻¹ K`` ``[d_in, F]`` and ``V = R`` ``[d_out, F]``, float64.
+
+    Raises:
+        StatisticsError: ``λ C + K Kᵀ`` is singular or not finite, or ``C`` has the wrong shape (names ``node`` and
+            the fix).
+    """
+    d_in = second_moment.shape[-1]
+    k, r = _as_columns(keys, residuals, d_in, node)
+    if second_moment.shape != (d_in, d_in):
+        raise StatisticsError(f"{node}: second moment of shape {list(second_moment.shape)} is not square")
+    system = mom2_update_weight * second_moment.to(device=k.device, dtype=torch.float64) + k @ k.T  # [d_in, d_in]
+    try:
+        factor, info = torch.linalg.cholesky_ex(system)
+        if int(info) != 0:
+            raise RuntimeError(f"leading minor {int(info)} is not positive")
+        u = torch.cholesky_solve(k, factor)  # [d_in, F]
+    except RuntimeError as exc:
+        raise StatisticsError(
+            f"{node}: λC + KKᵀ (λ = {mom2_update_weight:g}) is singular ({exc}); raise mom2_update_weight or compute "
+            f"the statistics over more text (n_samples); the weights were not changed") from None
+    if not bool(torch.isfinite(u).all()):
+        raise StatisticsError(f"{node}: (λC + KKᵀ)⁻¹K is not finite; recompute the statistics over more text")
+    return u, r
+
+
+def null_space_projector(second_moment: torch.Tensor, threshold: float, node: str = "the layer"
+                         ) -> tuple[torch.Tensor, int]:
+    """AlphaEdit's projector onto the (numerical) null space of the preserved keys' second moment.
+
+    ``C = Q diag(e) Qᵀ`` (eigendecomposition; ``C`` symmetric); the eigenvectors whose eigenvalue is below
+    ``threshold`` span the directions the preserved keys (almost) never take: ``P = Q_s Q_sᵀ`` (the reference code
+    takes the SVD of ``C`` and the singular values below ``nullspace_threshold = 2e-2``; for a symmetric positive
+    semi-definite ``C`` those are its eigenvalues).
+
+    Args:
+        second_moment: ``C`` ``[d_in, d_in]``.
+        threshold: eigenvalues below it count as zero.
+        node: the layer's NodePath, for messages.
+
+    Returns:
+        ``(P [d_in, d_in] float64, dimension of the null space)``.
+
+    Raises:
+        StatisticsError: no eigenvalue is below ``threshold`` (every update would be projected to zero: raise the
+            threshold), or ``C`` is not finite.
+    """
+    c = second_moment.to(torch.float64)
+    if not bool(torch.isfinite(c).all()):
+        raise StatisticsError(f"{node}: the second moment holds NaN or inf; recompute the statistics")
+    eigenvalues, vectors = torch.linalg.eigh((c + c.T) / 2)
+    small = eigenvalues < threshold
+    n_null = int(small.sum())
+    if n_null == 0:
+        raise StatisticsError(
+            f"{node}: no eigenvalue of C is below the null-space threshold {threshold:g} (smallest "
+            f"{float(eigenvalues[0]):.3g}), so every update would be projected to zero; raise nullspace_threshold")
+    basis = vectors[:, small]  # [d_in, n_null]
+    return basis @ basis.T, n_null
+
+
+def alphaedit_factors(keys: torch.Tensor, residuals: torch.Tensor, projector: torch.Tensor, previous: torch.Tensor,
+                      l2: float, node: str = "the layer") -> tuple[torch.Tensor, torch.Tensor]:
+    """AlphaEdit's update of one layer: ``ΔW = R Kᵀ P (K_p K_pᵀ P + K Kᵀ P + α I)⁻¹ = V Uᵀ``.
+
+    Args:
+        keys: ``[F, d_in]``: this batch's keys at this layer.
+        residuals: ``[F, d_out]``: what each fact's output must gain.
+        projector: ``P`` ``[d_in, d_in]`` (:func:`null_space_projector`).
+        previous: ``K_p K_pᵀ`` ``[d_in, d_in]``: the summed outer products of earlier batches' keys (zeros at first).
+        l2: ``α`` (> 0).
+        node: the layer's NodePath, for messages.
+
+    Returns:
+        ``U = P (P (K Kᵀ + K_p K_pᵀ) + α I)⁻¹ P K`` ``[d_in, F]`` and ``V = R`` ``[d_out, F]``, float64; ``ΔW`` maps
+        every vector outside the range of ``P`` to zero.
+
+    Raises:
+        StatisticsError: the system is singular or not finite (names ``node``).
+    """
+    d_in = projector.shape[-1]
+    k, r = _as_columns(keys, residuals, d_in, node)
+    p = projector.to(device=k.device, dtype=torch.float64)
+    system = p @ (k @ k.T + previous.to(device=k.device, dtype=torch.float64)) + l2 * torch.eye(
+        d_in, dtype=torch.float64, device=k.device)
+    try:
+        u = p @ torch.linalg.solve(system, p @ k)  # [d_in, F]
+    except RuntimeError as exc:
+        raise StatisticsError(f"{node}: P(KKᵀ + K_pK_pᵀ) + αI (α = {l2:g}) is singular ({exc}); raise L2; the "
+                              f"weights were not changed") from None
+    if not bool(torch.isfinite(u).all()):
+        raise StatisticsError(f"{node}: the AlphaEdit solve is not finite; raise L2")
+    return u, r
