@@ -14,7 +14,7 @@ The scores are means over cases.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -24,48 +24,76 @@ from .edit import Edit
 from .layers import model_device
 from .scoring import mean_target_logprobs
 
-__all__ = ["evaluate_cases", "score_case"]
+__all__ = ["evaluate_cases", "score_case", "score_cases", "score_summary"]
+
+
+def score_cases(pg: nn.Module, tokenizer: Any, cases: Sequence[CounterFactCase], batch_size: int = 64
+                ) -> list[dict[str, Any]]:
+    """Score cases on the model as it is now, the prompts of many cases in each forward pass.
+
+    Args:
+        pg: the model's PatchableGraph (or model).
+        tokenizer: its tokenizer.
+        cases: the cases.
+        batch_size: prompt/target pairs per forward pass.
+
+    Returns:
+        One row per case: ``efficacy`` (0/1), ``paraphrase`` and ``neighborhood`` (fractions, ``None`` without such
+        prompts), and the mean log-probabilities ``logp_new`` / ``logp_true`` per prompt group (``rewrite``,
+        ``paraphrase``, ``neighborhood``).
+    """
+    groups_of = [{"rewrite": [c.request.text], "paraphrase": list(c.paraphrase_prompts),
+                  "neighborhood": list(c.neighborhood_prompts)} for c in cases]
+    prompts, targets = [], []
+    for case, groups in zip(cases, groups_of):
+        for target in (case.request.target_new, case.request.target_true):
+            for group in groups.values():
+                prompts += group
+                targets += [target] * len(group)
+    device = model_device(pg)
+    scores = mean_target_logprobs(lambda ids: pg(ids.to(device), use_cache=False), tokenizer, prompts, targets,
+                                  batch_size=batch_size).tolist()
+    rows, i = [], 0
+    for groups in groups_of:
+        row: dict[str, Any] = {"logp_new": {}, "logp_true": {}}
+        for which in ("logp_new", "logp_true"):
+            for name, group in groups.items():
+                row[which][name] = scores[i : i + len(group)]
+                i += len(group)
+        row["efficacy"] = _fraction(row, "rewrite", True)
+        row["paraphrase"] = _fraction(row, "paraphrase", True)
+        row["neighborhood"] = _fraction(row, "neighborhood", False)
+        rows.append(row)
+    return rows
+
+
+def _fraction(row: dict[str, Any], name: str, want_new: bool) -> float | None:
+    """The fraction of a group's prompts preferring ``target_new`` (``want_new``) or ``target_true``."""
+    pairs = list(zip(row["logp_new"][name], row["logp_true"][name]))
+    if not pairs:
+        return None
+    return sum((n > t) if want_new else (t > n) for n, t in pairs) / len(pairs)
 
 
 def score_case(pg: nn.Module, tokenizer: Any, case: CounterFactCase) -> dict[str, Any]:
-    """Score one case on the model as it is now (one batched forward pass).
+    """Score one case on the model as it is now (one batched forward pass): :func:`score_cases` of one case.
 
     Returns:
         ``efficacy`` (0/1), ``paraphrase`` and ``neighborhood`` (fractions), and the mean log-probabilities
         ``logp_new`` / ``logp_true`` per prompt group (``rewrite``, ``paraphrase``, ``neighborhood``).
     """
-    req = case.request
-    groups = {"rewrite": [req.text], "paraphrase": list(case.paraphrase_prompts),
-              "neighborhood": list(case.neighborhood_prompts)}
-    prompts = [p for g in groups.values() for p in g]
-    device = model_device(pg)
-    forward = lambda ids: pg(ids.to(device), use_cache=False)  # noqa: E731
-    scores = mean_target_logprobs(
-        forward, tokenizer, prompts + prompts, [req.target_new] * len(prompts) + [req.target_true] * len(prompts)
-    )
-    new, true = scores[: len(prompts)].tolist(), scores[len(prompts) :].tolist()
-    row: dict[str, Any] = {"logp_new": {}, "logp_true": {}}
-    i = 0
-    for name, group in groups.items():
-        row["logp_new"][name] = new[i : i + len(group)]
-        row["logp_true"][name] = true[i : i + len(group)]
-        i += len(group)
-
-    def frac(name: str, want_new: bool) -> float | None:
-        pairs = list(zip(row["logp_new"][name], row["logp_true"][name]))
-        if not pairs:
-            return None
-        return sum((n > t) if want_new else (t > n) for n, t in pairs) / len(pairs)
-
-    row["efficacy"] = frac("rewrite", True)
-    row["paraphrase"] = frac("paraphrase", True)
-    row["neighborhood"] = frac("neighborhood", False)
-    return row
+    return score_cases(pg, tokenizer, [case])[0]
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
     kept = [v for v in values if v is not None]
     return sum(kept) / len(kept) if kept else None
+
+
+def score_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
+    """``{"efficacy_score", "paraphrase_score", "neighborhood_score"}``: the means over ``rows`` of their
+    ``efficacy`` / ``paraphrase`` / ``neighborhood`` (rows without a score are left out; ``None`` if none has one)."""
+    return {f"{name}_score": _mean([row[name] for row in rows]) for name in ("efficacy", "paraphrase", "neighborhood")}
 
 
 def evaluate_cases(
@@ -122,15 +150,4 @@ def evaluate_cases(
             print(f"[{i + 1}/{len(cases)}] {case.request.text!r} -> {case.request.target_new!r}: "
                   f"efficacy {row['efficacy']:.0f} paraphrase {row['paraphrase']} neighborhood {row['neighborhood']} "
                   f"({edit.info.get('steps')} steps, {seconds:.1f} s)", flush=True)
-    return {
-        "efficacy_score": _mean([r["efficacy"] for r in rows]),
-        "paraphrase_score": _mean([r["paraphrase"] for r in rows]),
-        "neighborhood_score": _mean([r["neighborhood"] for r in rows]),
-        "n_cases": len(rows),
-        "pre": {
-            "efficacy_score": _mean([r["pre"]["efficacy"] for r in rows]),
-            "paraphrase_score": _mean([r["pre"]["paraphrase"] for r in rows]),
-            "neighborhood_score": _mean([r["pre"]["neighborhood"] for r in rows]),
-        },
-        "cases": rows,
-    }
+    return {**score_summary(rows), "n_cases": len(rows), "pre": score_summary([r["pre"] for r in rows]), "cases": rows}

@@ -37,7 +37,8 @@ RegisterFn = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], N
 SUBCOMMANDS: list[tuple[str, RegisterFn]] = []
 
 #: Modules imported before the parser is built; each may call :func:`register_subcommand` at import time.
-SUBCOMMAND_MODULES: list[str] = ["recipes.rome_cli", "recipes.eval_rome_cli", "recipes.trace_cli", "recipes.fit_cli"]
+SUBCOMMAND_MODULES: list[str] = ["recipes.rome_cli", "recipes.eval_rome_cli", "recipes.eval_edit_cli", "recipes.trace_cli",
+                                 "recipes.fit_cli"]
 
 DEFAULT_PROMPT = "The Eiffel Tower is located in the city of"
 

@@ -30,6 +30,7 @@ def test_subcommands_are_registered():
     ("graph", ("--model", "--depth", "--node")),
     ("rome", ("--subject", "--prompt", "--target-new", "--model", "--node", "--device", "--logdir", "--save")),
     ("eval-rome", ("--cases", "--out", "--model", "--node", "--device", "--limit")),
+    ("eval-edit", ("--method", "--cases", "--out", "--nodes", "--batch-size", "--sequential", "--n-cases", "--device")),
     ("trace", ("--subject", "--prompt", "--model", "--out", "--samples", "--logdir")),
 ])
 def test_every_subcommand_has_help(command, options, capsys):

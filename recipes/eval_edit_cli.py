@@ -1,0 +1,151 @@
+"""``gradpatch eval-edit``: edit the cases of a CounterFact file with ROME, MEMIT or AlphaEdit, in batches and
+sequentially, and write the scores.
+
+Registered into the ``gradpatch`` command when :mod:`recipes.cli` imports this module. Usage::
+
+    gradpatch eval-edit --method memit --cases demos/rome/facts.json --batch-size 1000 --out memit.json
+    gradpatch eval-edit --method alphaedit --cases demos/rome/facts.json --batch-size 100 --sequential 10 \\
+        --n-cases 1000 --out alphaedit.json
+    gradpatch eval-edit --method rome --cases demos/rome/cases.json --out rome.json
+
+The first ``--n-cases`` cases are cut into batches of ``--batch-size`` facts; ``--sequential K`` batches are applied one
+after another (each computed on the model the earlier ones left) before the group's cases are scored and the weights
+restored (:func:`editors.evaluate_batches.evaluate_sequential`). ROME edits a batch's facts one by one (rank-one
+edits, the plain-torch value runner); MEMIT and AlphaEdit a batch at once. The JSON has ``eval-rome``'s fields
+(``efficacy_score``, ``paraphrase_score``, ``neighborhood_score``, ``n_cases``, ``pre``, ``cases``) plus ``batches``
+and ``seconds_per_batch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .cli import register_subcommand
+
+__all__ = ["register", "run_eval_edit"]
+
+METHODS = ("rome", "memit", "alphaedit")
+
+
+def _nodes(args: argparse.Namespace) -> list[str] | None:
+    """The NodePaths to edit (``--nodes``, or the embedded model's defaults), ``None`` with the fix printed."""
+    from editors.memit import DEFAULT_SMOLLM2_NODES
+    from editors.rome import DEFAULT_SMOLLM2_NODE
+
+    if args.nodes or args.node:
+        nodes = [n.strip() for n in (args.nodes or args.node).split(",") if n.strip()]
+    elif args.model is not None:
+        print("gradpatch eval-edit: --model needs --nodes, the NodePaths of the linear layers to edit (comma-separated), "
+              "e.g. model.layers_2.mlp.down_proj,model.layers_3.mlp.down_proj; `gradpatch graph --model PATH` prints "
+              "the node tree", file=sys.stderr)
+        return None
+    else:
+        nodes = [DEFAULT_SMOLLM2_NODE] if args.method == "rome" else list(DEFAULT_SMOLLM2_NODES)
+    if args.method == "rome" and len(nodes) != 1:
+        print(f"gradpatch eval-edit: ROME edits one layer; got {len(nodes)} in --nodes", file=sys.stderr)
+        return None
+    return nodes
+
+
+def run_eval_edit(args: argparse.Namespace) -> int:
+    """Run ``eval-edit`` (see the module docstring); returns the exit status."""
+    from editors import AlphaEdit, AlphaEditConfig, MEMIT, MEMITConfig, ROME, ROMEConfig, load_cases
+    from editors.evaluate_batches import batch_applier, evaluate_sequential, rome_applier
+    from gradpatch.files import atomic_write_text
+    from gradpatch.models import load_model
+
+    from .rome_cli import build_editable_graph, default_device
+
+    nodes = _nodes(args)
+    if nodes is None:
+        return 2
+    if args.batch_size < 1 or args.sequential < 1:
+        print("gradpatch eval-edit: --batch-size and --sequential must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        cases = load_cases(args.cases)
+    except (OSError, ValueError) as error:
+        print(f"gradpatch eval-edit: {error}", file=sys.stderr)
+        return 2
+    if args.n_cases is not None:
+        cases = cases[: args.n_cases]
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(args.model, device=args.device or default_device())
+    pg = build_editable_graph(model, tokenizer)
+    common: dict[str, Any] = {"n_samples": args.n_samples, "steps": args.steps, "cache_dir": args.cache_dir,
+                              "progress": not args.quiet, "allow_unconverged": True}
+    after_group = None
+    if args.method == "rome":
+        editor: Any = ROME(pg, tokenizer, nodes[0], config=ROMEConfig(**common), corpus=args.corpus)
+        apply_batch = rome_applier(pg, editor.compute)
+        statistics = [editor.statistics()]
+    else:
+        if args.mom2_update_weight is not None:
+            common["mom2_update_weight"] = args.mom2_update_weight
+        if args.method == "memit":
+            editor = MEMIT(pg, tokenizer, nodes, config=MEMITConfig(**common), corpus=args.corpus)
+        else:
+            if args.nullspace_threshold is not None:
+                common["nullspace_threshold"] = args.nullspace_threshold
+            editor = AlphaEdit(pg, tokenizer, nodes, config=AlphaEditConfig(**common), corpus=args.corpus)
+            after_group = editor.forget
+        apply_batch = batch_applier(pg, editor.edit)
+        statistics = editor.statistics()
+    editor.templates()
+    t1 = time.perf_counter()
+    result = evaluate_sequential(pg, tokenizer, cases, apply_batch, batch_size=args.batch_size,
+                                 sequential=args.sequential, after_group=after_group, progress=not args.quiet)
+    t2 = time.perf_counter()
+    result = {key: result[key] for key in ("efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases",
+                                           "pre")} | {
+        "method": args.method,
+        "nodes": nodes,
+        "model": args.model or "embedded:SmolLM2-135M-Instruct",
+        "cases_file": str(args.cases),
+        "config": editor.config.to_json(),
+        "statistics": [{"node": s.node, "n_tokens": s.n_tokens, "n_samples": s.n_samples, "corpus": s.corpus}
+                       for s in statistics],
+        "seconds": {"load_and_statistics": t1 - t0, "evaluation": t2 - t1},
+    } | {key: result[key] for key in ("batch_size", "sequential", "seconds_per_batch", "batches", "cases")}
+    out = Path(args.out)
+    atomic_write_text(out, json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+    print(f"{args.method}: efficacy {result['efficacy_score']:.3f}  paraphrase {result['paraphrase_score']:.3f}  "
+          f"neighborhood {result['neighborhood_score']:.3f}  ({result['n_cases']} cases; before the edits "
+          f"{result['pre']['efficacy_score']:.3f} / {result['pre']['paraphrase_score']:.3f} / "
+          f"{result['pre']['neighborhood_score']:.3f}) -> {out}")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``eval-edit`` parser to the ``gradpatch`` sub-parsers."""
+    from .rome_cli import add_model_arguments
+
+    p = subparsers.add_parser(
+        "eval-edit",
+        help="edit CounterFact cases with ROME, MEMIT or AlphaEdit in (sequential) batches and write the scores",
+        description="Cut the cases into batches, apply --sequential batches one after another, score the group's "
+                    "cases after all of them, restore the weights; repeat.",
+    )
+    p.add_argument("--method", required=True, choices=METHODS, help="the editing algorithm")
+    p.add_argument("--cases", required=True, metavar="FILE.json", help="CounterFact-format JSON list")
+    p.add_argument("--out", required=True, metavar="METRICS.json", help="where to write the scores")
+    p.add_argument("--nodes", default=None, metavar="N1,N2,...",
+                   help="comma-separated NodePaths of the edited linear layers (default for the embedded model: "
+                        "ROME's layer 3, MEMIT/AlphaEdit's layers 2-6 down_proj)")
+    p.add_argument("--batch-size", type=int, default=1, metavar="N", help="facts per batch (default %(default)s)")
+    p.add_argument("--sequential", type=int, default=1, metavar="K",
+                   help="batches applied one after another before scoring (default %(default)s)")
+    p.add_argument("--n-cases", type=int, default=None, metavar="N", help="only the first N cases")
+    p.add_argument("--mom2-update-weight", type=float, default=None, metavar="λ", help="MEMIT's λ (eq. 14)")
+    p.add_argument("--nullspace-threshold", type=float, default=None, help="AlphaEdit's eigenvalue threshold")
+    add_model_arguments(p)
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=run_eval_edit)
+
+
+register_subcommand("eval-edit", register)

@@ -1,0 +1,136 @@
+"""Batched and sequential evaluation (``editors.evaluate_batches``) and the ``gradpatch eval-edit`` command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import editors.evaluate_batches as evaluate_batches
+from editors import load_cases, resolve_layer
+from editors.evaluate import score_case, score_cases
+from editors.evaluate_batches import AppliedBatch, evaluate_sequential
+from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_gpt2
+from gradpatch import PatchableGraph
+
+NODE = "transformer.h_0.mlp.c_proj"
+
+
+def _case(i: int, subject: str, target_new: str) -> dict:
+    return {"case_id": i,
+            "requested_rewrite": {"prompt": "I think the answer is {}", "subject": subject,
+                                  "target_new": {"str": target_new}, "target_true": {"str": "Paris"}},
+            "paraphrase_prompts": [f"Because it rains, we stay home in {subject}", f"I think {subject}"],
+            "neighborhood_prompts": ["The capital of France is", "The Louvre is located in the city of"]}
+
+
+CASES = [_case(i, s, t) for i, (s, t) in enumerate([("the old town", "Rome"), ("the bridge", "London"),
+                                                     ("Madrid", "Rome"), ("the sea", "Berlin"), ("Spain", "Rome")])]
+
+
+def _graph():
+    tok = byte_level_tokenizer()
+    return PatchableGraph(tiny_gpt2(len(tok)), torch.randint(0, len(tok), (2, 6)), use_cache=False).eval(), tok
+
+
+def test_score_cases_batches_many_cases_like_one_at_a_time():
+    pg, tok = _graph()
+    cases = load_cases(CASES)
+    together = score_cases(pg, tok, cases, batch_size=7)
+    for case, row in zip(cases, together):
+        alone = score_case(pg, tok, case)
+        assert row["efficacy"] == alone["efficacy"] and row["neighborhood"] == alone["neighborhood"]
+        for which in ("logp_new", "logp_true"):
+            for group, values in alone[which].items():
+                assert row[which][group] == pytest.approx(values, abs=1e-4)
+
+
+def test_groups_are_scored_after_all_their_batches_and_undone(monkeypatch):
+    pg, tok = _graph()
+    weight = resolve_layer(pg, NODE).weight
+    original = weight.detach().clone()
+    applied: list[list[str]] = []
+    at_scoring: list[int] = []
+    real = evaluate_batches.score_cases
+
+    def score(pg_, tok_, cases):
+        at_scoring.append(len(applied))
+        return real(pg_, tok_, cases)
+
+    def apply(requests):
+        applied.append([r.subject for r in requests])
+        with torch.no_grad():
+            weight.add_(0.5)
+
+        def undo():
+            with torch.no_grad():
+                weight.sub_(0.5)
+            applied.pop()
+
+        return AppliedBatch(undo=undo, facts=[{"steps": len(applied)} for _ in requests], info={"method": "fake"})
+
+    monkeypatch.setattr(evaluate_batches, "score_cases", score)
+    groups: list[int] = []
+    result = evaluate_sequential(pg, tok, load_cases(CASES), apply, batch_size=2, sequential=2,
+                                 after_group=lambda: groups.append(len(applied)), progress=False)
+    # pre-scores with nothing applied; group 1 (batches of 2 + 2 cases) scored with 2 batches applied; group 2
+    # (the last case) with 1; everything undone after each group.
+    assert at_scoring == [0, 2, 1] and groups == [0, 0]
+    assert [r["n_facts"] for r in result["batches"]] == [2, 2, 1] and len(result["seconds_per_batch"]) == 3
+    assert [row["group"] for row in result["cases"]] == [0, 0, 0, 0, 1]
+    assert [row["batch"] for row in result["cases"]] == [0, 0, 1, 1, 2]
+    assert result["cases"][2]["edit"] == {"steps": 2}  # the second batch of its group
+    assert result["n_cases"] == 5 and set(result["pre"]) == {"efficacy_score", "paraphrase_score",
+                                                            "neighborhood_score"}
+    torch.testing.assert_close(weight, original, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="at least 1"):
+        evaluate_sequential(pg, tok, load_cases(CASES), apply, batch_size=0)
+
+
+@pytest.mark.parametrize("method, extra", [
+    ("memit", ["--batch-size", "3", "--nodes", "transformer.h_0.mlp.c_proj,transformer.h_1.mlp.c_proj"]),
+    ("alphaedit", ["--batch-size", "2", "--sequential", "2", "--nodes", "transformer.h_0.mlp.c_proj",
+                   "--nullspace-threshold", "0.5"]),
+    ("rome", ["--batch-size", "2", "--sequential", "2", "--node", NODE]),
+])
+def test_eval_edit_command(method, extra, tmp_path):
+    from recipes.cli import main
+
+    tok = byte_level_tokenizer()
+    model_dir = tmp_path / "model"
+    tiny_gpt2(len(tok)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    cases_file = tmp_path / "cases.json"
+    cases_file.write_text(json.dumps(CASES), encoding="utf-8")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(list(TOY_SENTENCES) * 4), encoding="utf-8")
+    out = tmp_path / "metrics.json"
+    status = main(["eval-edit", "--method", method, "--cases", str(cases_file), "--out", str(out), "--model",
+                   str(model_dir), "--corpus", str(corpus), "--n-samples", "32", "--steps", "3", "--n-cases", "4",
+                   "--cache-dir", str(tmp_path / "cache"), "--quiet", *extra])
+    assert status == 0
+    metrics = json.loads(out.read_text())
+    assert {"efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases", "pre", "cases", "batches",
+            "seconds_per_batch"} <= set(metrics)
+    assert metrics["n_cases"] == 4 and metrics["method"] == method
+    assert [c["case_id"] for c in metrics["cases"]] == [0, 1, 2, 3]
+    assert all(0.0 <= metrics[k] <= 1.0 for k in ("efficacy_score", "paraphrase_score", "neighborhood_score"))
+    assert all(row["edit"]["steps"] is not None for row in metrics["cases"])
+
+
+def test_eval_edit_refuses_bad_arguments(tmp_path, capsys):
+    from recipes.cli import main
+
+    cases_file = tmp_path / "cases.json"
+    cases_file.write_text(json.dumps(CASES), encoding="utf-8")
+    out = str(tmp_path / "m.json")
+    assert main(["eval-edit", "--method", "memit", "--cases", str(cases_file), "--out", out, "--model", "x"]) == 2
+    assert "--model needs --nodes" in capsys.readouterr().err
+    assert main(["eval-edit", "--method", "rome", "--cases", str(cases_file), "--out", out, "--nodes", "a,b"]) == 2
+    assert "ROME edits one layer" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{**CASES[0], "requested_rewrite": {**CASES[0]["requested_rewrite"],
+                                                                   "prompt": "I think the answer is"}}]))
+    assert main(["eval-edit", "--method", "memit", "--cases", str(bad), "--out", out]) == 2
+    assert "Case 0 (record 0)" in capsys.readouterr().err
