@@ -114,7 +114,8 @@ class AlphaEdit(MEMIT):
         if not self.previous:
             self.previous = [torch.zeros(layer.d_in, layer.d_in, dtype=torch.float64) for layer in self.layers]
         for i, layer_keys in enumerate(keys):
-            k = layer_keys.mean(dim=1).to(torch.float64).cpu()  # [F, d_in]
+            k = (layer_keys.reshape(-1, layer_keys.shape[-1]) if config.keys_per_context
+                 else layer_keys.mean(dim=1)).to(torch.float64).cpu()  # [F·P, d_in] or [F, d_in]
             self.previous[i] += k.T @ k
         self.applied.append(batch)
         return batch

@@ -245,9 +245,10 @@ class MEMIT:
         fingerprint = model_fingerprint(wrapped_model(self.pg))
         facts = [(r.prompt, r.subject) for r in requests]
         t0 = time.perf_counter()
-        first, at_last, h_start = (a.mean(dim=1) for a in context_activations(
+        first, at_last, h_start = context_activations(
             self.pg, self.tokenizer, [layers[0].input_node, last.input_node, self.residual_node], facts,
-            key_templates, max_tokens=c.max_tokens))  # [F, d_in], [F, d_in_last], [F, d_model]
+            key_templates, max_tokens=c.max_tokens)  # [F, P, d_in], [F, P, d_in_last], [F, P, d_model]
+        at_last, h_start = at_last.mean(dim=1), h_start.mean(dim=1)
         if h_start.shape[-1] != last.d_out:
             raise EditError(f"The residual node {self.residual_node} is {h_start.shape[-1]} wide but {last.path} "
                             f"writes {last.d_out}; pass residual_node= (the stream the layer's output is added to)")
@@ -269,16 +270,18 @@ class MEMIT:
             if j == 0:
                 keys, h_now = first, h_start
             else:
-                keys, h_now = (a.mean(dim=1) for a in context_activations(
+                keys, h_now = context_activations(
                     self.pg, self.tokenizer, [layer.input_node, self.residual_node], facts, key_templates,
-                    patches=patches, max_tokens=c.max_tokens))
+                    patches=patches, max_tokens=c.max_tokens)
+                h_now = h_now.mean(dim=1)
+            keys = keys if c.keys_per_context else keys.mean(dim=1)  # [F, P, d_in] or k* per fact [F, d_in]
             left = deltas - (h_now - h_start).to(torch.float64)  # z - h^L now, [F, d_out]
             u, v = self._layer_update(j, keys, left / (len(layers) - j))
             edits.append(Edit(node=layer.path, u=u, v=v))
             for node, items in low_rank_patches(layer.input_node, layer.output_node, u, v).items():
                 patches.setdefault(node, []).extend(items)
             layer_info.append({"node": layer.path, "residual_left_norm": float(left.norm(dim=-1).mean()),
-                               "key_norm": float(keys.norm(dim=-1).mean())})
+                               "key_norm": float(keys.norm(dim=-1).mean()), "rank": int(u.shape[1])})
         t3 = time.perf_counter()
         info = self._info(requests, results, statistics, layer_info, key_templates, value_templates,
                           {"keys": t1 - t0, "value": t2 - t1, "update": t3 - t2})

@@ -12,6 +12,11 @@ key's output must gain) in a layer ``W`` ``[d_out, d_in]`` whose preserved keys 
   span of the preserved keys, so the update cannot disturb them; ``K_p K_pᵀ`` sums the keys of the facts edited by
   earlier batches (kept by the editor), and ``α`` (``L2``, 10 in the reference code) regularises ``ΔW``.
 
+**Keys per context.** Keys may also be given per context prompt, ``[F, P, d_in]``: every context's key is a column
+of ``K`` with its fact's residual (the reference code's ``repeat_interleave`` of the targets), so
+``ΔW = R_F E Kᵀ (...)⁻¹`` with ``E`` summing each fact's ``P`` columns: still rank ``F``, ``U`` the per-fact sums of
+the solved columns.
+
 All algebra runs in float64.
 """
 
@@ -25,11 +30,18 @@ __all__ = ["alphaedit_factors", "memit_factors", "null_space_projector"]
 
 
 def _as_columns(keys: torch.Tensor, residuals: torch.Tensor, d_in: int, node: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``K`` ``[d_in, F]`` and ``R`` ``[d_out, F]`` in float64 from row-major ``[F, d_in]`` / ``[F, d_out]``."""
-    if keys.dim() != 2 or residuals.dim() != 2 or keys.shape[0] != residuals.shape[0] or keys.shape[1] != d_in:
+    """``K`` ``[d_in, F·P]`` (fact-major) and ``R`` ``[d_out, F]`` in float64 from row-major ``[F, d_in]`` or
+    ``[F, P, d_in]`` keys and ``[F, d_out]`` residuals."""
+    if (keys.dim() not in (2, 3) or residuals.dim() != 2 or keys.shape[0] != residuals.shape[0]
+            or keys.shape[-1] != d_in):
         raise ValueError(f"{node}: keys {list(keys.shape)} and residuals {list(residuals.shape)} must be [F, {d_in}] "
-                         f"and [F, d_out] for the same F")
-    return keys.detach().to(torch.float64).T, residuals.detach().to(torch.float64).T
+                         f"(or [F, P, {d_in}]) and [F, d_out] for the same F")
+    return keys.detach().to(torch.float64).reshape(-1, d_in).T, residuals.detach().to(torch.float64).T
+
+
+def _per_fact(solved: torch.Tensor, n_facts: int) -> torch.Tensor:
+    """``[d_in, F·P]`` solved columns -> ``[d_in, F]``: each fact's columns summed (``E`` of the module docstring)."""
+    return solved.reshape(solved.shape[0], n_facts, -1).sum(dim=-1)
 
 
 def memit_factors(keys: torch.Tensor, residuals: torch.Tensor, second_moment: torch.Tensor, mom2_update_weight: float,
@@ -37,7 +49,7 @@ def memit_factors(keys: torch.Tensor, residuals: torch.Tensor, second_moment: to
     """MEMIT's update of one layer (eq. 14): ``ΔW = R Kᵀ (λ C + K Kᵀ)⁻¹ = V Uᵀ``.
 
     Args:
-        keys: ``[F, d_in]``: each fact's key at this layer (``K`` transposed).
+        keys: ``[F, d_in]``: each fact's key at this layer (``K`` transposed), or ``[F, P, d_in]``: per context.
         residuals: ``[F, d_out]``: what each fact's output at this layer must gain (``R`` transposed).
         second_moment: ``C`` ``[d_in, d_in]``.
         mom2_update_weight: ``λ`` (> 0 unless the keys alone span ``d_in``).
@@ -59,7 +71,7 @@ def memit_factors(keys: torch.Tensor, residuals: torch.Tensor, second_moment: to
         factor, info = torch.linalg.cholesky_ex(system)
         if int(info) != 0:
             raise RuntimeError(f"leading minor {int(info)} is not positive")
-        u = torch.cholesky_solve(k, factor)  # [d_in, F]
+        u = _per_fact(torch.cholesky_solve(k, factor), r.shape[1])  # [d_in, F]
     except RuntimeError as exc:
         raise StatisticsError(
             f"{node}: λC + KKᵀ (λ = {mom2_update_weight:g}) is singular ({exc}); raise mom2_update_weight or compute "
@@ -109,7 +121,7 @@ def alphaedit_factors(keys: torch.Tensor, residuals: torch.Tensor, projector: to
     """AlphaEdit's update of one layer: ``ΔW = R Kᵀ P (K_p K_pᵀ P + K Kᵀ P + α I)⁻¹ = V Uᵀ``.
 
     Args:
-        keys: ``[F, d_in]``: this batch's keys at this layer.
+        keys: ``[F, d_in]``: this batch's keys at this layer (or ``[F, P, d_in]``: per context).
         residuals: ``[F, d_out]``: what each fact's output must gain.
         projector: ``P`` ``[d_in, d_in]`` (:func:`null_space_projector`).
         previous: ``K_p K_pᵀ`` ``[d_in, d_in]``: the summed outer products of earlier batches' keys (zeros at first).
@@ -129,7 +141,7 @@ def alphaedit_factors(keys: torch.Tensor, residuals: torch.Tensor, projector: to
     system = p @ (k @ k.T + previous.to(device=k.device, dtype=torch.float64)) + l2 * torch.eye(
         d_in, dtype=torch.float64, device=k.device)
     try:
-        u = p @ torch.linalg.solve(system, p @ k)  # [d_in, F]
+        u = p @ _per_fact(torch.linalg.solve(system, p @ k), r.shape[1])  # [d_in, F]
     except RuntimeError as exc:
         raise StatisticsError(f"{node}: P(KKᵀ + K_pK_pᵀ) + αI (α = {l2:g}) is singular ({exc}); raise L2; the "
                               f"weights were not changed") from None

@@ -25,14 +25,14 @@ __all__ = ["rank_one_factors", "solve_second_moment"]
 
 
 def solve_second_moment(second_moment: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """``C⁻¹ k`` in float64.
+    """``C⁻¹ k`` in float64, for one key or a stack of them.
 
     Args:
         second_moment: ``C`` ``[d_in, d_in]``, symmetric positive definite.
-        key: ``k`` ``[d_in]``.
+        key: ``k`` ``[d_in]``, or ``P`` keys ``[P, d_in]``.
 
     Returns:
-        ``[d_in]`` float64.
+        ``[d_in]`` (or ``[P, d_in]``: row ``j`` is ``C⁻¹ k_j``) float64.
 
     Raises:
         StatisticsError: ``C`` has the wrong shape, is singular, or is not finite.
@@ -45,19 +45,20 @@ def solve_second_moment(second_moment: torch.Tensor, key: torch.Tensor) -> torch
         )
     c = second_moment.to(torch.float64)
     k = key.to(device=c.device, dtype=torch.float64)
+    columns = k.unsqueeze(-1) if k.dim() == 1 else k.T  # [d_in, 1] or [d_in, P]
     try:
         factor = torch.linalg.cholesky(c)
-        solution = torch.cholesky_solve(k.unsqueeze(-1), factor).squeeze(-1)
+        solution = torch.cholesky_solve(columns, factor)
     except RuntimeError:
         try:
-            solution = torch.linalg.solve(c, k)
+            solution = torch.linalg.solve(c, columns)
         except RuntimeError as exc:
             raise StatisticsError(
                 f"The second moment is singular ({exc}); compute it over more text (raise n_samples)"
             ) from None
     if not torch.isfinite(solution).all():
         raise StatisticsError("C⁻¹k is not finite; recompute the statistics over more text (raise n_samples)")
-    return solution
+    return solution.squeeze(-1) if k.dim() == 1 else solution.T
 
 
 def rank_one_factors(
@@ -98,20 +99,35 @@ def rank_one_update(key: torch.Tensor, residual: torch.Tensor, second_moment: to
     output at ``k*`` must gain. ROME's value search finds that residual as ``δ``, so no weight is read: this is
     how layers whose weights cannot be read as a matrix (quantized, offloaded) are edited.
 
+    **Keys per context.** Given the keys of ``P`` contexts ``K`` (``[P, d_in]``, rows ``k_j``) instead of their
+    average, ``u = C⁻¹Kᵀ (K C⁻¹ Kᵀ)⁻¹ 1``: the update of least ``C``-norm with ``uᵀ k_j = 1`` for every context, so
+    every context's output gains the full residual (the average key's update only guarantees it for the average; a
+    context whose key is far from it, such as a subject at position 0, barely moves). Every context shares the
+    residual ``δ``, so the update stays rank one; ``P = 1`` is eq. 2.
+
     Args:
-        key: ``k*`` ``[d_in]``.
+        key: ``k*`` ``[d_in]``, or the contexts' keys ``[P, d_in]``.
         residual: ``v* - W k*`` ``[d_out]``.
         second_moment: ``C`` ``[d_in, d_in]``.
 
     Returns:
-        ``u = C⁻¹k*/(k*ᵀC⁻¹k*)`` ``[d_in]`` and ``v = residual`` ``[d_out]``, float64.
+        ``u = C⁻¹k*/(k*ᵀC⁻¹k*)`` (or ``C⁻¹Kᵀ (K C⁻¹ Kᵀ)⁻¹ 1``) ``[d_in]`` and ``v = residual`` ``[d_out]``, float64.
 
     Raises:
-        StatisticsError: ``C`` is unusable, or ``k*ᵀ C⁻¹ k* <= 0``.
+        StatisticsError: ``C`` is unusable, ``k*ᵀ C⁻¹ k* <= 0``, or the contexts' keys are linearly dependent.
     """
-    c_inv_k = solve_second_moment(second_moment, key)
+    c_inv_k = solve_second_moment(second_moment, key)  # [d_in] or [P, d_in]
     k = key.to(device=c_inv_k.device, dtype=torch.float64)
+    v = residual.detach().to(device=c_inv_k.device, dtype=torch.float64)
+    if k.dim() == 2:
+        gram = k @ c_inv_k.T  # [P, P]: k_iᵀ C⁻¹ k_j
+        try:
+            weights = torch.linalg.solve(gram, torch.ones(len(k), dtype=torch.float64, device=k.device))
+        except RuntimeError as exc:
+            raise StatisticsError(f"The contexts' keys are linearly dependent ({exc}); use the averaged key "
+                                  f"(keys_per_context=False) or fewer context prefixes") from None
+        return weights @ c_inv_k, v
     denom = torch.dot(c_inv_k, k)
     if not bool(denom > 0):
         raise StatisticsError(f"k*ᵀ C⁻¹ k* = {denom.item():.3g} is not positive; the statistics are not positive definite")
-    return c_inv_k / denom, residual.detach().to(device=c_inv_k.device, dtype=torch.float64)
+    return c_inv_k / denom, v

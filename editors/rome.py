@@ -34,7 +34,7 @@ from .corpus import Corpus
 from .counterfact import EditRequest
 from .edit import Edit
 from .errors import EditError
-from .keys import LENGTH_PARAMS, ContextTemplates, compute_key, load_or_generate_prefixes
+from .keys import LENGTH_PARAMS, ContextTemplates, context_activations, load_or_generate_prefixes
 from .layers import LinearLayer, resolve_layer, wrapped_model
 from .rank_one import rank_one_update
 from .stats import DEFAULT_MAX_LENGTH, DEFAULT_N_SAMPLES, SecondMoment, default_cache_dir, layer_second_moment, statistics_fingerprint
@@ -75,6 +75,8 @@ class ROMEConfig:
         allow_unconverged: let :meth:`ROME.edit` apply an edit whose value search did not converge (its last loss
             not below its first, or non-finite); by default such an edit raises
             :class:`~editors.errors.EditNotConvergedError` and the weights stay as they were.
+        keys_per_context: solve for every context's key (``uᵀ k_j = 1`` for each of the context prompts,
+            :func:`editors.rank_one.rank_one_update`) instead of their average (eq. 3); still a rank-one update.
     """
 
     steps: int = 25
@@ -93,6 +95,7 @@ class ROMEConfig:
     use_cache: bool = True
     progress: bool = True
     allow_unconverged: bool = False
+    keys_per_context: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The hyperparameters as a JSON-able dict."""
@@ -200,7 +203,9 @@ class ROME:
         stats = self.statistics()
         fingerprint = model_fingerprint(wrapped_model(self.pg))
         t0 = time.perf_counter()
-        key = compute_key(self.pg, self.tokenizer, layer, request.prompt, request.subject, templates)  # [d_in]
+        contexts = context_activations(self.pg, self.tokenizer, [layer.input_node], [(request.prompt, request.subject)],
+                                       templates)[0][0]  # [P, d_in]: the subject's key behind each context prefix
+        key = contexts.mean(dim=0)  # k* (eq. 3), [d_in]
         t1 = time.perf_counter()
         with torch.no_grad():
             v_init = layer.forward_value(key)  # W k* + b, [d_out]
@@ -213,7 +218,7 @@ class ROME:
         self.last_value = result
         t2 = time.perf_counter()
         with torch.no_grad():  # v* = W k* + δ, so v = v* - W k* = δ (eq. 2; no weight read: quantized ones too)
-            u, v = rank_one_update(key, result.delta, stats.matrix)
+            u, v = rank_one_update(contexts if c.keys_per_context else key, result.delta, stats.matrix)
         t3 = time.perf_counter()
         last = result.history[-1] if result.history else {}
         info = {

@@ -1,0 +1,65 @@
+"""Keys per context: every context prompt's key gets the edit's full residual (ROME rank one, MEMIT rank F)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from editors import ROME, Corpus, EditRequest, ROMEConfig
+from editors.errors import StatisticsError
+from editors.keys import context_activations
+from editors.multi_update import alphaedit_factors, memit_factors
+from editors.rank_one import rank_one_update
+from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
+from gradpatch import PatchableGraph
+
+GEN = torch.Generator().manual_seed(0)
+SAMPLES = torch.randn(400, 12, generator=GEN, dtype=torch.float64)
+C = SAMPLES.T @ SAMPLES / 400
+
+
+def test_rank_one_update_per_context_meets_every_key():
+    keys = torch.randn(4, 12, generator=GEN, dtype=torch.float64)
+    residual = torch.randn(5, generator=GEN, dtype=torch.float64)
+    u, v = rank_one_update(keys, residual, C)
+    torch.testing.assert_close(keys @ u, torch.ones(4, dtype=torch.float64))  # each context gains all of v
+    # Of all u with K u = 1 it has the least C-norm: adding any null-space direction of K costs more.
+    null = torch.linalg.svd(keys, full_matrices=True).Vh[4:].T  # [12, 8], K @ null = 0
+    cost = lambda x: float(x @ torch.linalg.solve(torch.linalg.inv(C), x))  # noqa: E731  (uᵀ C u)
+    assert all(cost(u) < cost(u + 0.1 * null[:, j]) for j in range(8))
+    single, _ = rank_one_update(keys[2], residual, C)
+    torch.testing.assert_close(rank_one_update(keys[2:3], residual, C)[0], single)  # P = 1 is eq. 2
+    with pytest.raises(StatisticsError, match="linearly dependent"):
+        rank_one_update(torch.stack([keys[0], keys[0]]), residual, C)
+
+
+def test_memit_and_alphaedit_per_context_equal_repeated_columns():
+    keys = torch.randn(3, 4, 12, generator=GEN, dtype=torch.float64)  # 3 facts, 4 contexts
+    residuals = torch.randn(3, 5, generator=GEN, dtype=torch.float64)
+    u, v = memit_factors(keys, residuals, C, mom2_update_weight=2.0)
+    k = keys.reshape(12, 12).T  # [d_in, F·P]
+    r = residuals.repeat_interleave(4, dim=0).T  # [d_out, F·P]: each fact's residual for each of its contexts
+    expected = r @ k.T @ torch.linalg.inv(2.0 * C + k @ k.T)
+    assert u.shape == (12, 3)  # rank F, not F·P
+    torch.testing.assert_close(v @ u.T, expected)
+    projector = torch.eye(12, dtype=torch.float64)
+    u, v = alphaedit_factors(keys, residuals, projector, torch.zeros(12, 12, dtype=torch.float64), l2=1.0)
+    torch.testing.assert_close(v @ u.T, r @ k.T @ torch.linalg.inv(k @ k.T + torch.eye(12, dtype=torch.float64)))
+
+
+def test_rome_keys_per_context_moves_every_context():
+    tok = byte_level_tokenizer()
+    pg = PatchableGraph(tiny_llama(len(tok)), torch.randint(0, len(tok), (2, 6)), use_cache=False).eval()
+    config = ROMEConfig(n_samples=32, max_length=64, progress=False, use_cache=False, clamp_factor=500.0,
+                        context_length_params=((5, 4), (10, 4)), keys_per_context=True, steps=5)
+    rome = ROME(pg, tok, "model.layers_0.mlp.down_proj", config, corpus=Corpus(name="toy", texts=list(TOY_SENTENCES)))
+    request = EditRequest("The river flows into the sea near {}", "the old town", "Rome")
+    keys = context_activations(pg, tok, [rome.layer.input_node], [(request.prompt, request.subject)],
+                               rome.templates())[0][0]
+    before = rome.layer.forward_value(keys).detach()  # [P, d_out]
+    edit = rome.edit(request)
+    delta = rome.last_value.delta
+    after = rome.layer.forward_value(keys).detach()
+    assert edit.u.shape == (rome.layer.d_in,) and edit.info["config"]["keys_per_context"] is True
+    torch.testing.assert_close(after - before, delta.expand_as(after), rtol=1e-3, atol=1e-3 * float(delta.norm()))
+    edit.restore(pg)
