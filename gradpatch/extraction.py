@@ -34,7 +34,7 @@ from .naming import assign_node_names, unique_names
 from .options import ExtractionOptions
 from .patching import LEAF_NAME
 from .tracer import ValueTracer, check_traceable, concrete_execution, contains_proxy, resolve_attribute
-from .values import ValueInfo, describe, holds_tensor
+from .values import ValueInfo, describe, holds_input
 
 __all__ = [
     "CompiledGraphModule",
@@ -182,7 +182,7 @@ class Extractor:
                                  safe_names=False)
         bound = inspect.signature(copy.forward).bind(*args, **kwargs)
         bound.apply_defaults()
-        constants = {name: value for name, value in kwargs.items() if not holds_tensor(value)}
+        constants = {name: value for name, value in kwargs.items() if not holds_input(value)}
         wrapper = _opaque_wrapper(module, copy, constants, reason,
                                   {name: describe(value) for name, value in bound.arguments.items()}, describe(output))
         return wrapper, output
@@ -286,7 +286,7 @@ def _from_graph(module: nn.Module, graph: fx.Graph, args: tuple, kwargs: dict) -
     wrapper._gp_attribute_sources = {str(node.target): str(node.target) for node in graph.nodes
                                      if node.op == "get_attr"}
     wrapper.input_names = [str(node.target).lstrip("*") for node in graph.nodes
-                           if node.op == "placeholder" and holds_tensor(values.get(node))]
+                           if node.op == "placeholder" and holds_input(values.get(node))]
     wrapper.training = module.training
     object.__setattr__(wrapper, "original_module", module)
     return wrapper, output

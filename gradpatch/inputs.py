@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from .values import holds_tensor
+from .values import holds_input
 
 
 @dataclass
@@ -42,7 +42,7 @@ def plan_inputs(module: nn.Module, args: tuple, kwargs: dict) -> InputPlan:
             placeholders.append((f"**{parameter.name}", dict(value or {})))
         else:
             placeholders.append((parameter.name, value))
-    dynamic = {target for target, value in placeholders if holds_tensor(value)}
+    dynamic = {target for target, value in placeholders if holds_input(value)}
     return InputPlan(bound=bound, placeholders=placeholders, dynamic=dynamic)
 
 
@@ -64,10 +64,10 @@ def substitute(plan: InputPlan, proxies: dict[str, Any]) -> tuple[list[Any], dic
         value = arguments[name]
         if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
             items = proxies[f"*{name}"]
-            args.extend(items[i] if holds_tensor(item) else item for i, item in enumerate(value))
+            args.extend(items[i] if holds_input(item) else item for i, item in enumerate(value))
         elif parameter.kind is inspect.Parameter.VAR_KEYWORD:
             items = proxies[f"**{name}"]
-            kwargs.update({key: items[key] if holds_tensor(item) else item for key, item in value.items()})
+            kwargs.update({key: items[key] if holds_input(item) else item for key, item in value.items()})
         else:
             value = proxies[name] if name in plan.dynamic else value
             if parameter.kind is inspect.Parameter.POSITIONAL_ONLY or index < positional_until:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Generic, TypeVar
 import torch
 
 from .errors import NonFiniteError, PatchShapeError
+from .positions import Tokens
 from .values import ValueInfo
 
 #: What a ``slice`` may hold: anything valid inside ``tensor[...]`` (ints, slices, ``Ellipsis``, ``None``,
@@ -59,25 +60,50 @@ class Patch(Generic[PatchTarget]):
                 f"{type(self).__name__} has slice={self.slice!r} but the patched value is a "
                 f"{type(original).__name__}, not a tensor; dig to a tensor with '|sub_i' in the NodePath"
             )
-        index = _index(self.slice)
+        index = _index(self, original)
+        if index is _NOTHING:
+            return original
         patched = original.clone()
-        try:
-            selected = patched[index]
-        except IndexError as error:
-            raise PatchShapeError(
-                f"{type(self).__name__} slice {self.slice!r} does not index an activation of shape "
-                f"{tuple(original.shape)}: {error}"
-            ) from error
-        patched[index] = self.op(selected)
+        patched[index] = self.op(_indexed(self, patched, index))
         return patched
 
 
-def _index(index: Slice) -> Slice:
-    """A list index holding slices or ``Ellipsis`` (``[1, ...]``, graphpatch's spelling) means a tuple index."""
+#: :func:`_index`'s answer when a :class:`~gradpatch.positions.Tokens` slice selects no token of this pass.
+_NOTHING = object()
+
+
+def _index(patch: Patch, value: torch.Tensor) -> Any:
+    """The index expression of ``patch.slice`` for ``value``: a :class:`~gradpatch.positions.Tokens` resolved in the
+    current forward pass (:data:`_NOTHING` when it selects no token), a list holding slices or ``Ellipsis``
+    (``[1, ...]``, graphpatch's spelling) as a tuple index, anything else as it is.
+
+    Raises:
+        PatchShapeError: a ``Tokens`` dimension that ``value`` does not have.
+    """
+    index = patch.slice
+    if isinstance(index, Tokens):
+        try:
+            resolved = index.index(value)
+        except IndexError as error:
+            raise PatchShapeError(f"{type(patch).__name__}: {error}") from error
+        return _NOTHING if resolved is None else resolved
     if isinstance(index, list) and any(isinstance(item, (slice, tuple, type(Ellipsis))) or item is None
                                        for item in index):
         return tuple(index)
     return index
+
+
+def _indexed(patch: Patch, value: torch.Tensor, index: Any) -> Any:
+    """``value[index]``.
+
+    Raises:
+        PatchShapeError: the slice does not index ``value`` (the message gives both).
+    """
+    try:
+        return value[index]
+    except IndexError as error:
+        raise PatchShapeError(f"{type(patch).__name__} slice {patch.slice!r} does not index an activation of shape "
+                              f"{tuple(value.shape)}: {error}") from error
 
 
 def _check_value(patch: Patch, value: Any) -> None:
@@ -232,7 +258,9 @@ class ProbePatch(Patch):
     def __call__(self, original: Any) -> Any:
         if self.slice is None:
             return self.op(original)
-        self.activation = _detached_clone(original[_index(self.slice)])
+        index = _index(self, original)
+        if index is not _NOTHING:
+            self.activation = _detached_clone(_indexed(self, original, index))
         return original
 
 
@@ -250,7 +278,9 @@ class RecordPatch(Patch):
     def __call__(self, original: Any) -> Any:
         if self.slice is None:
             return self.op(original)
-        self.activations.append(_detached_clone(original[_index(self.slice)]))
+        index = _index(self, original)
+        if index is not _NOTHING:
+            self.activations.append(_detached_clone(_indexed(self, original, index)))
         return original
 
 

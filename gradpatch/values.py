@@ -48,10 +48,19 @@ def describe(value: Any) -> ValueInfo:
     return ValueInfo(type(value).__name__)
 
 
-def holds_tensor(value: Any) -> bool:
-    """Whether ``value`` is a tensor or a (nested) tuple, list or dict holding one."""
+def holds_input(value: Any) -> bool:
+    """Whether ``value`` must reach the graph at run time: a tensor, a live object (:func:`is_live_object`), or a
+    (nested) tuple, list or dict holding one. Other values are constants baked into the graph."""
     if isinstance(value, (tuple, list)):
-        return any(holds_tensor(item) for item in value)
+        return any(holds_input(item) for item in value)
     if isinstance(value, dict):
-        return any(holds_tensor(item) for item in value.values())
-    return isinstance(value, torch.Tensor)
+        return any(holds_input(item) for item in value.values())
+    return isinstance(value, torch.Tensor) or is_live_object(value)
+
+
+def is_live_object(value: Any) -> bool:
+    """Whether ``value`` is an object whose state changes between calls and that the model's code calls methods
+    on: a transformers KV cache (``DynamicCache``, ``StaticCache``…). Graphs take it as an input, and its method
+    calls (``past_key_values.update(k, v, layer_idx)``) are nodes that run on the cache passed to each call."""
+    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers")
+               for cls in type(value).__mro__)

@@ -306,14 +306,9 @@ class DeltaModule(FrozenGraphModule):
             The new text of each prompt.
         """
         if not patched:
-            return greedy_generate(self.graph, self.tokenizer, prompts, max_new_tokens, self._min_batch(),
-                                   self.call_kwargs)
+            return greedy_generate(self.graph, self.tokenizer, prompts, max_new_tokens)
         with self.graph.patch(self.intervention):
-            return greedy_generate(self.graph, self.tokenizer, prompts, max_new_tokens, self._min_batch(),
-                                   self.call_kwargs)
-
-    def _min_batch(self) -> int:
-        return min(self.example_batch_size, 2)
+            return greedy_generate(self.graph, self.tokenizer, prompts, max_new_tokens)
 
     def describe(self) -> dict[str, Any]:
         """Flat hyperparameters for TensorBoard: model, nodes, positions, objective terms and weights, optimizer."""

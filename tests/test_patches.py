@@ -135,11 +135,17 @@ def test_patched_intermediate_changes_downstream(tiny_llama, token_ids):
     assert not torch.allclose(clean, patched)
 
 
-def test_calls_that_differ_from_the_example_are_refused(tiny_llama, token_ids):
+def test_calls_of_another_kind_get_graphs_of_their_own(tiny_llama, token_ids):
     from gradpatch import InputSignatureError
 
     pg = PatchableGraph(tiny_llama, token_ids, use_cache=False)
-    with pytest.raises(InputSignatureError, match="attention_mask=..."):
-        pg(token_ids, attention_mask=torch.ones_like(token_ids), use_cache=False)
-    with pytest.raises(InputSignatureError, match="use_cache"):
-        pg(token_ids, use_cache=True)
+    padded = torch.ones_like(token_ids)
+    padded[0, :3] = 0
+    with pytest.warns(UserWarning, match="new kind of call.*attention_mask"):
+        out = pg(token_ids, attention_mask=padded, use_cache=False)
+    torch.testing.assert_close(out.logits, tiny_llama(token_ids, attention_mask=padded, use_cache=False).logits)
+    with pg.patch({"lm_head.output": ZeroPatch()}):  # patches checked on the example's graphs apply to these too
+        assert torch.count_nonzero(pg(token_ids, attention_mask=padded, use_cache=False).logits) == 0
+    linear = PatchableGraph(nn.Linear(3, 4), torch.randn(2, 3))
+    with pytest.raises(InputSignatureError, match="does not fit"):
+        linear(torch.randn(2, 3), no_such_argument=1)

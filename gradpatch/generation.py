@@ -1,0 +1,115 @@
+"""``pg.generate``: transformers' own generation loop running the PatchableGraph, with the model's KV cache.
+
+transformers' ``generate`` calls the model once on the prompt (prefill) and then once per new token, with the
+cache (``past_key_values``: ``DynamicCache`` by default, ``StaticCache`` with ``cache_implementation="static"``)
+and ``cache_position``. Here each of those calls runs the graph: the cache is a graph input, its method calls
+(``past_key_values.update(k_embed, value_states, layer)``) are nodes, and the prefill and decode calls get graphs
+of their own kind (extracted once each), whose NodePaths are the same names. So one ``pg.patch`` block applies at
+prefill and at every decode step, at every node; a patch's ``slice`` indexes the tokens of the current forward pass
+(see :mod:`gradpatch.positions` for positions in the whole sequence), and a ``ProbePatch``/``RecordPatch`` sees one
+value per forward pass: ``[batch, prompt, ...]`` at prefill, then ``[batch, 1, ...]`` per new token.
+
+``use_cache=False`` keeps recomputing the whole sequence at every step. An all-ones ``attention_mask`` (no padding)
+is left out of the graph's calls, so attention runs as in eager mode without a mask.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .errors import PatchShapeError
+from .positions import Window, token_window
+
+
+@dataclass
+class _Progress:
+    """Where generation is: the prompt length, the forward passes run, and whether the mask is left out."""
+
+    prompt_length: int
+    step: int = 0
+    drop_mask: bool | None = None
+
+
+def generate(graph: Callable[..., Any], model: nn.Module, generation_config: Any, args: tuple,
+             kwargs: dict[str, Any]) -> Any:
+    """Run ``model.generate(*args, **kwargs)`` with every forward pass going through ``graph``.
+
+    Args:
+        graph: the PatchableGraph (called with the model's forward arguments).
+        model: the wrapped transformers model.
+        generation_config: the default configuration (the model's own is restored afterwards).
+        args, kwargs: the arguments of ``model.generate``.
+
+    Raises:
+        TypeError: the model has no ``generate``.
+        PatchShapeError: a patch value does not fit a forward pass (the message names the step); the caller's
+            cache, if one was passed, is cropped back to its length before that pass.
+    """
+    if not hasattr(model, "generate"):
+        raise TypeError(f"{type(model).__name__} has no generate(); it is not a transformers generation model")
+    prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    progress = _Progress(prompt_length=int(prompt.shape[-1]) if isinstance(prompt, torch.Tensor) else 0)
+    saved_config = model.__dict__.get("generation_config")
+    if generation_config is not None:  # the model's default configuration while generating, as transformers reads it
+        model.generation_config = generation_config
+    model.forward = _graph_forward(graph, model, progress)
+    try:
+        return model.generate(*args, **kwargs)
+    finally:
+        del model.forward
+        if generation_config is not None:
+            model.generation_config = saved_config
+
+
+def _graph_forward(graph: Callable[..., Any], model: nn.Module, progress: _Progress) -> Callable[..., Any]:
+    signature = inspect.signature(model.forward)
+
+    @functools.wraps(type(model).forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        call = dict(signature.bind(*args, **kwargs).arguments)
+        mask = call.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            if progress.drop_mask is None:  # decided on the prompt; generation only appends ones
+                progress.drop_mask = bool(mask.all())
+            if progress.drop_mask:
+                del call["attention_mask"]
+        cache = call.get("past_key_values")
+        length = getattr(cache, "get_seq_length", None)
+        offset = int(length()) if callable(length) and call.get("use_cache", True) else 0
+        try:
+            with token_window(Window(offset=offset, prompt_length=progress.prompt_length)):
+                return graph(**call)
+        except BaseException as error:
+            _crop(cache, offset)
+            if isinstance(error, PatchShapeError):
+                raise PatchShapeError(f"generation step {progress.step} (positions from {offset}): {error}") from error
+            raise
+        finally:
+            progress.step += 1
+
+    forward.__signature__ = signature  # type: ignore[attr-defined]
+    return forward
+
+
+def _crop(cache: Any, length: int) -> None:
+    """Cut a dynamic cache back to ``length`` tokens, so no half-written step stays in the caller's cache: each
+    layer that got further loses its extra tokens (transformers ≥ 5 crops by a negative count per layer, earlier
+    versions the whole cache to a length). A static cache's later steps overwrite the positions themselves."""
+    layers = getattr(cache, "layers", None)
+    try:
+        if layers is None:
+            if callable(getattr(cache, "crop", None)) and int(cache.get_seq_length()) > length:
+                cache.crop(length)
+            return
+        for layer in layers:
+            extra = int(layer.get_seq_length()) - length
+            if extra > 0 and callable(getattr(layer, "crop", None)):
+                layer.crop(-extra)
+    except (ValueError, NotImplementedError, AttributeError):
+        pass
