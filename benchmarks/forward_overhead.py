@@ -50,7 +50,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _count_nodes(pg: PatchableGraph) -> dict[str, int]:
     """Node counts: NodePaths of the tree, fx graph nodes over all extracted graphs, lines of the drawn tree."""
     return {
-        "node_paths": len(pg._tree.all_paths()),
+        "node_paths": len(pg.node_paths()),
         "fx_nodes": sum(len(m.graph.nodes) for m in pg.modules() if isinstance(m, torch.fx.GraphModule)),
         "tree_lines": len(repr(pg.graph).splitlines()),
     }

@@ -16,79 +16,70 @@ layers with MEMIT (arXiv 2210.07229) and AlphaEdit (arXiv 2410.02355)::
     batch = memit.edit(requests)     # a BatchEdit: one low-rank edit per layer
     batch.restore(pg)
 
-See docs/rome.md and docs/memit.md.
+See docs/rome.md and docs/memit.md. Names are imported on first use (:func:`editors.lazy.lazy_exports`), so
+``import editors`` does not import torch.
 """
 
-from .alphaedit import AlphaEdit, AlphaEditConfig
-from .batch_value import BatchValueObjective, optimize_values
-from .corpus import Corpus, open_corpus, wiki_summaries, wiki_summaries_path
-from .counterfact import CounterFactCase, EditRequest, load_cases, save_cases
-from .edit import Edit, apply_edits, load_edits, restore_edits, save_edits
-from .edit_batch import BatchEdit
-from .errors import (ConflictingRequestsError, EditError, EditLoadError, LayerKindError, StatisticsError,
-                     SubjectNotFoundError, TokenizationError)
-from .evaluate import evaluate_cases, score_case
-from .keys import ContextTemplates, compute_key, context_activations, generate_context_prefixes
-from .layers import LinearLayer, resolve_layer
-from .memit import DEFAULT_SMOLLM2_NODES, MEMIT, MEMITConfig
-from .rank_one import rank_one_factors, rank_one_update, solve_second_moment
-from .rome import DEFAULT_SMOLLM2_NODE, ROME, ROMEConfig
-from .stats import (SecondMoment, compute_second_moment, compute_second_moments, default_cache_dir, layer_second_moment,
-                    layer_second_moments, statistics_fingerprint)
-from .value import ValueObjective, ValueResult, ValueRunner, optimize_value
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_SMOLLM2_NODE",
-    "DEFAULT_SMOLLM2_NODES",
-    "MEMIT",
-    "ROME",
-    "AlphaEdit",
-    "AlphaEditConfig",
-    "BatchEdit",
-    "BatchValueObjective",
-    "ConflictingRequestsError",
-    "ContextTemplates",
-    "Corpus",
-    "CounterFactCase",
-    "Edit",
-    "EditError",
-    "EditLoadError",
-    "EditRequest",
-    "LayerKindError",
-    "LinearLayer",
-    "MEMITConfig",
-    "ROMEConfig",
-    "SecondMoment",
-    "StatisticsError",
-    "SubjectNotFoundError",
-    "TokenizationError",
-    "ValueObjective",
-    "ValueResult",
-    "ValueRunner",
-    "apply_edits",
-    "compute_key",
-    "compute_second_moment",
-    "compute_second_moments",
-    "context_activations",
-    "default_cache_dir",
-    "evaluate_cases",
-    "generate_context_prefixes",
-    "layer_second_moment",
-    "layer_second_moments",
-    "load_cases",
-    "load_edits",
-    "open_corpus",
-    "optimize_value",
-    "optimize_values",
-    "rank_one_factors",
-    "rank_one_update",
-    "resolve_layer",
-    "restore_edits",
-    "save_cases",
-    "save_edits",
-    "score_case",
-    "solve_second_moment",
-    "statistics_fingerprint",
-    "wiki_summaries",
-    "wiki_summaries_path",
-]
+from .lazy import lazy_exports
+
+#: Public name -> submodule that defines it.
+_EXPORTS: dict[str, str] = {
+    "AlphaEdit": "alphaedit",
+    "AlphaEditConfig": "alphaedit",
+    "BatchValueObjective": "batch_value",
+    "optimize_values": "batch_value",
+    "Corpus": "corpus",
+    "open_corpus": "corpus",
+    "wiki_summaries": "corpus",
+    "wiki_summaries_path": "corpus",
+    "CounterFactCase": "counterfact",
+    "EditRequest": "counterfact",
+    "load_cases": "counterfact",
+    "save_cases": "counterfact",
+    "Edit": "edit",
+    "apply_edits": "edit",
+    "load_edits": "edit",
+    "restore_edits": "edit",
+    "save_edits": "edit",
+    "BatchEdit": "edit_batch",
+    "ConflictingRequestsError": "errors",
+    "EditError": "errors",
+    "EditLoadError": "errors",
+    "LayerKindError": "errors",
+    "StatisticsError": "errors",
+    "SubjectNotFoundError": "errors",
+    "TokenizationError": "errors",
+    "evaluate_cases": "evaluate",
+    "score_case": "evaluate",
+    "ContextTemplates": "keys",
+    "compute_key": "keys",
+    "context_activations": "keys",
+    "generate_context_prefixes": "keys",
+    "LinearLayer": "layers",
+    "resolve_layer": "layers",
+    "DEFAULT_SMOLLM2_NODES": "defaults",
+    "MEMIT": "memit",
+    "MEMITConfig": "memit",
+    "rank_one_factors": "rank_one",
+    "rank_one_update": "rank_one",
+    "solve_second_moment": "rank_one",
+    "DEFAULT_SMOLLM2_NODE": "defaults",
+    "ROME": "rome",
+    "ROMEConfig": "rome_config",
+    "SecondMoment": "stats",
+    "compute_second_moment": "stats",
+    "compute_second_moments": "stats",
+    "default_cache_dir": "stats",
+    "layer_second_moment": "stats",
+    "layer_second_moments": "stats",
+    "statistics_fingerprint": "stats",
+    "ValueObjective": "value",
+    "ValueResult": "value",
+    "ValueRunner": "value",
+    "optimize_value": "value",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

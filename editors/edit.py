@@ -17,15 +17,13 @@ computed on (unless ``check_fingerprint=False``), an edit whose value search did
 would otherwise add ``v uᵀ`` twice).
 
 Saved as ``edit.safetensors`` (the factors) plus ``edit.json`` (NodePaths, layout, request, fingerprints,
-hyperparameters, the SHA-256 of the tensors file) — never pickled; both files are written atomically, the JSON last,
+hyperparameters, the SHA-256 of the tensors file; :mod:`editors.edit_files`) — never pickled; both files are written atomically, the JSON last,
 and loading checks every field, the factors' shapes and the digest, raising :class:`EditLoadError` naming the file.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,24 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save as save_safetensors
 from torch import nn
 
-from gradpatch.files import atomic_write_bytes, atomic_write_text, read_json, read_tensors, sha256_hex
-from gradpatch.finite import check_finite
-
 from .counterfact import EditRequest
+from .edit_files import factor_shapes, read_edit_files, write_edit_files
 from .edit_patch import low_rank_patches
 from .errors import EditError, EditFingerprintError, EditLoadError, EditNotConvergedError
 from .layers import LinearLayer, resolve_layer, wrapped_model
 
 __all__ = ["Edit", "apply_edits", "load_edits", "read_edit_folder", "restore_edits", "save_edits"]
-
-_FORMAT = "gradpatch.rome-edit"
-#: 2: the SHA-256 of edit.safetensors in edit.json; 3: rank-r factors (``"rank"`` in a record). Older files still
-#: load.
-_VERSION = 3
-_LOAD_FIX = "save the edits again with Edit.save or editors.save_edits"
 
 #: Edited module -> the edits applied to its weight and not restored (to refuse a second copy of one of them).
 _APPLIED: "weakref.WeakKeyDictionary[nn.Module, list[Edit]]" = weakref.WeakKeyDictionary()
@@ -119,7 +108,7 @@ class Edit:
                 layer (the same ``r`` in both).
         """
         layer = resolve_layer(target, self.node)
-        if (tuple(self.u.shape), tuple(self.v.shape)) != _factor_shapes(layer.d_in, layer.d_out, self.u.dim(), self.rank):
+        if (tuple(self.u.shape), tuple(self.v.shape)) != factor_shapes(layer.d_in, layer.d_out, self.u.dim(), self.rank):
             raise EditLoadError(
                 f"Edit of {self.node} has u {list(self.u.shape)} and v {list(self.v.shape)} but the layer maps "
                 f"{layer.d_in} -> {layer.d_out} (u [{layer.d_in}] and v [{layer.d_out}], or u [{layer.d_in}, r] and "
@@ -278,11 +267,6 @@ class Edit:
         return edits[0]
 
 
-def _factor_shapes(d_in: int, d_out: int, dims: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shapes of ``(u, v)``: ``([d_in], [d_out])`` for vector factors, ``([d_in, r], [d_out, r])`` for matrices."""
-    return ((d_in,), (d_out,)) if dims == 1 else ((d_in, rank), (d_out, rank))
-
-
 def _live_records(module: nn.Module, weight: torch.Tensor) -> list[Edit]:
     """The edits applied to ``weight`` (of ``module``) and not restored. Records whose edit is no longer in the weight
     — it holds exactly the value from before that edit again (restored by hand, reloaded) — are dropped."""
@@ -292,10 +276,8 @@ def _live_records(module: nn.Module, weight: torch.Tensor) -> list[Edit]:
 
 
 def save_edits(edits: Sequence[Edit], path: str | os.PathLike[str], batch: dict[str, Any] | None = None) -> Path:
-    """Save edits (applied in list order) to directory ``path``: ``edit.safetensors``, then ``edit.json``.
-
-    Each file is written atomically (temporary file + rename), the JSON last and recording the tensors file's
-    SHA-256, so a crash never leaves a pair that loads as something else.
+    """Save edits (applied in list order) to directory ``path``: ``edit.safetensors``, then ``edit.json``
+    (:func:`editors.edit_files.write_edit_files`: atomic writes, the JSON last with the tensors file's SHA-256).
 
     Args:
         edits: the edits.
@@ -309,18 +291,7 @@ def save_edits(edits: Sequence[Edit], path: str | os.PathLike[str], batch: dict[
     Raises:
         NonFiniteError: a factor holds NaN or inf (nothing is written).
     """
-    folder = Path(path)
-    tensors: dict[str, torch.Tensor] = {}
-    for i, edit in enumerate(edits):
-        tensors[f"{i}.u"] = edit.u.detach().cpu().contiguous()
-        tensors[f"{i}.v"] = edit.v.detach().cpu().contiguous()
-    check_finite(tensors, "edit factors", "nothing was saved: recompute the edit")
-    data = save_safetensors(tensors, metadata={"format": _FORMAT})
-    meta = {"format": _FORMAT, "version": _VERSION, "edits": [e.to_json() for e in edits],
-            **({"batch": batch} if batch is not None else {}), "tensors_sha256": sha256_hex(data)}
-    atomic_write_bytes(folder / "edit.safetensors", data)
-    atomic_write_text(folder / "edit.json", json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
-    return folder
+    return write_edit_files(path, [e.to_json() for e in edits], [(e.u, e.v) for e in edits], batch)
 
 
 def load_edits(path: str | os.PathLike[str]) -> list[Edit]:
@@ -336,70 +307,10 @@ def read_edit_folder(path: str | os.PathLike[str]) -> tuple[list[Edit], dict[str
     """The edits saved in a folder with :func:`save_edits` (not applied), its ``edit.json`` content and path.
 
     Raises:
-        EditLoadError: missing files; an unreadable, garbled or incomplete ``edit.json`` (a missing ``d_in``, say);
-            another format or a newer version; an unreadable ``edit.safetensors`` or one from another save; a factor
-            missing, non-finite or of another shape than ``[d_in]`` / ``[d_out]``. The message names the file.
+        EditLoadError: as :func:`editors.edit_files.read_edit_files` (naming the file and the field).
     """
-    folder = Path(path)
-    meta_path, tensor_path = folder / "edit.json", folder / "edit.safetensors"
-    if not meta_path.is_file() or not tensor_path.is_file():
-        raise EditLoadError(f"{folder} has no edit.json/edit.safetensors; save edits with Edit.save or save_edits")
-    meta = read_json(meta_path, EditLoadError, _LOAD_FIX)
-    if meta.get("format") != _FORMAT:
-        raise EditLoadError(f"{meta_path} is not a gradpatch ROME edit (format {meta.get('format')!r})")
-    if not isinstance(meta.get("version"), int) or meta["version"] > _VERSION:
-        raise EditLoadError(f"{meta_path} has version {meta.get('version')!r}; this gradpatch reads versions <= "
-                            f"{_VERSION}: upgrade gradpatch or {_LOAD_FIX}")
-    records = meta.get("edits")
-    if not isinstance(records, list):
-        raise EditLoadError(f"{meta_path} has no 'edits' list; {_LOAD_FIX}")
-    tensors = read_tensors(tensor_path, EditLoadError, _LOAD_FIX, meta.get("tensors_sha256"))
-    edits = [_edit_from_record(i, record, tensors, meta_path, tensor_path) for i, record in enumerate(records)]
-    return edits, meta, meta_path
-
-
-def _edit_from_record(i: int, record: Any, tensors: dict[str, torch.Tensor], meta_path: Path,
-                      tensor_path: Path) -> Edit:
-    """Edit ``i`` of a loaded file, every field and both factors checked.
-
-    Raises:
-        EditLoadError: naming the file and the field.
-    """
-    where = f"{meta_path}, edit {i}"
-    if not isinstance(record, dict):
-        raise EditLoadError(f"{where} is a {type(record).__name__}, not an object; {_LOAD_FIX}")
-    missing = sorted({"node", "d_in", "d_out"} - set(record))
-    if missing:
-        raise EditLoadError(f"{where} lacks {missing}; {_LOAD_FIX}")
-    node, sizes = record["node"], (record["d_in"], record["d_out"])
-    if not isinstance(node, str) or "" in re.split(r"[.|]", node):
-        raise EditLoadError(f"{where}: node {node!r} is not a NodePath of non-empty names; {_LOAD_FIX}")
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
-        raise EditLoadError(f"{where}: d_in and d_out must be positive integers, got {sizes}; {_LOAD_FIX}")
-    fingerprint, info = record.get("model_fingerprint"), record.get("info", {})
-    if not (fingerprint is None or isinstance(fingerprint, str)) or not isinstance(info, dict):
-        raise EditLoadError(f"{where}: model_fingerprint must be a string or null and info an object; {_LOAD_FIX}")
-    factors = []
-    rank = record.get("rank")
-    if rank is not None and not (isinstance(rank, int) and not isinstance(rank, bool) and rank > 0):
-        raise EditLoadError(f"{where}: rank must be a positive integer, got {rank!r}; {_LOAD_FIX}")
-    shapes = _factor_shapes(sizes[0], sizes[1], 1 if rank is None else 2, rank or 1)
-    for name, shape in zip(("u", "v"), shapes):
-        key = f"{i}.{name}"
-        if key not in tensors:
-            raise EditLoadError(f"{tensor_path} lacks tensor {key!r}; the files do not belong together: {_LOAD_FIX}")
-        factor = tensors[key]
-        if tuple(factor.shape) != shape:
-            raise EditLoadError(f"{tensor_path}: {key!r} has shape {list(factor.shape)}, but edit.json says "
-                                f"{list(shape)}; {_LOAD_FIX}")
-        if not bool(torch.isfinite(factor).all()):
-            raise EditLoadError(f"{tensor_path}: {key!r} holds NaN or inf; {_LOAD_FIX}")
-        factors.append(factor)
-    try:
-        request = None if record.get("request") is None else EditRequest.from_dict(record["request"])
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise EditLoadError(f"{where}: the request is invalid ({exc}); {_LOAD_FIX}") from exc
-    return Edit(node=node, u=factors[0], v=factors[1], request=request, model_fingerprint=fingerprint, info=info)
+    records, meta, meta_path = read_edit_files(path)
+    return [Edit(**record) for record in records], meta, meta_path
 
 
 def apply_edits(target: nn.Module, edits: Sequence[Edit], check_fingerprint: bool = True,

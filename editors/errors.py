@@ -5,7 +5,7 @@ Every error message names the fix.
 
 from __future__ import annotations
 
-from gradpatch.errors import FingerprintMismatchError
+from gradpatch.errors import FingerprintMismatchError, GradpatchError
 
 __all__ = [
     "CacheRecomputedWarning",
@@ -18,11 +18,12 @@ __all__ = [
     "StatisticsError",
     "SubjectNotFoundError",
     "TokenizationError",
+    "TraceError",
 ]
 
 
-class EditError(RuntimeError):
-    """Base class of the editors package's errors."""
+class EditError(GradpatchError, RuntimeError):
+    """Base class of the editors package's errors (a :class:`gradpatch.GradpatchError`)."""
 
 
 class SubjectNotFoundError(EditError, ValueError):
@@ -62,3 +63,7 @@ class EditNotConvergedError(EditError):
 class CacheRecomputedWarning(UserWarning):
     """A cache file (second-moment statistics, context templates) was unreadable or inconsistent and is recomputed
     (the message names the file and what was wrong with it)."""
+
+
+class TraceError(EditError, ValueError):
+    """Causal tracing cannot run as asked (unknown kind or option, bad window, NodePaths that do not fit the model)."""

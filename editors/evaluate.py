@@ -22,6 +22,7 @@ from torch import nn
 from .counterfact import CounterFactCase, EditRequest
 from .edit import Edit
 from .layers import model_device
+from .progress import ProgressBar
 from .scoring import mean_target_logprobs
 
 __all__ = ["evaluate_cases", "score_case", "score_cases", "score_summary"]
@@ -110,7 +111,7 @@ def evaluate_cases(
         tokenizer: its tokenizer.
         cases: CounterFact cases.
         compute_edit: request -> :class:`Edit` (not applied), e.g. ``ROME(pg, tok, node).compute``.
-        progress: print one line per case.
+        progress: show a progress bar and print one line per case.
 
     Returns:
         ``{"efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases", "pre": {...}, "cases": [...]}``
@@ -119,35 +120,37 @@ def evaluate_cases(
         Edits are scored whether or not their value search converged: the scores measure the editor as it is.
     """
     rows = []
-    for i, case in enumerate(cases):
-        t0 = time.perf_counter()
-        pre = score_case(pg, tokenizer, case)
-        edit = compute_edit(case.request)
-        edit.apply(pg, allow_unconverged=True)  # scored as computed (restored below); the row says if it converged
-        try:
-            post = score_case(pg, tokenizer, case)
-        finally:
-            edit.restore(pg)
-        seconds = time.perf_counter() - t0
-        row = {
-            "case_id": case.case_id,
-            "subject": case.request.subject,
-            "prompt": case.request.text,
-            "target_true": case.request.target_true,
-            "target_new": case.request.target_new,
-            "efficacy": post["efficacy"],
-            "paraphrase": post["paraphrase"],
-            "neighborhood": post["neighborhood"],
-            "pre": {k: pre[k] for k in ("efficacy", "paraphrase", "neighborhood")},
-            "logp": {"pre": {"new": pre["logp_new"], "true": pre["logp_true"]},
-                     "post": {"new": post["logp_new"], "true": post["logp_true"]}},
-            "edit": {k: edit.info.get(k) for k in ("steps", "converged", "loss", "nll", "kl", "target_prob",
-                                                    "delta_norm", "v_init_norm", "timings_s")},
-            "seconds": seconds,
-        }
-        rows.append(row)
-        if progress:
-            print(f"[{i + 1}/{len(cases)}] {case.request.text!r} -> {case.request.target_new!r}: "
-                  f"efficacy {row['efficacy']:.0f} paraphrase {row['paraphrase']} neighborhood {row['neighborhood']} "
-                  f"({edit.info.get('steps')} steps, {seconds:.1f} s)", flush=True)
+    with ProgressBar("cases", unit="case", total=len(cases), enabled=progress) as bar:
+        for i, case in enumerate(cases):
+            t0 = time.perf_counter()
+            pre = score_case(pg, tokenizer, case)
+            edit = compute_edit(case.request)
+            edit.apply(pg, allow_unconverged=True)  # scored as computed (restored below); the row says if it converged
+            try:
+                post = score_case(pg, tokenizer, case)
+            finally:
+                edit.restore(pg)
+            seconds = time.perf_counter() - t0
+            row = {
+                "case_id": case.case_id,
+                "subject": case.request.subject,
+                "prompt": case.request.text,
+                "target_true": case.request.target_true,
+                "target_new": case.request.target_new,
+                "efficacy": post["efficacy"],
+                "paraphrase": post["paraphrase"],
+                "neighborhood": post["neighborhood"],
+                "pre": {k: pre[k] for k in ("efficacy", "paraphrase", "neighborhood")},
+                "logp": {"pre": {"new": pre["logp_new"], "true": pre["logp_true"]},
+                         "post": {"new": post["logp_new"], "true": post["logp_true"]}},
+                "edit": {k: edit.info.get(k) for k in ("steps", "converged", "loss", "nll", "kl", "target_prob",
+                                                        "delta_norm", "v_init_norm", "timings_s")},
+                "seconds": seconds,
+            }
+            rows.append(row)
+            if progress:
+                bar.note(f"[{i + 1}/{len(cases)}] {case.request.text!r} -> {case.request.target_new!r}: "
+                         f"efficacy {row['efficacy']:.0f} paraphrase {row['paraphrase']} neighborhood "
+                         f"{row['neighborhood']} ({edit.info.get('steps')} steps, {seconds:.1f} s)")
+            bar.advance()
     return {**score_summary(rows), "n_cases": len(rows), "pre": score_summary([r["pre"] for r in rows]), "cases": rows}

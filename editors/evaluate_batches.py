@@ -21,6 +21,7 @@ from .counterfact import CounterFactCase, EditRequest
 from .edit import Edit, restore_edits
 from .edit_batch import BatchEdit
 from .evaluate import score_cases, score_summary
+from .progress import ProgressBar
 
 __all__ = ["AppliedBatch", "BatchApplier", "evaluate_sequential", "batch_applier", "rome_applier"]
 
@@ -98,7 +99,7 @@ def evaluate_sequential(
         batch_size: facts per batch (≥ 1).
         sequential: batches applied one after another before scoring (≥ 1).
         after_group: called after a group's edits were undone (e.g. ``AlphaEdit.forget``).
-        progress: print one line per batch.
+        progress: show a progress bar and print one line per batch and per group.
 
     Returns:
         ``{"efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases", "pre", "batch_size", "sequential",
@@ -115,41 +116,42 @@ def evaluate_sequential(
     batches = [list(range(i, min(i + batch_size, len(cases)))) for i in range(0, len(cases), batch_size)]
     records: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = [{} for _ in cases]
-    for g in range(0, len(batches), sequential):
-        group = batches[g : g + sequential]
-        applied: list[AppliedBatch] = []
-        try:
-            for b, members in enumerate(group, start=g):
-                t0 = time.perf_counter()
-                done = apply_batch([cases[i].request for i in members])
-                applied.append(done)
-                records.append({"batch": b, "group": g // sequential, "n_facts": len(members),
-                                "seconds": time.perf_counter() - t0, **done.info})
-                for i, fact in zip(members, done.facts):
-                    rows[i] = {"batch": b, "group": g // sequential, "edit": fact}
-                if progress:
-                    print(f"batch {b + 1}/{len(batches)} ({len(members)} facts): {records[-1]['seconds']:.1f} s",
-                          flush=True)
-            members = [i for batch in group for i in batch]
-            post = score_cases(pg, tokenizer, [cases[i] for i in members])
-        finally:
-            for done in reversed(applied):
-                done.undo()
-            if after_group is not None:
-                after_group()
-        for i, scores in zip(members, post):
-            request = cases[i].request
-            rows[i] = {"case_id": cases[i].case_id, "subject": request.subject, "prompt": request.text,
-                       "target_true": request.target_true, "target_new": request.target_new,
-                       **{k: scores[k] for k in ("efficacy", "paraphrase", "neighborhood")},
-                       "pre": {k: pre[i][k] for k in ("efficacy", "paraphrase", "neighborhood")},
-                       "logp": {"pre": {"new": pre[i]["logp_new"], "true": pre[i]["logp_true"]},
-                                "post": {"new": scores["logp_new"], "true": scores["logp_true"]}},
-                       **rows[i]}
-        if progress:
-            summary = score_summary([rows[i] for i in members])
-            print(f"group {g // sequential + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()
-                                                              if v is not None), flush=True)
+    with ProgressBar("batches", unit="batch", total=len(batches), enabled=progress) as bar:
+        for g in range(0, len(batches), sequential):
+            group = batches[g : g + sequential]
+            applied: list[AppliedBatch] = []
+            try:
+                for b, members in enumerate(group, start=g):
+                    t0 = time.perf_counter()
+                    done = apply_batch([cases[i].request for i in members])
+                    applied.append(done)
+                    records.append({"batch": b, "group": g // sequential, "n_facts": len(members),
+                                    "seconds": time.perf_counter() - t0, **done.info})
+                    for i, fact in zip(members, done.facts):
+                        rows[i] = {"batch": b, "group": g // sequential, "edit": fact}
+                    if progress:
+                        bar.note(f"batch {b + 1}/{len(batches)} ({len(members)} facts): {records[-1]['seconds']:.1f} s")
+                    bar.advance()
+                members = [i for batch in group for i in batch]
+                post = score_cases(pg, tokenizer, [cases[i] for i in members])
+            finally:
+                for done in reversed(applied):
+                    done.undo()
+                if after_group is not None:
+                    after_group()
+            for i, scores in zip(members, post):
+                request = cases[i].request
+                rows[i] = {"case_id": cases[i].case_id, "subject": request.subject, "prompt": request.text,
+                           "target_true": request.target_true, "target_new": request.target_new,
+                           **{k: scores[k] for k in ("efficacy", "paraphrase", "neighborhood")},
+                           "pre": {k: pre[i][k] for k in ("efficacy", "paraphrase", "neighborhood")},
+                           "logp": {"pre": {"new": pre[i]["logp_new"], "true": pre[i]["logp_true"]},
+                                    "post": {"new": scores["logp_new"], "true": scores["logp_true"]}},
+                           **rows[i]}
+            if progress:
+                summary = score_summary([rows[i] for i in members])
+                bar.note(f"group {g // sequential + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()
+                                                                     if v is not None))
     return {**score_summary(rows), "n_cases": len(rows), "pre": score_summary([r["pre"] for r in rows]),
             "batch_size": batch_size,
             "sequential": sequential, "batches": records, "seconds_per_batch": [r["seconds"] for r in records],

@@ -27,6 +27,7 @@ from torch import nn
 from gradpatch.files import atomic_write_text
 
 from .capture import node_activations
+from .defaults import LENGTH_PARAMS
 from .errors import CacheRecomputedWarning, SubjectNotFoundError
 from .layers import LinearLayer, model_device
 from .scoring import logits_of
@@ -36,8 +37,6 @@ __all__ = ["ContextTemplates", "compute_key", "context_activations", "generate_c
            "load_or_generate_prefixes"]
 
 STARTERS: tuple[str, ...] = ("The", "Therefore", "Because", "I", "You")
-#: ``(tokens per continuation, number of continuations)``, as ROME's ``context_template_length_params``.
-LENGTH_PARAMS: tuple[tuple[int, int], ...] = ((5, 10), (10, 10))
 
 
 @dataclass(frozen=True)

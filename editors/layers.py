@@ -216,7 +216,7 @@ def _input_name(target: nn.Module, path: str, module: nn.Module) -> str:
     if callable(node) and hasattr(target, "graph"):
         first = next(iter(node(path)), None)
         if first is not None:
-            return first._path.rsplit(".", 1)[-1]
+            return first.name
     return _first_argument_name(module)
 
 

@@ -41,6 +41,7 @@ from gradpatch import CustomPatch, model_fingerprint
 from .batch_value import DEFAULT_MAX_TOKENS, BatchStepCallback, BatchValueObjective, optimize_values
 from .corpus import Corpus
 from .counterfact import EditRequest
+from .defaults import DEFAULT_SMOLLM2_NODES
 from .edit import Edit
 from .edit_batch import BatchEdit
 from .edit_patch import low_rank_patches
@@ -48,15 +49,11 @@ from .errors import ConflictingRequestsError, EditError, LayerKindError
 from .keys import ContextTemplates, context_activations, load_or_generate_prefixes
 from .layers import LinearLayer, model_device, resolve_layer, wrapped_model
 from .multi_update import memit_factors
-from .rome import ROMEConfig
+from .rome_config import ROMEConfig
 from .stats import SecondMoment, default_cache_dir, layer_second_moments, statistics_fingerprint
 from .value import ValueResult
 
 __all__ = ["DEFAULT_SMOLLM2_NODES", "MEMIT", "MEMITConfig", "check_requests"]
-
-#: MEMIT's default layers for SmolLM2-135M (30 layers), chosen on the development split of the fact bank
-#: (docs/memit.md).
-DEFAULT_SMOLLM2_NODES: tuple[str, ...] = tuple(f"model.layers_{i}.mlp.down_proj" for i in range(2, 7))
 
 
 @dataclass

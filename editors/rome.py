@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -32,77 +31,17 @@ from gradpatch import model_fingerprint
 
 from .corpus import Corpus
 from .counterfact import EditRequest
+from .defaults import DEFAULT_SMOLLM2_NODE
 from .edit import Edit
 from .errors import EditError
-from .keys import LENGTH_PARAMS, ContextTemplates, context_activations, load_or_generate_prefixes
+from .keys import ContextTemplates, context_activations, load_or_generate_prefixes
 from .layers import LinearLayer, resolve_layer, wrapped_model
 from .rank_one import rank_one_update
-from .stats import DEFAULT_MAX_LENGTH, DEFAULT_N_SAMPLES, SecondMoment, default_cache_dir, layer_second_moment, statistics_fingerprint
+from .rome_config import ROMEConfig
+from .stats import SecondMoment, default_cache_dir, layer_second_moment, statistics_fingerprint
 from .value import StepCallback, ValueObjective, ValueResult, ValueRunner, optimize_value
 
 __all__ = ["DEFAULT_SMOLLM2_NODE", "ROME", "ROMEConfig"]
-
-#: Default edited layer for SmolLM2-135M (30 layers), chosen by measurement (docs/rome.md).
-DEFAULT_SMOLLM2_NODE = "model.layers_3.mlp.down_proj"
-
-
-@dataclass
-class ROMEConfig:
-    """Hyperparameters of ROME (defaults: the reference implementation's, context templates as the paper).
-
-    Attributes:
-        steps: maximum Adam steps of the value optimisation.
-        lr: Adam learning rate.
-        kl_factor: weight of the KL term on the "{subject} is a" prompt.
-        weight_decay: weight of ``‖δ‖ / ‖v₀‖²``. The reference GPT-2 XL value 0.5 is too strong for small models:
-            on SmolLM2-135M (``‖v₀‖ ≈ 15`` at down_proj) the term alone stays above the 0.05 early-stop threshold
-            once ``δ`` reaches the clamp, so every edit ran all steps; 1e-3 is the reference Llama value.
-        clamp_factor: maximum ``‖δ‖ / ‖v₀‖``.
-        early_stop_loss: stop the optimisation once the loss is below this.
-        n_samples: corpus documents for the second moment.
-        max_length: token truncation of corpus documents.
-        stats_batch_size: documents per forward pass when computing the statistics.
-        context_length_params: ``(tokens, count)`` of the sampled context prefixes.
-        template_seed: seed of the context prefix sampling.
-        value_prefixes: how many of the prefixes the value optimisation uses (the empty one and others spread
-            evenly over both lengths; ``None``: all). The key always averages over all of them (one cheap,
-            early-stopped forward pass); each optimisation step costs a forward and backward pass over these
-            prompts, so 11 of the 21 halves the time of an edit.
-        cache_dir: statistics / template cache folder (``None``: ``$GRADPATCH_STATS_DIR`` or
-            ``~/.cache/gradpatch/stats``).
-        use_cache: read and write the disk cache.
-        progress: show progress bars.
-        allow_unconverged: let :meth:`ROME.edit` apply an edit whose value search did not converge (its last loss
-            not below its first, or non-finite); by default such an edit raises
-            :class:`~editors.errors.EditNotConvergedError` and the weights stay as they were.
-        keys_per_context: solve for every context's key (``uᵀ k_j = 1`` for each of the context prompts,
-            :func:`editors.rank_one.rank_one_update`) instead of their average (eq. 3); still a rank-one update.
-    """
-
-    steps: int = 25
-    lr: float = 0.5
-    kl_factor: float = 0.0625
-    weight_decay: float = 1e-3
-    clamp_factor: float = 4.0
-    early_stop_loss: float = 0.05
-    n_samples: int = DEFAULT_N_SAMPLES
-    max_length: int = DEFAULT_MAX_LENGTH
-    stats_batch_size: int = 16
-    context_length_params: tuple[tuple[int, int], ...] = LENGTH_PARAMS
-    template_seed: int = 0
-    value_prefixes: int | None = 11
-    cache_dir: str | None = None
-    use_cache: bool = True
-    progress: bool = True
-    allow_unconverged: bool = False
-    keys_per_context: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        """The hyperparameters as a JSON-able dict."""
-        data = asdict(self)
-        data["context_length_params"] = [list(p) for p in self.context_length_params]
-        return data
-
 
 class ROME:
     """Compute and apply ROME edits at one linear layer of a PatchableGraph.

@@ -33,8 +33,10 @@ from gradpatch.files import atomic_write_bytes
 
 from .capture import node_activations
 from .corpus import Corpus, open_corpus
+from .defaults import DEFAULT_MAX_LENGTH, DEFAULT_N_SAMPLES
 from .errors import CacheRecomputedWarning, StatisticsError
 from .layers import LinearLayer, model_device, resolve_layer, wrapped_model
+from .progress import ProgressBar
 from .tokens import pad_token_id, right_pad
 
 __all__ = [
@@ -46,9 +48,6 @@ __all__ = [
     "layer_second_moments",
     "statistics_fingerprint",
 ]
-
-DEFAULT_N_SAMPLES = 1000
-DEFAULT_MAX_LENGTH = 256
 
 
 def default_cache_dir() -> Path:
@@ -129,7 +128,7 @@ def compute_second_moments(
         max_length: truncation length in tokens.
         batch_size: documents per forward pass.
         accumulate_dtype: float64 (default) or float32.
-        progress: show a tqdm progress bar.
+        progress: show a progress bar (:class:`editors.progress.ProgressBar`).
 
     Returns:
         ``([C [d_in, d_in] float64 per layer], n_tokens, n_documents)``.
@@ -137,15 +136,13 @@ def compute_second_moments(
     Raises:
         StatisticsError: the corpus yields no token.
     """
-    from tqdm.auto import tqdm
-
     pad = pad_token_id(tokenizer)
     special = torch.tensor(sorted(set(getattr(tokenizer, "all_special_ids", []) or [])), dtype=torch.long)
     totals = [torch.zeros(layer.d_in, layer.d_in, dtype=accumulate_dtype, device=layer.device) for layer in layers]
     nodes = [layer.input_node for layer in layers]
     n_tokens = n_docs = 0
     what = nodes[0] if len(nodes) == 1 else f"{len(nodes)} layers"
-    bar = tqdm(total=n_samples, desc=f"second moment {what}", unit="doc", disable=not progress)
+    bar = ProgressBar(f"second moment {what}", unit="doc", total=n_samples, enabled=progress)
     group: list[list[int]] = []
 
     def flush(docs: list[list[int]]) -> None:
@@ -162,7 +159,7 @@ def compute_second_moments(
                 k = keys[keep.to(keys.device)].to(device=total.device, dtype=accumulate_dtype)  # [tokens, d_in]
                 total += k.T @ k
             n_tokens += int(keep.sum())
-            bar.update(len(chunk))
+            bar.advance(len(chunk))
 
     try:
         for text in corpus:

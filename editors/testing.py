@@ -76,30 +76,44 @@ def metaspace_tokenizer(texts: Sequence[str] = TOY_SENTENCES, vocab_size: int = 
 
 
 def tiny_llama(vocab_size: int, seed: int = 0, hidden: int = 32, intermediate: int = 64, layers: int = 2,
-               init_std: float = 0.3) -> Any:
-    """A randomly initialised ``LlamaForCausalLM`` (eval mode, float32).
+               init_std: float = 0.3, **config: Any) -> Any:
+    """A randomly initialised ``LlamaForCausalLM`` (eval mode, float32): the one builder of tiny Llama models for the
+    tests, benchmarks and :func:`recipes.testing.tiny_backbone`.
 
     ``init_std`` is larger than transformers' 0.02 so that the random model has peaked next-token
-    distributions that an edit can visibly move (at 0.02 a 32-wide model is nearly uniform).
+    distributions that an edit can visibly move (at 0.02 a 32-wide model is nearly uniform). Seeds torch's global
+    generator with ``seed`` (as ``torch.manual_seed``) before drawing the weights.
+
+    Args:
+        vocab_size: the vocabulary (the tokenizer's ``len``).
+        seed: seed of the weights.
+        hidden: ``d_model``; ``intermediate``: the MLP width; ``layers``: decoder layers (4 heads, 2 KV heads).
+        init_std: standard deviation of the initial weights.
+        **config: other ``LlamaConfig`` fields (defaults: 256 positions, pad/BOS/EOS token id 0).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    settings: dict[str, Any] = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                                "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0, **config}
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, pad_token_id=0, bos_token_id=0, eos_token_id=0,
-                         initializer_range=init_std)
-    return LlamaForCausalLM(config).eval()
+    model_config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                               num_hidden_layers=layers, initializer_range=init_std, **settings)
+    return LlamaForCausalLM(model_config).eval()
 
 
-def tiny_gpt2(vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2, init_std: float = 0.3) -> Any:
-    """A randomly initialised ``GPT2LMHeadModel`` (eval mode, float32; MLP ``c_proj`` is a ``Conv1D``).
+def tiny_gpt2(vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2, init_std: float = 0.3,
+              **config: Any) -> Any:
+    """A randomly initialised ``GPT2LMHeadModel`` (eval mode, float32; MLP ``c_proj`` is a ``Conv1D``): the one
+    builder of tiny GPT-2 models.
 
-    ``init_std`` as in :func:`tiny_llama`.
+    Args:
+        vocab_size, seed, hidden, layers, init_std: as :func:`tiny_llama` (4 heads).
+        **config: other ``GPT2Config`` fields (defaults: 256 positions, BOS/EOS token id 0).
     """
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    settings: dict[str, Any] = {"n_head": 4, "n_positions": 256, "bos_token_id": 0, "eos_token_id": 0, **config}
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=4, n_positions=256,
-                        bos_token_id=0, eos_token_id=0, initializer_range=init_std)
-    return GPT2LMHeadModel(config).eval()
+    model_config = GPT2Config(vocab_size=vocab_size, n_embd=hidden, n_layer=layers, initializer_range=init_std,
+                              **settings)
+    return GPT2LMHeadModel(model_config).eval()

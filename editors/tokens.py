@@ -23,8 +23,10 @@ __all__ = [
     "encode_subject_prompt",
     "format_with_span",
     "pad_token_id",
+    "prompt_and_span",
     "right_pad",
     "subject_char_span",
+    "subject_token_range",
 ]
 
 
@@ -117,12 +119,44 @@ def subject_char_span(prompt: str, subject: str) -> tuple[int, int]:
     return start, start + len(subject)
 
 
-def encode_subject_prompt(tokenizer: Any, text: str, span: tuple[int, int]) -> EncodedPrompt:
-    """Tokenize ``text`` and find the last token of the subject occupying characters ``span``.
+def subject_token_range(tokenizer: Any, text: str, span: tuple[int, int]) -> tuple[list[int], tuple[int, int]]:
+    """Tokenize ``text`` and find the tokens covering the subject's characters ``span``.
 
-    The subject's last token is the last token whose character span starts before the subject ends and ends
-    after it starts (so a leading-space token like GPT-2's ``" Tower"`` or Llama's ``"▁Tower"`` counts, and a
-    BOS token never does).
+    A token belongs to the subject when its character span overlaps ``span`` (so a leading-space token like
+    GPT-2's ``" Tower"`` or Llama's ``"▁Tower"`` counts, and a BOS token never does). Slow tokenizers without
+    offsets fall back to comparing tokenizations of the text up to the subject's first and last characters (a
+    token straddling a boundary counts as the subject's).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        text: the full prompt.
+        span: ``(start, end)`` characters of the subject in ``text``.
+
+    Returns:
+        ``(ids, (first, stop))``: the token ids of ``text`` and the subject's token positions ``[first, stop)``.
+
+    Raises:
+        SubjectNotFoundError: no token covers the subject.
+    """
+    start, end = span
+    ids, offsets = _offsets(tokenizer, text)
+    if offsets is not None:
+        hits = [i for i, (a, b) in enumerate(offsets) if b > a and a < end and b > start]
+        first, last = (hits[0], hits[-1]) if hits else (0, -1)
+    else:
+        first = _last_token_before(tokenizer, text, ids, start + 1)
+        last = _last_token_before(tokenizer, text, ids, end)
+    if not 0 <= first <= last < len(ids):
+        raise SubjectNotFoundError(
+            f"No token of {text!r} covers the subject at characters {span}: check the subject is spelled as in "
+            f"the prompt"
+        )
+    return ids, (first, last + 1)
+
+
+def encode_subject_prompt(tokenizer: Any, text: str, span: tuple[int, int]) -> EncodedPrompt:
+    """Tokenize ``text`` and find the last token of the subject occupying characters ``span``
+    (:func:`subject_token_range`'s last position).
 
     Args:
         tokenizer: a Hugging Face tokenizer (fast ones use offsets; slow ones compare tokenizations).
@@ -135,14 +169,8 @@ def encode_subject_prompt(tokenizer: Any, text: str, span: tuple[int, int]) -> E
     Raises:
         SubjectNotFoundError: no token covers the subject.
     """
-    start, end = span
-    ids, offsets = _offsets(tokenizer, text)
-    if offsets is not None:
-        hits = [i for i, (a, b) in enumerate(offsets) if b > a and a < end and b > start]
-        if not hits:
-            raise SubjectNotFoundError(f"No token of {text!r} covers characters {span} (the subject)")
-        return EncodedPrompt(ids=ids, subject_last=hits[-1])
-    return EncodedPrompt(ids=ids, subject_last=_last_token_before(tokenizer, text, ids, end))
+    ids, (_, stop) = subject_token_range(tokenizer, text, span)
+    return EncodedPrompt(ids=ids, subject_last=stop - 1)
 
 
 def encode_prompt_target(
@@ -248,6 +276,18 @@ def format_with_span(template: str, subject: str, prefix: str = "") -> tuple[str
     head, tail = template.split("{}")
     start = len(prefix) + len(head)
     return prefix + head + subject + tail, (start, start + len(subject))
+
+
+def prompt_and_span(prompt: str, subject: str) -> tuple[str, tuple[int, int]]:
+    """The prompt text and the subject's character span in it: fills a ``"{}"`` template
+    (:func:`format_with_span`) or finds the subject's last occurrence in a full text (:func:`subject_char_span`).
+
+    Raises:
+        SubjectNotFoundError: no ``"{}"`` and the subject is not in the prompt (or is empty), or several ``"{}"``.
+    """
+    if "{}" in prompt:
+        return format_with_span(prompt, subject)
+    return prompt, subject_char_span(prompt, subject)
 
 
 def pad_token_id(tokenizer: Any) -> int:

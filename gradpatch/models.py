@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "EMBEDDED_GGUF_FILE",
     "EMBEDDED_MODEL_NAME",
+    "default_device",
     "embedded_model_config",
     "embedded_model_path",
     "load_embedded_model",
@@ -116,6 +117,11 @@ def random_embedded_model(dtype: torch.dtype = torch.float32, device: str | torc
     with torch.device(device):
         model = transformers.LlamaForCausalLM(embedded_model_config())
     return model.to(dtype).eval()
+
+
+def default_device() -> str:
+    """``"cuda"`` when a GPU is visible, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def embedded_model_path() -> Path:

@@ -11,6 +11,7 @@ import difflib
 import inspect
 from typing import Any, Iterator
 
+import torch
 from torch import fx, nn
 
 from .errors import NodePathError
@@ -87,6 +88,24 @@ class NodeData:
     @property
     def _is_graph(self) -> bool:
         return self._gp_module is not None
+
+    @property
+    def is_graph(self) -> bool:
+        """Whether this node is a graph (a submodule's), not a value: patch one of its nodes, e.g. ``output``."""
+        return self._gp_module is not None
+
+    @property
+    def name(self) -> str:
+        """The node's own name: the last component of its NodePath (``"down_proj"``, ``"sub_0"``; ``""`` at the
+        root)."""
+        return self._gp_name
+
+    @property
+    def tensor_shape(self) -> torch.Size | None:
+        """The example value's shape when this node holds a tensor (``[batch, seq, d_model]`` for a layer output);
+        ``None`` for graphs, containers and values that are not tensors."""
+        info = self._gp_info
+        return info.shape if info is not None and isinstance(info.shape, torch.Size) else None
 
     @property
     def _shape(self) -> Any:

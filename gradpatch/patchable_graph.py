@@ -183,6 +183,19 @@ class PatchableGraph(nn.Module):
         """
         return self._tree.find(_path_string(path))
 
+    def node_paths(self) -> list[str]:
+        """Every NodePath of :attr:`graph`, depth first (graphs, values and digs into containers)."""
+        return self._tree.all_paths()
+
+    def draw(self, path: str | NodeData = "", depth: int | None = None) -> str:
+        """The tree below NodePath ``path`` (the whole graph by default), drawn as ``repr(pg.graph)`` draws it, down
+        to ``depth`` levels below that node (all levels when ``None``).
+
+        Raises:
+            NodePathError: unknown NodePath (the message lists the closest valid ones).
+        """
+        return self.node(path)._tree(depth)
+
     def original_module(self, path: str | NodeData) -> nn.Module:
         """The original submodule behind the graph node at NodePath ``path`` (e.g. ``"model.layers_5.mlp"``).
 

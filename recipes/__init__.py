@@ -6,17 +6,16 @@
   step).
 - :class:`InterventionLogger`: TensorBoard scalars, histograms, generations and hyperparameters.
 - :class:`DeviceMapStrategy`: train on a model spread over devices by accelerate (``device_map="auto"``).
-- ``gradpatch fit --config recipes/configs/steer_eiffel.yaml`` (:mod:`recipes.fit_cli`) and ``gradpatch graph``
-  (:mod:`recipes.cli`).
+- the ``gradpatch`` command (:mod:`recipes.cli`, one module per command): ``gradpatch fit --config
+  recipes/configs/steer_eiffel.yaml``, ``graph``, ``rome``, ``eval-rome``, ``eval-edit``, ``trace``.
 
-The names are imported lazily, so ``recipes.cli`` (the ``gradpatch`` command) works without Lightning; the Lightning
-parts need ``pip install 'gradpatch[recipes]'`` (Lightning, TensorBoard, jsonargparse[signatures]).
+The names are imported on first use (:func:`editors.lazy.lazy_exports`), so ``recipes.cli`` (the ``gradpatch``
+command) works without Lightning and without importing torch for ``--help``; the Lightning parts need ``pip install 'gradpatch[recipes]'`` (Lightning, TensorBoard, jsonargparse[signatures]).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from editors.lazy import lazy_exports
 
 #: Public name -> submodule that defines it.
 _EXPORTS: dict[str, str] = {
@@ -38,25 +37,5 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    """Import public names on first use (PEP 562).
-
-    Raises:
-        AttributeError: an unknown name.
-        ImportError: Lightning is missing (the message names ``pip install 'gradpatch[recipes]'``).
-    """
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'recipes' has no attribute {name!r}")
-    try:
-        module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
-    except ModuleNotFoundError as exc:
-        if exc.name in ("lightning", "tensorboard", "jsonargparse"):
-            raise ImportError(f"recipes.{name} needs {exc.name}: pip install 'gradpatch[recipes]'") from exc
-        raise
-    return getattr(module, name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, install_hint="pip install 'gradpatch[recipes]'",
+                                    optional=("lightning", "tensorboard", "jsonargparse"))

@@ -29,7 +29,6 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Samp
 from gradpatch import AddPatch, Intervention, PatchableGraph
 from gradpatch.finite import StepGuard
 
-from .cli import resolve_node
 from .data import (KIND_KL, KIND_STEER, KIND_TARGET, PromptRows, RowCollator, build_rows, encode, left_pad,
                    pad_token_id, single_token_ids)
 from .errors import RecipeConfigError
@@ -351,11 +350,10 @@ def _delta_shape(pg: PatchableGraph, node_path: str) -> torch.Size:
     """Shape of a delta at ``node_path``: the example activation's shape without batch and sequence dims.
 
     Raises:
-        KeyError: unknown NodePath.
+        NodePathError: unknown NodePath (a KeyError naming the closest valid NodePaths).
         RecipeConfigError: the node is a graph, a container, or not at least 3-D.
     """
-    node = resolve_node(pg.graph, node_path)
-    shape = node._shape
+    shape = pg.node(node_path).tensor_shape
     if shape is None or len(shape) < 3:
         raise RecipeConfigError(
             f"NodePath {node_path!r} holds {'no tensor' if shape is None else f'a tensor of shape {tuple(shape)}'}; "

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from gradpatch.errors import GradpatchError
+
 __all__ = ["RecipeConfigError", "RecipeError"]
 
 
-class RecipeError(Exception):
-    """Base class of the recipes' errors."""
+class RecipeError(GradpatchError):
+    """Base class of the recipes' errors (a :class:`gradpatch.GradpatchError`)."""
 
 
 class RecipeConfigError(RecipeError, ValueError):

@@ -37,25 +37,36 @@ def graph_logits(pg: nn.Module, batch: dict[str, torch.Tensor], constants: dict[
 
 
 @torch.no_grad()
-def greedy_generate(pg: nn.Module, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int = 8) -> list[str]:
-    """Greedy continuations of ``prompts`` (patches active in the caller's ``pg.patch`` block apply), through
-    ``pg.generate`` with the KV cache.
+def greedy_generate(model: nn.Module, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int = 8, *,
+                    batch_size: int | None = None, skip_special_tokens: bool = True) -> list[str]:
+    """Greedy continuations of ``prompts`` through ``model.generate`` with the KV cache: a PatchableGraph (patches
+    active in the caller's ``pg.patch`` block apply at every step) or a plain ``transformers`` model.
 
     Args:
-        pg: a PatchableGraph of a causal LM.
+        model: a PatchableGraph of a causal LM, or the causal LM itself.
         tokenizer: the model's tokenizer.
-        prompts: ``B`` prompts, generated as one left-padded batch.
+        prompts: ``B`` prompts, generated in left-padded batches.
         max_new_tokens: tokens generated per prompt (fewer if a row ends with the end-of-sequence token).
+        batch_size: prompts per ``generate`` call (``None``: all at once; 1: one prompt at a time, no padding).
+        skip_special_tokens: decode without special tokens (the end-of-sequence token included).
 
     Returns:
-        The ``B`` continuations (new tokens only), decoded without special tokens.
+        The ``B`` continuations (new tokens only), decoded.
+
+    Raises:
+        ValueError: ``batch_size`` below 1.
     """
-    if not prompts:
-        return []
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1 (or None for one batch), got {batch_size}")
     pad = pad_token_id(tokenizer)
-    batch = left_pad([encode(tokenizer, prompt) for prompt in prompts], pad)
-    device = model_device(pg)
-    ids = batch["input_ids"].to(device)
-    generated = pg.generate(ids, attention_mask=batch["attention_mask"].to(device), max_new_tokens=max_new_tokens,
-                            do_sample=False, pad_token_id=pad)
-    return [tokenizer.decode(row.tolist(), skip_special_tokens=True) for row in generated[:, ids.shape[1]:]]
+    device = model_device(model)
+    size = batch_size or max(len(prompts), 1)
+    out: list[str] = []
+    for start in range(0, len(prompts), size):
+        batch = left_pad([encode(tokenizer, prompt) for prompt in prompts[start : start + size]], pad)
+        ids = batch["input_ids"].to(device)
+        generated = model.generate(ids, attention_mask=batch["attention_mask"].to(device),
+                                   max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        out += [tokenizer.decode(row.tolist(), skip_special_tokens=skip_special_tokens)
+                for row in generated[:, ids.shape[1]:]]
+    return out

@@ -10,7 +10,7 @@ and after the edit, and adds them to the value optimisation's TensorBoard run::
                       prompts=["The Eiffel Tower stands in the city of", "The Louvre is located in the city of"])
     result.edit.save("edits/eiffel")
 
-The ``gradpatch rome`` command (:mod:`recipes.rome_cli`) and the demo (``demos/rome``) run it.
+The ``gradpatch rome`` command (:mod:`recipes.cli.rome`) and the demo (``demos/rome``) run it.
 """
 
 from __future__ import annotations
@@ -24,14 +24,18 @@ import torch
 from torch import nn
 
 from editors import ROME, CounterFactCase, Edit, EditRequest, evaluate_cases
+from editors.defaults import DEFAULT_SMOLLM2_NODE
 from editors.layers import model_device
 from editors.scoring import mean_target_logprobs
-from editors.tokens import pad_token_id
+from editors.tokens import pad_token_id, right_pad
+from gradpatch import PatchableGraph
 
+from .errors import RecipeConfigError
+from .generation import greedy_generate
 from .logger import generations_table
 from .rome_value import LightningValueRunner
 
-__all__ = ["ROMERun", "evaluate_rome", "greedy_continuations", "rewrite_probabilities", "run_rome"]
+__all__ = ["ROMERun", "build_editable_graph", "edit_node", "evaluate_rome", "rewrite_probabilities", "run_rome"]
 
 
 @dataclass
@@ -60,26 +64,32 @@ class ROMERun:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-@torch.no_grad()
-def greedy_continuations(pg: nn.Module, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int = 8) -> list[str]:
-    """Greedy continuation of each prompt through the PatchableGraph (one prompt at a time, no padding).
+def edit_node(model_path: str | None, node: str | None) -> str:
+    """The NodePath of the linear layer to edit: ``node``, or :data:`editors.defaults.DEFAULT_SMOLLM2_NODE` for the
+    embedded model (``model_path`` ``None``).
 
-    Args:
-        pg: a :class:`gradpatch.PatchableGraph` of a ``transformers`` causal LM.
-        tokenizer: its tokenizer.
-        prompts: texts to continue.
-        max_new_tokens: tokens generated per prompt.
-
-    Returns:
-        The new text of each prompt, special tokens removed.
+    Raises:
+        RecipeConfigError: another model without ``node`` (the message names NodePaths to give).
     """
-    device, pad = model_device(pg), pad_token_id(tokenizer)
-    out = []
-    for prompt in prompts:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
-        generated = pg.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-        out.append(tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True))
-    return out
+    if node is not None:
+        return node
+    if model_path is not None:
+        raise RecipeConfigError(
+            "--model needs --node (node=) for a model other than the embedded one: the NodePath of the linear "
+            "layer to edit, e.g. "
+            "model.layers_4.mlp.down_proj (Llama) or transformer.h_17.mlp.c_proj (GPT-2 XL); "
+            "`gradpatch graph --model PATH` prints the node tree")
+    return DEFAULT_SMOLLM2_NODE
+
+
+def build_editable_graph(model: nn.Module, tokenizer: Any) -> PatchableGraph:
+    """A :class:`gradpatch.PatchableGraph` of a causal LM for editing, in ``eval()``: built on a right-padded batch of
+    two prompts with ``use_cache=False``, so any batch size and length runs without a new extraction."""
+    texts = ["The capital of France is", "The Eiffel Tower is located in the city of"]
+    ids, _ = right_pad([list(tokenizer(t)["input_ids"]) for t in texts], pad_token_id(tokenizer))
+    with torch.no_grad():
+        pg = PatchableGraph(model, ids.to(model_device(model)), use_cache=False)
+    return pg.eval()
 
 
 def rewrite_probabilities(pg: nn.Module, tokenizer: Any, request: EditRequest) -> dict[str, float]:
@@ -117,12 +127,12 @@ def run_rome(rome: ROME, request: EditRequest, prompts: Sequence[str] = (), max_
     rome.statistics()
     rome.templates()
     t1 = time.perf_counter()
-    before = greedy_continuations(pg, tokenizer, all_prompts, max_new_tokens)
+    before = greedy_generate(pg, tokenizer, all_prompts, max_new_tokens, batch_size=1)
     p_before = rewrite_probabilities(pg, tokenizer, request)
     t2 = time.perf_counter()
     edit = rome.edit(request)
     t3 = time.perf_counter()
-    after = greedy_continuations(pg, tokenizer, all_prompts, max_new_tokens)
+    after = greedy_generate(pg, tokenizer, all_prompts, max_new_tokens, batch_size=1)
     p_after = rewrite_probabilities(pg, tokenizer, request)
     t4 = time.perf_counter()
     runner = rome.value_runner

@@ -55,9 +55,8 @@ class DeviceMapStrategy(SingleDeviceStrategy):
             for owner in module.modules():
                 if id(owner) in in_graph:
                     continue
-                for name, buffer in owner._buffers.items():
-                    if buffer is not None:
-                        owner._buffers[name] = buffer.to(device)
+                for name, buffer in list(owner.named_buffers(recurse=False)):
+                    setattr(owner, name, buffer.to(device))  # a registered buffer stays one (persistence kept)
 
     def teardown(self) -> None:
         """Lightning's teardown without moving the module to the CPU (which would gather the whole model there):

@@ -1,7 +1,7 @@
 """Tiny random causal LMs with a word-level tokenizer, for tests, benchmarks and smoke runs of the recipes.
 
 Nothing is downloaded: the tokenizer is built in memory from :data:`WORDS` and the model is a randomly initialised
-2-layer Llama (hidden size 64) seeded for reproducibility.
+2-layer Llama (hidden size 64, :func:`editors.testing.tiny_llama`) seeded for reproducibility.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from editors.testing import tiny_llama
 
 __all__ = ["WORDS", "save_tiny_backbone", "tiny_backbone", "tiny_tokenizer"]
 
@@ -45,19 +47,11 @@ def tiny_backbone(seed: int = 0, layers: int = 2) -> tuple[nn.Module, Any]:
         seed: seed of the weights (same seed, same model, in every process).
         layers: number of decoder layers (NodePaths ``model.layers_0`` ... ``model.layers_{layers-1}``).
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tokenizer = tiny_tokenizer()
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=128,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                             bos_token_id=None)
-        model = LlamaForCausalLM(config).eval()
-    finally:
-        torch.random.set_rng_state(generator_state)
+    with torch.random.fork_rng(devices=[]):  # leave the caller's random numbers as they were
+        model = tiny_llama(len(tokenizer), seed=seed, hidden=64, intermediate=128, layers=layers, init_std=0.02,
+                           max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
+                           eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     return model, tokenizer
 
 

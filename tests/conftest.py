@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from editors import testing
+
 
 class TupleOutputModule(nn.Module):
     """One Linear called twice, returning a tuple (graphpatch's standard multiply-invoked example)."""
@@ -56,22 +58,15 @@ def mlp() -> MLP:
 
 @pytest.fixture
 def tiny_llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=100, max_position_embeddings=128)
-    return LlamaForCausalLM(config).eval()
+    """A 2-layer Llama (d_model 64, vocabulary 100, transformers' 0.02 initialisation, seed 0)."""
+    return testing.tiny_llama(100, hidden=64, intermediate=128, init_std=0.02, max_position_embeddings=128,
+                              pad_token_id=None, bos_token_id=1, eos_token_id=2)
 
 
 @pytest.fixture
 def tiny_gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=128,
-                        bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config).eval()
+    """A 2-layer GPT-2 (d_model 64, vocabulary 100, transformers' 0.02 initialisation, seed 0)."""
+    return testing.tiny_gpt2(100, hidden=64, init_std=0.02, n_positions=128)
 
 
 @pytest.fixture

@@ -20,12 +20,13 @@ from editors.causal_trace import (
     detect_model_paths,
     embedding_matrix_std,
     layer_window,
-    log_trace_to_tensorboard,
     save_trace,
     subject_token_range,
 )
 from editors.errors import SubjectNotFoundError
+from editors.testing import tiny_gpt2, tiny_llama
 from gradpatch import AddPatch, PatchableGraph, ProbePatch, ReplacePatch
+from recipes.trace_tensorboard import log_trace_to_tensorboard
 
 WORDS = "The Eiffel Tower is located in the city of Paris Rome Colosseum a famous landmark".split()
 
@@ -61,12 +62,8 @@ class SlowWordTokenizer:
 
 @pytest.fixture(scope="module")
 def llama3() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=100, max_position_embeddings=128)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(100, hidden=64, intermediate=128, layers=3, init_std=0.02, max_position_embeddings=128,
+                      pad_token_id=None, bos_token_id=1, eos_token_id=2)
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +220,23 @@ def test_errors_name_the_fix(pg: PatchableGraph, tokenizer: Any) -> None:
         pg.eval()
 
 
+def test_config_and_keyword_options_agree(pg: PatchableGraph, tokenizer: Any, result) -> None:
+    from editors.causal_trace import TraceConfig
+
+    calls: list[tuple[int, int]] = []
+    configured = causal_trace(pg, tokenizer, PROMPT, SUBJECT, config=TraceConfig(samples=3, batch_size=16),
+                              progress=lambda done, total: calls.append((done, total)))
+    for kind in result.kinds:
+        torch.testing.assert_close(configured.kinds[kind].scores, result.kinds[kind].scores)
+    rows = 3 * 3 * 9 * 3  # kinds x layers x tokens x samples (the subject starts at token 0)
+    assert calls[-1] == (rows, rows) and [done for done, _ in calls] == sorted(done for done, _ in calls)
+    overridden = causal_trace(pg, tokenizer, PROMPT, SUBJECT, config=TraceConfig(samples=3), kinds=["hidden"],
+                              batch_size=16)
+    torch.testing.assert_close(overridden.kinds["hidden"].scores, result.kinds["hidden"].scores)
+    with pytest.raises(TraceError, match="fields of TraceConfig"):
+        causal_trace(pg, tokenizer, PROMPT, SUBJECT, sample=3)
+
+
 def test_subject_given_inside_the_full_prompt(pg: PatchableGraph, tokenizer: Any) -> None:
     res = causal_trace(pg, tokenizer, "The Eiffel Tower is located in the city of", "Eiffel Tower",
                        samples=1, kinds=["hidden"])
@@ -257,11 +271,7 @@ def test_noise_scale_helpers(pg: PatchableGraph, tokenizer: Any, llama3: nn.Modu
 
 
 def test_gpt2_paths(tokenizer: Any) -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=128,
-                                       bos_token_id=0, eos_token_id=0)).eval()
+    model = tiny_gpt2(100, hidden=64, init_std=0.02, n_positions=128)
     ids = tokenizer("The Eiffel Tower is located in the city of", return_tensors="pt").input_ids
     gpg = PatchableGraph(model, ids.expand(2, -1), use_cache=False)
     assert detect_model_paths(gpg) == GPT2_PATHS

@@ -82,3 +82,25 @@ def test_original_module(llama_graph, tiny_llama):
     assert llama_graph.original_module("model.layers_1.mlp.down_proj") is tiny_llama.model.layers[1].mlp.down_proj
     with pytest.raises(ValueError, match="leaf"):
         llama_graph.original_module("model.layers_1.mlp.down_proj.output")
+
+
+def test_public_node_lookup(llama_graph):
+    """pg.node, NodeData.is_graph / name / tensor_shape, pg.node_paths and pg.draw: what editors and recipes use."""
+    from gradpatch import NodePathError
+
+    mlp = llama_graph.node("model.layers_1.mlp")
+    assert mlp.is_graph and mlp.name == "mlp" and mlp.tensor_shape is None
+    down = llama_graph.node("model.layers_1.mlp.down_proj.output")
+    assert not down.is_graph and down.name == "output" and down.tensor_shape == torch.Size([2, 7, 64])
+    attention_output = llama_graph.node("model.layers_0.self_attn.output")
+    assert attention_output.tensor_shape is None  # a tuple: dig into it
+    assert llama_graph.node("model.layers_0.self_attn.output|sub_0").tensor_shape == torch.Size([2, 7, 64])
+    paths = llama_graph.node_paths()
+    assert "model.layers_1.mlp.down_proj.output" in paths and "model.layers_0.self_attn.output|sub_0" in paths
+    assert len(paths) == len(set(paths))
+    with pytest.raises(NodePathError, match="model.layers_1.mlp"):
+        llama_graph.node("model.layers_1.mlpp")
+    shallow = llama_graph.draw("model.layers_1.mlp", depth=1)
+    assert shallow.splitlines()[0].startswith("mlp") and "down_proj" in shallow
+    assert "weight" not in shallow and "weight" in llama_graph.draw("model.layers_1.mlp")
+    assert llama_graph.draw() == repr(llama_graph.graph)

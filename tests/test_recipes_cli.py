@@ -11,7 +11,7 @@ import yaml
 
 from gradpatch import Intervention, PatchableGraph
 from recipes import cli
-from recipes.fit_cli import translate_model_shortcut
+from recipes.cli.fit import translate_model_shortcut
 from recipes.testing import save_tiny_backbone
 
 CONFIGS = Path(__file__).resolve().parent.parent / "recipes" / "configs"
@@ -19,7 +19,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "recipes" / "configs"
 
 def test_subcommands_are_registered():
     parser = cli.build_parser()
-    names = [name for name, _ in cli.SUBCOMMANDS]
+    names = [command.NAME for command in cli.COMMANDS]
     assert "graph" in names and "fit" in names
     args = parser.parse_args(["fit", "--config", "x.yaml", "--trainer.max_steps", "3", "-h"])
     assert args.lightning_args == ["--config", "x.yaml", "--trainer.max_steps", "3", "-h"]
@@ -108,3 +108,13 @@ def test_fit_from_yaml_on_a_model_directory(tmp_path, capsys):
     with torch.no_grad(), pg.patch(intervention):
         patched = pg(ids, use_cache=False).logits[0, -1]
     assert patched.argmax().item() == tokenizer("Rome").input_ids[0]
+
+
+def test_graph_command_draws_a_subtree_and_names_unknown_nodes(tmp_path, capsys):
+    model_dir = save_tiny_backbone(tmp_path / "tiny")
+    assert cli.main(["graph", "--model", str(model_dir), "--node", "model.layers_0.mlp", "--depth", "1",
+                     "--prompt", "the city of"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("mlp") and "down_proj" in out and "weight" not in out
+    assert cli.main(["graph", "--model", str(model_dir), "--node", "model.layers_0.mlpp"]) == 2
+    assert "Closest valid NodePaths: model.layers_0.mlp" in capsys.readouterr().err

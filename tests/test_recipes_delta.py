@@ -264,3 +264,18 @@ def test_generate_applies_the_intervention(backbone):
     rome = module.tokenizer.decode(module.tokenizer("Rome")["input_ids"])
     assert module.generate([PROMPT], max_new_tokens=1)[0].strip() == rome
     assert module.generate([PROMPT], max_new_tokens=1, patched=False)[0].strip() != rome
+
+
+def test_greedy_generate_is_one_loop_for_graphs_and_models(backbone):
+    """The one greedy loop: a plain model and its graph give the same text, batched (left-padded) or one at a time."""
+    from recipes.generation import greedy_generate
+
+    model, tokenizer = backbone
+    prompts = ["the city of", "The Eiffel Tower is located in the city of", "my friend is"]
+    pg = PatchableGraph(model, tokenizer(prompts[0], return_tensors="pt").input_ids, use_cache=False)
+    plain = greedy_generate(model, tokenizer, prompts, max_new_tokens=5, batch_size=1)
+    assert plain == greedy_generate(pg, tokenizer, prompts, max_new_tokens=5, batch_size=1)
+    assert plain == greedy_generate(pg, tokenizer, prompts, max_new_tokens=5)
+    assert all(text.strip() for text in plain)
+    with pytest.raises(ValueError, match="batch_size"):
+        greedy_generate(pg, tokenizer, prompts, batch_size=0)

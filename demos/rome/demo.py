@@ -32,16 +32,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from editors import ROME, CounterFactCase, ROMEConfig, load_cases
-from editors.causal_trace import KINDS, TraceResult, causal_trace, log_trace_to_tensorboard, save_trace
-from editors.stats import DEFAULT_N_SAMPLES
-from gradpatch.models import EMBEDDED_MODEL_NAME, load_model
-from recipes.rome_cli import build_editable_graph, default_device, resolve_edit_node
-from recipes.rome_recipe import ROMERun, evaluate_rome, run_rome
+from editors.causal_trace import KINDS, TraceResult, causal_trace, save_trace
+from editors.defaults import DEFAULT_N_SAMPLES
+from editors.progress import ProgressBar
+from gradpatch.models import EMBEDDED_MODEL_NAME, default_device, load_model
+from recipes.errors import RecipeConfigError
+from recipes.rome_recipe import ROMERun, build_editable_graph, edit_node, evaluate_rome, run_rome
 from recipes.rome_value import LightningValueRunner
-from recipes.trace_cli import advance
+from recipes.trace_tensorboard import log_trace_to_tensorboard
 
 CASES_FILE = Path(__file__).with_name("cases.json")
 #: The demo's fact: the case of cases.json whose subject this is (its paraphrases and neighbours are printed).
@@ -123,8 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
 
-    node = resolve_edit_node(args.model, args.node, "demo")
-    if node is None:
+    try:
+        node = edit_node(args.model, args.node)
+    except RecipeConfigError as error:
+        print(f"demo: {error}", file=sys.stderr)
         return 2
     out = Path(args.out)
     logdir = out / "tensorboard"
@@ -143,9 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"[2/5] causal trace of {TRACE_PROMPT.format(TRACE_SUBJECT)!r}")
     t = time.perf_counter()
-    with tqdm(total=0, unit="row", desc="trace", disable=args.quiet) as bar:
+    with ProgressBar("trace", unit="row", enabled=not args.quiet) as bar:
         trace = causal_trace(pg, tokenizer, TRACE_PROMPT, TRACE_SUBJECT, kinds=KINDS, samples=args.trace_samples,
-                             progress=advance(bar))
+                             progress=bar)
     written = save_trace(trace, out / "trace", model_name=model_name)
     log_trace_to_tensorboard(trace, logdir / "trace", model_name=model_name)
     seconds["trace"] = time.perf_counter() - t

@@ -31,17 +31,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from editors.counterfact import CounterFactCase, load_cases
 from editors.scoring import mean_target_logprobs
+from recipes.generation import greedy_generate
 
 DEFAULT_CASES = Path(__file__).resolve().parent / "cases.json"
-
-
-@torch.no_grad()
-def greedy_continuation(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> str:
-    """Greedy continuation text of ``prompt`` (``max_new_tokens`` tokens, special tokens kept)."""
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    return tokenizer.decode(out[0, ids.shape[1] :])
 
 
 def verify_case(model: Any, tokenizer: Any, case: CounterFactCase) -> dict[str, Any]:
@@ -54,7 +46,7 @@ def verify_case(model: Any, tokenizer: Any, case: CounterFactCase) -> dict[str, 
     req = case.request
     forward = lambda ids: model(ids, use_cache=False)  # noqa: E731
     n_true = len(tokenizer(" " + req.target_true, add_special_tokens=False).input_ids)
-    continuation = greedy_continuation(model, tokenizer, req.text, n_true + 2)
+    continuation = greedy_generate(model, tokenizer, [req.text], n_true + 2, skip_special_tokens=False)[0]
     problems: list[str] = []
     greedy = continuation.strip().startswith(req.target_true)
     if not greedy:

@@ -1,10 +1,11 @@
-"""The ``gradpatch trace`` subcommand: causal tracing of one fact (Meng et al. 2022, section 2.1).
+"""``gradpatch trace``: causal tracing of one fact (Meng et al. 2022, section 2.1).
 
-Registered with :func:`recipes.cli.register_subcommand` when :mod:`recipes.cli` imports this module (it is listed
-in ``recipes.cli.SUBCOMMAND_MODULES``)::
+::
 
     gradpatch trace --subject "The Eiffel Tower" --prompt "{} is located in the city of" --out runs/trace
     # writes runs/trace/trace.json and runs/trace/trace_{hidden,mlp,attn}.png; --logdir adds TensorBoard images
+
+The defaults (samples, noise level, seed, windows, batch size) are :class:`editors.causal_trace.TraceConfig`'s.
 """
 
 from __future__ import annotations
@@ -12,62 +13,53 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from editors.causal_trace import DEFAULT_WINDOWS, KINDS
+from editors.causal_trace.config import DEFAULT_WINDOWS, KINDS, TraceConfig
 
-from .cli import register_subcommand
+from .options import add_device_option, add_model_option, usage_error
 
-__all__ = ["advance", "register"]
+__all__ = ["NAME", "register"]
+
+NAME = "trace"
 
 DEFAULT_SUBJECT = "The Eiffel Tower"
 DEFAULT_TEMPLATE = "{} is located in the city of"
 
 
-def advance(bar: Any) -> Callable[[int, int], None]:
-    """A ``progress(done, total)`` callback (as :func:`editors.causal_trace.causal_trace` takes) that moves a tqdm
-    ``bar``."""
-
-    def update(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-
-    return update
+def _config(args: argparse.Namespace) -> TraceConfig:
+    """The :class:`TraceConfig` the options ask for (``--window`` sets the MLP and attention windows)."""
+    return TraceConfig(
+        kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()), samples=args.samples,
+        noise_level=args.noise_level, noise_std=args.noise_std, seed=args.seed, batch_size=args.batch_size,
+        windows={"mlp": args.window, "attn": args.window} if args.window is not None else {},
+    )
 
 
-def _run_trace(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> int:
     """Run ``gradpatch trace``; returns the exit status (2 for a usage error, with the fix on stderr)."""
     import torch
-    from tqdm import tqdm
 
-    from gradpatch import PatchableGraph
-    from gradpatch.models import EMBEDDED_MODEL_NAME, load_model
-
-    from editors.causal_trace import (
-        TraceError,
-        _prompt_and_span,
-        causal_trace,
-        log_trace_to_tensorboard,
-        save_trace,
-    )
-    from editors.errors import SubjectNotFoundError, TokenizationError
+    from editors.causal_trace import causal_trace, save_trace
+    from editors.errors import SubjectNotFoundError, TokenizationError, TraceError
     from editors.layers import model_device
+    from editors.progress import ProgressBar
+    from editors.tokens import prompt_and_span
+    from gradpatch import PatchableGraph
+    from gradpatch.models import EMBEDDED_MODEL_NAME, default_device, load_model
 
-    from .rome_cli import default_device
+    from ..trace_tensorboard import log_trace_to_tensorboard
 
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown or not kinds:
-        print(f"gradpatch trace: unknown kinds {unknown or args.kinds!r}; give a comma-separated subset of "
-              f"{','.join(KINDS)}", file=sys.stderr)
-        return 2
+    config = _config(args)
+    unknown = [k for k in config.kinds if k not in KINDS]
+    if unknown or not config.kinds:
+        return usage_error(NAME, f"unknown kinds {unknown or args.kinds!r}; give a comma-separated subset of "
+                                 f"{','.join(KINDS)}")
     try:
-        text, _ = _prompt_and_span(args.prompt, args.subject)
+        text, _ = prompt_and_span(args.prompt, args.subject)
     except SubjectNotFoundError as error:
-        print(f"gradpatch trace: {error}", file=sys.stderr)
-        return 2
+        return usage_error(NAME, error)
 
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device or default_device())
@@ -77,20 +69,12 @@ def _run_trace(args: argparse.Namespace) -> int:
         pg = PatchableGraph(model, ids.expand(2, -1), use_cache=False)  # batch-2 example: every batch size fits
     t2 = time.perf_counter()
 
-    windows = {"mlp": args.window, "attn": args.window} if args.window is not None else None
-    bar = tqdm(total=0, unit="row", desc="trace", file=sys.stderr, disable=args.quiet)
-
     try:
-        result = causal_trace(
-            pg, tokenizer, args.prompt, args.subject, answer=args.answer, kinds=kinds, samples=args.samples,
-            noise_level=args.noise_level, noise_std=args.noise_std, seed=args.seed, windows=windows,
-            batch_size=args.batch_size, progress=advance(bar),
-        )
+        with ProgressBar("trace", unit="row", enabled=not args.quiet) as bar:
+            result = causal_trace(pg, tokenizer, args.prompt, args.subject, answer=args.answer, config=config,
+                                  progress=bar)
     except (SubjectNotFoundError, TokenizationError, TraceError) as error:
-        bar.close()
-        print(f"gradpatch trace: {error}", file=sys.stderr)
-        return 2
-    bar.close()
+        return usage_error(NAME, error)
 
     model_name = Path(args.model).name if args.model else EMBEDDED_MODEL_NAME
     written = save_trace(result, args.out, model_name=model_name)
@@ -117,10 +101,11 @@ def _run_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """Add the ``trace`` subparser (causal tracing) to the ``gradpatch`` command."""
+def register(subparsers: Any) -> None:
+    """Add the ``trace`` parser (causal tracing) to the ``gradpatch`` sub-parsers."""
+    defaults = TraceConfig()
     p = subparsers.add_parser(
-        "trace",
+        NAME,
         help="causal tracing: which layers and tokens carry a fact (ROME paper, section 2)",
         description=(
             "Corrupt the subject's token embeddings with Gaussian noise, then restore the clean hidden state, "
@@ -133,24 +118,21 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help="prompt with '{}' for the subject, or a text containing it (default: %(default)r)")
     p.add_argument("--answer", default=None,
                    help="answer whose first token is scored (default: the clean greedy prediction)")
-    p.add_argument("--model", metavar="PATH", default=None,
-                   help="save_pretrained directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    add_model_option(p)
     p.add_argument("--out", metavar="DIR", default="runs/trace", help="output folder (default: %(default)s)")
-    p.add_argument("--samples", type=int, default=10, metavar="N", help="noise samples (default: %(default)s)")
-    p.add_argument("--kinds", default=",".join(KINDS), help="states to restore (default: %(default)s)")
+    p.add_argument("--samples", type=int, default=defaults.samples, metavar="N",
+                   help="noise samples (default: %(default)s)")
+    p.add_argument("--kinds", default=",".join(defaults.kinds), help="states to restore (default: %(default)s)")
     p.add_argument("--window", type=int, default=None, metavar="N",
                    help=f"layers restored at once for mlp and attn (default: {DEFAULT_WINDOWS['mlp']}; hidden: 1)")
-    p.add_argument("--noise-level", type=float, default=3.0,
+    p.add_argument("--noise-level", type=float, default=defaults.noise_level,
                    help="noise std in units of the embeddings' std (default: %(default)s)")
-    p.add_argument("--noise-std", type=float, default=None,
+    p.add_argument("--noise-std", type=float, default=defaults.noise_std,
                    help="the embeddings' std (default: measured over the embedding matrix)")
-    p.add_argument("--seed", type=int, default=1, help="noise seed (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=256, metavar="ROWS",
+    p.add_argument("--seed", type=int, default=defaults.seed, help="noise seed (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size, metavar="ROWS",
                    help="restorations per forward pass (default: %(default)s)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    add_device_option(p)
     p.add_argument("--logdir", metavar="DIR", default=None, help="also add the heatmaps to a TensorBoard run here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_run_trace)
-
-
-register_subcommand("trace", register)
+    p.set_defaults(func=_run)

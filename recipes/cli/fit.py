@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .cli import register_subcommand
+__all__ = ["NAME", "TRAINER_DEFAULTS", "register", "run_fit", "translate_model_shortcut"]
 
-__all__ = ["TRAINER_DEFAULTS", "run_fit", "translate_model_shortcut"]
+NAME = "fit"
 
 #: Trainer settings used unless the config or the command line says otherwise.
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -90,8 +90,8 @@ def run_fit(args: Sequence[str]) -> int:
 
     from gradpatch.errors import NonFiniteError
 
-    from .delta_module import DeltaModule
-    from .logger import InterventionLogger
+    from ..delta_module import DeltaModule
+    from ..logger import InterventionLogger
 
     class DeltaCLI(LightningCLI):
         """LightningCLI for DeltaModule with an ``--export`` folder."""
@@ -120,7 +120,7 @@ def run_fit(args: Sequence[str]) -> int:
     try:
         trainer.fit(module)
     except NonFiniteError as error:
-        print(f"gradpatch fit: {error}", file=sys.stderr)
+        print(f"gradpatch {NAME}: {error}", file=sys.stderr)
         return 1
     if trainer.is_global_zero:
         export = cli.config.get("export")
@@ -135,9 +135,10 @@ def _run_fit_command(args: argparse.Namespace) -> int:
     return run_fit(args.lightning_args)
 
 
-def _register_fit(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: Any) -> None:
+    """Add the ``fit`` parser to the ``gradpatch`` sub-parsers (every argument after ``fit`` goes to LightningCLI)."""
     p = subparsers.add_parser(
-        "fit",
+        NAME,
         help="train an intervention (AddPatch deltas) from a YAML config with LightningCLI",
         description=_DESCRIPTION,
         add_help=False,  # --help goes to LightningCLI
@@ -145,6 +146,3 @@ def _register_fit(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("lightning_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_run_fit_command)
-
-
-register_subcommand("fit", _register_fit)

@@ -1,6 +1,6 @@
 """``gradpatch eval-rome``: edit every case of a CounterFact file with ROME and write the scores.
 
-Registered into the ``gradpatch`` command when :mod:`recipes.cli` imports this module. Usage::
+Usage::
 
     gradpatch eval-rome --cases demos/rome/cases.json --out metrics.json [--model PATH] [--node NODEPATH]
 
@@ -16,23 +16,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .cli import register_subcommand
+from .options import add_edit_options, usage_error
 
-__all__ = ["register", "run_eval_rome"]
+__all__ = ["NAME", "register", "run_eval_rome"]
+
+NAME = "eval-rome"
 
 
 def run_eval_rome(args: argparse.Namespace) -> int:
     """Run ``eval-rome`` (see the module docstring); returns the exit status."""
     from editors import ROME, ROMEConfig, load_cases
-    from gradpatch.models import load_model
+    from gradpatch.files import atomic_write_text
+    from gradpatch.models import default_device, load_model
 
-    from .rome_cli import build_editable_graph, default_device, resolve_edit_node
-    from .rome_recipe import evaluate_rome
-    from .rome_value import LightningValueRunner
+    from ..errors import RecipeConfigError
+    from ..rome_recipe import build_editable_graph, edit_node, evaluate_rome
+    from ..rome_value import LightningValueRunner
 
-    node = resolve_edit_node(args.model, args.node, "eval-rome")
-    if node is None:
-        return 2
+    try:
+        node = edit_node(args.model, args.node)
+    except RecipeConfigError as error:
+        return usage_error(NAME, error)
     cases = load_cases(args.cases)
     if args.limit is not None:
         cases = cases[: args.limit]
@@ -46,9 +50,7 @@ def run_eval_rome(args: argparse.Namespace) -> int:
     result = evaluate_rome(rome, cases, progress=not args.quiet)
     result["model"] = args.model or "embedded:SmolLM2-135M-Instruct"
     result["seconds"]["load"] = t1 - t0
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    out = atomic_write_text(Path(args.out), json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     print(f"efficacy {result['efficacy_score']:.3f}  paraphrase {result['paraphrase_score']:.3f}  "
           f"neighborhood {result['neighborhood_score']:.3f}  ({result['n_cases']} cases) -> {out}")
     return 0
@@ -56,19 +58,14 @@ def run_eval_rome(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add the ``eval-rome`` parser to the ``gradpatch`` sub-parsers."""
-    from .rome_cli import add_model_arguments
-
     p = subparsers.add_parser(
-        "eval-rome",
+        NAME,
         help="edit each CounterFact case with ROME and write efficacy / paraphrase / neighborhood scores",
         description="For each case: compute the ROME edit on fresh weights, score it, restore the weights.",
     )
     p.add_argument("--cases", required=True, metavar="FILE.json", help="CounterFact-format JSON list")
     p.add_argument("--out", required=True, metavar="METRICS.json", help="where to write the scores")
-    add_model_arguments(p)
+    add_edit_options(p)
     p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N cases")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run_eval_rome)
-
-
-register_subcommand("eval-rome", register)

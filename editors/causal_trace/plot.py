@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
-    from .causal_trace import TraceResult
+    from .result import TraceResult
 
 __all__ = ["CMAPS", "plot_trace", "token_labels"]
 

@@ -1,7 +1,7 @@
 """``gradpatch eval-edit``: edit the cases of a CounterFact file with ROME, MEMIT or AlphaEdit, in batches and
 sequentially, and write the scores.
 
-Registered into the ``gradpatch`` command when :mod:`recipes.cli` imports this module. Usage::
+Usage::
 
     gradpatch eval-edit --method memit --cases demos/rome/facts.json --batch-size 1000 --out memit.json
     gradpatch eval-edit --method alphaedit --cases demos/rome/facts.json --batch-size 100 --sequential 10 \\
@@ -20,34 +20,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from .cli import register_subcommand
+from editors.defaults import DEFAULT_SMOLLM2_NODE, DEFAULT_SMOLLM2_NODES
 
-__all__ = ["register", "run_eval_edit"]
+from .options import add_edit_options, usage_error
+
+__all__ = ["NAME", "register", "run_eval_edit"]
+
+NAME = "eval-edit"
 
 METHODS = ("rome", "memit", "alphaedit")
 
 
 def _nodes(args: argparse.Namespace) -> list[str] | None:
     """The NodePaths to edit (``--nodes``, or the embedded model's defaults), ``None`` with the fix printed."""
-    from editors.memit import DEFAULT_SMOLLM2_NODES
-    from editors.rome import DEFAULT_SMOLLM2_NODE
-
     if args.nodes or args.node:
         nodes = [n.strip() for n in (args.nodes or args.node).split(",") if n.strip()]
     elif args.model is not None:
-        print("gradpatch eval-edit: --model needs --nodes, the NodePaths of the linear layers to edit (comma-separated), "
-              "e.g. model.layers_2.mlp.down_proj,model.layers_3.mlp.down_proj; `gradpatch graph --model PATH` prints "
-              "the node tree", file=sys.stderr)
+        usage_error(NAME, "--model needs --nodes, the NodePaths of the linear layers to edit (comma-separated), e.g. "
+                          "model.layers_2.mlp.down_proj,model.layers_3.mlp.down_proj; `gradpatch graph --model PATH` "
+                          "prints the node tree")
         return None
     else:
         nodes = [DEFAULT_SMOLLM2_NODE] if args.method == "rome" else list(DEFAULT_SMOLLM2_NODES)
     if args.method == "rome" and len(nodes) != 1:
-        print(f"gradpatch eval-edit: ROME edits one layer; got {len(nodes)} in --nodes", file=sys.stderr)
+        usage_error(NAME, f"ROME edits one layer; got {len(nodes)} in --nodes")
         return None
     return nodes
 
@@ -57,21 +57,19 @@ def run_eval_edit(args: argparse.Namespace) -> int:
     from editors import AlphaEdit, AlphaEditConfig, MEMIT, MEMITConfig, ROME, ROMEConfig, load_cases
     from editors.evaluate_batches import batch_applier, evaluate_sequential, rome_applier
     from gradpatch.files import atomic_write_text
-    from gradpatch.models import load_model
+    from gradpatch.models import default_device, load_model
 
-    from .rome_cli import build_editable_graph, default_device
+    from ..rome_recipe import build_editable_graph
 
     nodes = _nodes(args)
     if nodes is None:
         return 2
     if args.batch_size < 1 or args.sequential < 1:
-        print("gradpatch eval-edit: --batch-size and --sequential must be at least 1", file=sys.stderr)
-        return 2
+        return usage_error(NAME, "--batch-size and --sequential must be at least 1")
     try:
         cases = load_cases(args.cases)
     except (OSError, ValueError) as error:
-        print(f"gradpatch eval-edit: {error}", file=sys.stderr)
-        return 2
+        return usage_error(NAME, error)
     if args.n_cases is not None:
         cases = cases[: args.n_cases]
     t0 = time.perf_counter()
@@ -123,10 +121,8 @@ def run_eval_edit(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add the ``eval-edit`` parser to the ``gradpatch`` sub-parsers."""
-    from .rome_cli import add_model_arguments
-
     p = subparsers.add_parser(
-        "eval-edit",
+        NAME,
         help="edit CounterFact cases with ROME, MEMIT or AlphaEdit in (sequential) batches and write the scores",
         description="Cut the cases into batches, apply --sequential batches one after another, score the group's "
                     "cases after all of them, restore the weights; repeat.",
@@ -143,9 +139,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--n-cases", type=int, default=None, metavar="N", help="only the first N cases")
     p.add_argument("--mom2-update-weight", type=float, default=None, metavar="λ", help="MEMIT's λ (eq. 14)")
     p.add_argument("--nullspace-threshold", type=float, default=None, help="AlphaEdit's eigenvalue threshold")
-    add_model_arguments(p)
+    add_edit_options(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run_eval_edit)
-
-
-register_subcommand("eval-edit", register)

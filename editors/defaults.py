@@ -1,0 +1,24 @@
+"""Defaults shared by the editors and the command line, in a module that imports nothing heavy (no torch).
+
+The ``gradpatch`` command reads them to build its ``--help`` without importing torch.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DEFAULT_MAX_LENGTH", "DEFAULT_N_SAMPLES", "DEFAULT_SMOLLM2_NODE", "DEFAULT_SMOLLM2_NODES", "LENGTH_PARAMS"]
+
+#: ROME's default edited layer for SmolLM2-135M (30 layers), chosen by measurement (docs/rome.md).
+DEFAULT_SMOLLM2_NODE = "model.layers_3.mlp.down_proj"
+
+#: MEMIT's default layers for SmolLM2-135M (30 layers), chosen on the development split of the fact bank
+#: (docs/memit.md).
+DEFAULT_SMOLLM2_NODES: tuple[str, ...] = tuple(f"model.layers_{i}.mlp.down_proj" for i in range(2, 7))
+
+#: Corpus documents over which the second moment ``C = E[k kᵀ]`` is estimated.
+DEFAULT_N_SAMPLES = 1000
+
+#: Token truncation of corpus documents for the second moment.
+DEFAULT_MAX_LENGTH = 256
+
+#: ``(tokens, count)`` of the sampled context prefixes (ROME paper, section 3.1: 10 of 5 tokens, 10 of 10 tokens).
+LENGTH_PARAMS: tuple[tuple[int, int], ...] = ((5, 10), (10, 10))

@@ -1,0 +1,49 @@
+"""Options shared by the ``gradpatch`` commands, and how a command reports a usage error.
+
+Nothing here imports torch: defaults come from :mod:`editors.defaults` and :mod:`editors.rome_config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from editors.defaults import DEFAULT_SMOLLM2_NODE
+from editors.rome_config import ROMEConfig
+
+__all__ = ["add_device_option", "add_edit_options", "add_model_option", "usage_error"]
+
+
+def add_model_option(p: argparse.ArgumentParser) -> None:
+    """Add ``--model PATH`` (a ``save_pretrained`` folder or a ``.gguf`` file; default: the embedded model)."""
+    p.add_argument("--model", metavar="PATH", default=None,
+                   help="save_pretrained directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+
+
+def add_device_option(p: argparse.ArgumentParser) -> None:
+    """Add ``--device`` (default: cuda when available, else cpu; see :func:`gradpatch.models.default_device`)."""
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+
+
+def add_edit_options(p: argparse.ArgumentParser) -> None:
+    """Add ``--model``, ``--node``, ``--device`` and the ROME settings ``--corpus``, ``--n-samples``, ``--steps``,
+    ``--cache-dir`` (defaults: :class:`editors.rome_config.ROMEConfig`'s)."""
+    defaults = ROMEConfig()
+    add_model_option(p)
+    p.add_argument("--node", default=None, metavar="NODEPATH",
+                   help=f"linear layer to edit (default for the embedded model: {DEFAULT_SMOLLM2_NODE}; "
+                        "needed with --model, e.g. transformer.h_17.mlp.c_proj for GPT-2 XL)")
+    add_device_option(p)
+    p.add_argument("--corpus", default=None, metavar="FILE",
+                   help="text corpus for the second moment (default: the offline English Wikipedia summaries)")
+    p.add_argument("--n-samples", type=int, default=defaults.n_samples, help="corpus documents (default %(default)s)")
+    p.add_argument("--steps", type=int, default=defaults.steps,
+                   help="maximum value-optimisation steps (default %(default)s)")
+    p.add_argument("--cache-dir", default=None, help="statistics cache (default ~/.cache/gradpatch/stats)")
+
+
+def usage_error(command: str, error: BaseException | str) -> int:
+    """Print ``gradpatch COMMAND: error`` to stderr; returns 2, the exit status of a usage error."""
+    message = error.args[0] if isinstance(error, KeyError) and error.args else error  # KeyError quotes its str()
+    print(f"gradpatch {command}: {message}", file=sys.stderr)
+    return 2
