@@ -270,6 +270,16 @@ def test_noise_scale_helpers(pg: PatchableGraph, tokenizer: Any, llama3: nn.Modu
     assert corpus == pytest.approx(float(rows.std()), rel=1e-5)
 
 
+def test_noise_scale_without_a_weight_matrix_names_the_fix(tokenizer: Any) -> None:
+    """With the paths detected (``paths=None``), an embedding without a 2-D weight raises TraceError naming it."""
+    model = tiny_llama(100, hidden=64, intermediate=128, layers=1)
+    ids = tokenizer("The Eiffel Tower is located in the city of", return_tensors="pt").input_ids
+    graph = PatchableGraph(model, ids.expand(2, -1), use_cache=False)
+    model.model.embed_tokens.weight = nn.Parameter(torch.ones(64))
+    with pytest.raises(TraceError, match="'model.embed_tokens' has no 2-D weight matrix: pass noise_std="):
+        embedding_matrix_std(graph)
+
+
 def test_gpt2_paths(tokenizer: Any) -> None:
     model = tiny_gpt2(100, hidden=64, init_std=0.02, n_positions=128)
     ids = tokenizer("The Eiffel Tower is located in the city of", return_tensors="pt").input_ids
