@@ -34,9 +34,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from editors import EditRequest, ValueObjective, load_cases, optimize_value, resolve_layer
-from editors.batch_value import DEFAULT_MAX_TOKENS, BatchValueObjective, optimize_values
+from editors.batch_value import BatchValueObjective, optimize_values
 from editors.keys import context_activations, load_or_generate_prefixes
-from editors.rome import ROMEConfig
+from editors.memit import DEFAULT_SMOLLM2_NODES, MEMITConfig
 from editors.stats import default_cache_dir, statistics_fingerprint
 from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
 from gradpatch import PatchableGraph
@@ -66,10 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node", default=None, help="layer whose output gets δ (default: MEMIT's last layer)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per forward/backward pass")
     parser.add_argument("--tiny", action="store_true", help="a random tiny Llama instead of SmolLM2-135M")
+    parser.add_argument("--autocast", default=None, choices=("bfloat16",),
+                        help="run every search's passes under torch.autocast in this dtype (all three alike)")
     args = parser.parse_args(argv)
 
-    config = ROMEConfig(progress=False, value_prefixes=6)  # MEMIT's reference code uses 6 context prefixes
-    max_tokens = args.max_tokens or DEFAULT_MAX_TOKENS
+    config = MEMITConfig(progress=False)
+    max_tokens = args.max_tokens or config.max_tokens
     if args.tiny:
         tokenizer = byte_level_tokenizer()
         model = tiny_llama(len(tokenizer))
@@ -80,31 +82,34 @@ def main(argv: list[str] | None = None) -> int:
         from gradpatch.models import load_embedded_model
 
         model, tokenizer = load_embedded_model()
-        node = args.node or "model.layers_6.mlp.down_proj"
+        node = args.node or DEFAULT_SMOLLM2_NODES[-1]
         requests = _requests(args.cases, args.batch)
     pg = PatchableGraph(model, torch.randint(0, len(tokenizer), (2, 8)), use_cache=False).eval()
     layer = resolve_layer(pg, node)
     templates = load_or_generate_prefixes(pg, tokenizer, None if args.tiny else default_cache_dir(),
-                                          statistics_fingerprint(pg), length_params=config.context_length_params,
+                                          statistics_fingerprint(pg, skip=(node,)),
+                                          length_params=config.context_length_params,
                                           seed=config.template_seed).subset(config.value_prefixes)
     keys = context_activations(pg, tokenizer, [layer.input_node], [(r.prompt, r.subject) for r in requests],
                                templates, max_tokens=max_tokens)[0].mean(dim=1)  # [F, d_in]
     with torch.no_grad():
         v_init = layer.forward_value(keys)  # [F, d_out]
     search = {"steps": config.steps, "lr": config.lr, "early_stop_loss": config.early_stop_loss}
+    autocast = getattr(torch, args.autocast) if args.autocast else None
     terms = {"kl_factor": config.kl_factor, "weight_decay": config.weight_decay, "clamp_factor": config.clamp_factor}
     n_single = min(args.single, len(requests))
 
     t0 = time.perf_counter()
-    alone = [optimize_value(ValueObjective(pg, tokenizer, layer, requests[i], templates, v_init[i], **terms),
-                            **search) for i in range(n_single)]
+    with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+        alone = [optimize_value(ValueObjective(pg, tokenizer, layer, requests[i], templates, v_init[i], **terms),
+                                **search) for i in range(n_single)]
     t1 = time.perf_counter()
     ones = [optimize_values(BatchValueObjective(pg, tokenizer, layer, [requests[i]], templates, v_init[i : i + 1],
-                                                max_tokens=max_tokens, **terms), **search)[0]
+                                                max_tokens=max_tokens, autocast=autocast, **terms), **search)[0]
             for i in range(n_single)]
     t2 = time.perf_counter()
     together = optimize_values(BatchValueObjective(pg, tokenizer, layer, requests, templates, v_init,
-                                                   max_tokens=max_tokens, **terms), **search)
+                                                   max_tokens=max_tokens, autocast=autocast, **terms), **search)
     t3 = time.perf_counter()
 
     def summary(results: list, seconds: float) -> dict:
@@ -120,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         "value_prefixes": len(templates),
         "value_prompts_per_fact": len(templates) + 1,
         "max_tokens": max_tokens,
+        "autocast": args.autocast,
         "one_at_a_time": single,
         "batch_of_one": batch_of_one,
         "batched": batched,

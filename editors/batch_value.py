@@ -55,6 +55,9 @@ class BatchValueObjective:
         kl_prompts: templates of the essence prompts.
         max_tokens: tokens (rows × padded width) per forward/backward pass; a step runs as several passes when
             the active facts' rows need more (one fact's rows always share a pass).
+        autocast: run the forward and backward passes under ``torch.autocast`` in this dtype (``torch.bfloat16``:
+            matrix products in bfloat16, the loss terms in float32); ``None``: the model's own dtype. On CPUs with
+            AMX a bfloat16 product is ~9x faster than a float32 one; ``δ`` stays float32.
 
     Raises:
         ValueError: ``v_init`` is not ``[F, d_out]`` or ``max_tokens`` is not positive.
@@ -64,7 +67,7 @@ class BatchValueObjective:
     def __init__(self, pg: nn.Module, tokenizer: Any, layer: LinearLayer, requests: Sequence[EditRequest],
                  templates: ContextTemplates, v_init: torch.Tensor, kl_factor: float = 0.0625,
                  weight_decay: float = 1e-3, clamp_factor: float = 4.0, kl_prompts: tuple[str, ...] = (KL_PROMPT,),
-                 max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+                 max_tokens: int = DEFAULT_MAX_TOKENS, autocast: torch.dtype | None = None) -> None:
         if tuple(v_init.shape) != (len(requests), layer.d_out):
             raise ValueError(f"v_init is {list(v_init.shape)}; expected [{len(requests)}, {layer.d_out}] "
                              f"(one v₀ per request)")
@@ -73,7 +76,7 @@ class BatchValueObjective:
         self.pg, self.layer, self.requests = pg, layer, list(requests)
         self.kl_factor, self.weight_decay, self.clamp_factor = kl_factor, weight_decay, clamp_factor
         self.v_init = v_init.detach()
-        self.max_tokens = max_tokens
+        self.max_tokens, self.autocast = max_tokens, autocast
         self.device = model_device(pg)
         self.pad = pad_token_id(tokenizer)
         self.prompts: list[ValuePrompts] = []
@@ -91,11 +94,12 @@ class BatchValueObjective:
         return len(self.requests)
 
     def chunks(self, facts: Sequence[int]) -> list[list[int]]:
-        """Split ``facts`` into groups whose rows fit ``max_tokens`` (rows × widest row) per pass."""
+        """Split ``facts`` into groups whose rows fit ``max_tokens`` (rows × widest row) per pass, facts of similar
+        length together (less padding; the facts' losses are independent, so the grouping changes no result)."""
         groups: list[list[int]] = []
         current: list[int] = []
         rows = width = 0
-        for fact in facts:
+        for fact in sorted(facts, key=lambda f: max(len(s) for s in self.prompts[f].sequences)):
             sequences = self.prompts[fact].sequences
             new_rows, new_width = rows + len(sequences), max(width, max(len(s) for s in sequences))
             if current and new_rows * new_width > self.max_tokens:
@@ -128,8 +132,9 @@ class BatchValueObjective:
         fact_ids = torch.tensor(list(facts), device=device)
         values = delta[fact_ids][batch["row_fact"]]  # [rows, d_out]: each row gets its own fact's δ
         patch = AddPatch(value=values, slice=(batch["patch_rows"], batch["patch_cols"]))
-        logits = logits_at(self.pg, batch["input_ids"], batch["read_rows"], batch["read_cols"],
-                           {self.layer.output_node: patch}, head_node=self.head_node)
+        with torch.autocast(device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
+            logits = logits_at(self.pg, batch["input_ids"], batch["read_rows"], batch["read_cols"],
+                               {self.layer.output_node: patch}, head_node=self.head_node)
         log_probs = torch.log_softmax(logits.float(), dim=-1)  # [target tokens + KL prompts, vocab]
         n_tokens = len(batch["tokens"])
         token_lp = log_probs[torch.arange(n_tokens, device=device), batch["tokens"]]

@@ -66,12 +66,16 @@ class MEMITConfig(ROMEConfig):
         key_prefixes: context prefixes the keys and residuals are averaged over (6, as the reference code).
         mom2_update_weight: ``λ`` of eq. 14 (15,000, the reference code's value for GPT-J).
         max_tokens: tokens per forward pass of the batched value search and the key passes.
+        value_autocast: ``"bfloat16"`` runs the value search's passes under ``torch.autocast`` in that dtype
+            (:class:`editors.batch_value.BatchValueObjective`); ``None``: in the model's dtype. Keys, residuals,
+            statistics and the update stay in float32/float64.
     """
 
     value_prefixes: int | None = 6
     key_prefixes: int | None = 6
     mom2_update_weight: float = 15000.0
     max_tokens: int = DEFAULT_MAX_TOKENS
+    value_autocast: str | None = None
 
 
 def check_requests(requests: Sequence[EditRequest]) -> list[EditRequest]:
@@ -254,7 +258,8 @@ class MEMIT:
         t1 = time.perf_counter()
         objective = BatchValueObjective(self.pg, self.tokenizer, last, requests, value_templates, v_init,
                                         kl_factor=c.kl_factor, weight_decay=c.weight_decay,
-                                        clamp_factor=c.clamp_factor, max_tokens=c.max_tokens)
+                                        clamp_factor=c.clamp_factor, max_tokens=c.max_tokens,
+                                        autocast=getattr(torch, c.value_autocast) if c.value_autocast else None)
         results = optimize_values(objective, steps=c.steps, lr=c.lr, early_stop_loss=c.early_stop_loss,
                                   callback=callback)
         self.last_values = results

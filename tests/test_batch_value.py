@@ -117,3 +117,17 @@ def test_context_activations_match_compute_key_and_separate_captures():
     both = node_activations(pg, [residual, layer.input_node], ids)
     assert torch.equal(both[1], node_activations(pg, [layer.input_node], ids)[0])
     assert torch.equal(both[0], node_activations(pg, [residual], ids)[0])
+
+
+def test_bfloat16_autocast_search_follows_the_float32_one():
+    pg, tok, layer, v0 = _setup()
+    runs = {}
+    for dtype in (None, torch.bfloat16):
+        objective = BatchValueObjective(pg, tok, layer, REQUESTS, TEMPLATES, v0, clamp_factor=500.0, autocast=dtype)
+        runs[dtype] = optimize_values(objective, steps=8, early_stop_loss=0.0)
+    for exact, fast in zip(runs[None], runs[torch.bfloat16]):
+        assert fast.delta.dtype == torch.float32 and fast.steps == exact.steps == 8
+        assert fast.history[-1]["loss"] == pytest.approx(exact.history[-1]["loss"], rel=0.05)
+        assert fast.history[-1]["loss"] < fast.history[0]["loss"]
+        cosine = torch.nn.functional.cosine_similarity(fast.delta, exact.delta, dim=0)
+        assert float(cosine) > 0.95
