@@ -1,0 +1,58 @@
+"""The fact bank (demos/rome/facts.json, facts_dev.json) and its builder: CounterFact structure, one subject per fact,
+dev and evaluation splits apart, and (slow) a sample still verified against SmolLM2."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from demos.rome.build_facts import RELATIONS, Candidate, build_cases
+from demos.rome.verify_cases import verify_case
+from editors import load_cases
+
+BANK = Path(__file__).resolve().parent.parent / "demos" / "rome"
+
+
+def test_bank_structure_and_splits():
+    test, dev = load_cases(BANK / "facts.json"), load_cases(BANK / "facts_dev.json")
+    assert len(test) >= 1000 and len(dev) >= 100
+    for cases in (test, dev):
+        subjects = [c.request.subject for c in cases]
+        assert len(set(subjects)) == len(subjects)  # a batch of the whole file has no conflicting subjects
+        assert [c.case_id for c in cases] == list(range(len(cases)))
+        for case in cases:
+            request = case.request
+            assert request.relation_id in RELATIONS and request.prompt == RELATIONS[request.relation_id].prompt
+            assert request.target_new != request.target_true
+            assert len(case.paraphrase_prompts) == 2 and all(request.subject in p for p in case.paraphrase_prompts)
+            assert len(case.neighborhood_prompts) == 2
+            assert not any(request.subject in p for p in case.neighborhood_prompts)
+    assert not {c.request.subject for c in test} & {c.request.subject for c in dev}
+
+
+def test_build_cases_neighbours_share_the_object():
+    known = [Candidate("P17", city, country) for city, country in (
+        ("Lyon", "France"), ("Marseille", "France"), ("Toulouse", "France"), ("Osaka", "Japan"), ("Kyoto", "Japan"),
+        ("Nagoya", "Japan"), ("Lagos", "Nigeria"))] + [Candidate("P1376", "Paris", "France")]
+    objects = {"P17": ["France", "Japan", "Nigeria"], "P1376": ["France", "Japan"]}
+    cases = build_cases(known, objects, seed=0)
+    by_subject = {c.request.subject: c for c in cases}
+    assert "Lagos" not in by_subject  # no other Nigerian city: no neighbourhood prompts
+    lyon = by_subject["Lyon"]
+    assert lyon.request.target_new in ("Japan", "Nigeria")
+    assert {p.split("The city of ")[1].split(" is")[0] for p in lyon.neighborhood_prompts} <= {"Marseille", "Toulouse"}
+    # A capital's neighbours are other cities of its country, asked with the city -> country prompt.
+    assert all(p.startswith("The city of ") and "located in the country of" in p
+               for p in by_subject["Paris"].neighborhood_prompts)
+    assert all(p.split(". ", 1)[1].count("Lyon") == 1 for p in lyon.paraphrase_prompts)  # prefix sentence first
+
+
+@pytest.mark.slow
+def test_a_sample_of_the_bank_is_known_to_smollm2(smollm2):
+    model, tokenizer = smollm2
+    cases = load_cases(BANK / "facts.json")
+    for case in random.Random(0).sample(cases, 12):
+        row = verify_case(model, tokenizer, case)
+        assert row["ok"], row["problems"]
