@@ -37,8 +37,10 @@ from .value import KL_PROMPT, ValuePrompts, ValueResult, encode_value_prompts, f
 
 __all__ = ["BatchValueObjective", "optimize_values"]
 
-#: Tokens (rows × padded width) per forward/backward pass of the batched value search.
+#: Tokens (rows × padded width) per group of facts evaluated together in the batched value search.
 DEFAULT_MAX_TOKENS = 4096
+#: Passes of rows of similar length a group of facts runs in (less padding than one batch).
+LENGTH_BUCKETS = 3
 
 
 class BatchValueObjective:
@@ -127,14 +129,12 @@ class BatchValueObjective:
         Raises:
             ValueError: a fact is evaluated first at a non-zero ``δ``.
         """
-        batch = self._batch(facts)
+        sequences, batch = self._batch(facts)
         device = self.device
         fact_ids = torch.tensor(list(facts), device=device)
         values = delta[fact_ids][batch["row_fact"]]  # [rows, d_out]: each row gets its own fact's δ
-        patch = AddPatch(value=values, slice=(batch["patch_rows"], batch["patch_cols"]))
         with torch.autocast(device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
-            logits = logits_at(self.pg, batch["input_ids"], batch["read_rows"], batch["read_cols"],
-                               {self.layer.output_node: patch}, head_node=self.head_node)
+            logits = self._logits(sequences, values, batch["patch_cols"], batch["read_rows"], batch["read_cols"])
         log_probs = torch.log_softmax(logits.float(), dim=-1)  # [target tokens + KL prompts, vocab]
         n_tokens = len(batch["tokens"])
         token_lp = log_probs[torch.arange(n_tokens, device=device), batch["tokens"]]
@@ -146,9 +146,38 @@ class BatchValueObjective:
         return value_terms(per_prompt, batch["prompt_fact"], kl_lp, reference, batch["kl_fact"], delta[fact_ids],
                            self.v_init[fact_ids], self.kl_factor, self.weight_decay)
 
-    def _batch(self, facts: Sequence[int]) -> dict[str, torch.Tensor]:
-        """The right-padded rows of ``facts`` and the positions the terms read: every target token's logit position
-        first, then every KL prompt's last position; facts are numbered by their slot in ``facts``."""
+    def _logits(self, sequences: list[list[int]], values: torch.Tensor, patch_cols: torch.Tensor,
+                read_rows: torch.Tensor, read_cols: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, vocab]`` at ``(read_rows, read_cols)`` with ``values[r]`` added at row ``r``'s
+        ``patch_cols[r]``. The rows run in :data:`LENGTH_BUCKETS` passes of rows of similar length (a fact's prompts
+        range from its KL prompt to ten-token prefixes: one padded batch would be a quarter padding); the passes share
+        one autograd graph, so the caller's backward covers them all."""
+        order = sorted(range(len(sequences)), key=lambda r: len(sequences[r]))
+        size = -(-len(order) // LENGTH_BUCKETS)
+        rows_of_read = read_rows.tolist()
+        parts, placed = [], []
+        for start in range(0, len(order), size):
+            rows = order[start : start + size]
+            local = {row: i for i, row in enumerate(rows)}
+            picks = [j for j, row in enumerate(rows_of_read) if row in local]
+            if not picks:
+                continue
+            ids, _ = right_pad([sequences[row] for row in rows], self.pad)
+            index = torch.tensor(rows, device=self.device)
+            patch = AddPatch(value=values[index], slice=(torch.arange(len(rows), device=self.device),
+                                                         patch_cols[index]))
+            parts.append(logits_at(self.pg, ids.to(self.device),
+                                   torch.tensor([local[rows_of_read[j]] for j in picks], device=self.device),
+                                   read_cols[torch.tensor(picks, device=self.device)],
+                                   {self.layer.output_node: patch}, head_node=self.head_node))
+            placed += picks
+        inverse = torch.empty(len(placed), dtype=torch.long, device=self.device)
+        inverse[torch.tensor(placed, device=self.device)] = torch.arange(len(placed), device=self.device)
+        return torch.cat(parts)[inverse]
+
+    def _batch(self, facts: Sequence[int]) -> tuple[list[list[int]], dict[str, torch.Tensor]]:
+        """The rows of ``facts`` and the positions the terms read: every target token's logit position first, then
+        every KL prompt's last position; facts are numbered by their slot in ``facts``."""
         sequences: list[list[int]] = []
         lists: dict[str, list[int]] = {name: [] for name in (
             "patch_cols", "row_fact", "target_rows", "target_cols", "tokens", "token_prompt", "prompt_fact",
@@ -173,12 +202,9 @@ class BatchValueObjective:
         device = self.device
         batch = {name: torch.tensor(values, device=device) for name, values in lists.items()}
         batch["prompt_lengths"] = batch["prompt_lengths"].float()
-        ids, _ = right_pad(sequences, self.pad)
-        batch["input_ids"] = ids.to(device)
-        batch["patch_rows"] = torch.arange(len(sequences), device=device)
         batch["read_rows"] = torch.cat([batch["target_rows"], batch["kl_rows"]])
         batch["read_cols"] = torch.cat([batch["target_cols"], batch["kl_cols"]])
-        return batch
+        return sequences, batch
 
     def _kl_reference(self, facts: Sequence[int], kl_lp: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """The ``δ = 0`` log-probabilities of ``facts``' KL prompts ``[Q, vocab]``, kept from each fact's first

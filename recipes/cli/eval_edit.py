@@ -76,7 +76,8 @@ def run_eval_edit(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, device=args.device or default_device())
     pg = build_editable_graph(model, tokenizer)
     common: dict[str, Any] = {"n_samples": args.n_samples, "steps": args.steps, "cache_dir": args.cache_dir,
-                              "progress": not args.quiet, "allow_unconverged": True}
+                              "progress": not args.quiet, "allow_unconverged": True,
+                              "keys_per_context": args.keys_per_context}
     after_group = None
     if args.method == "rome":
         editor: Any = ROME(pg, tokenizer, nodes[0], config=ROMEConfig(**common), corpus=args.corpus)
@@ -85,6 +86,7 @@ def run_eval_edit(args: argparse.Namespace) -> int:
     else:
         if args.mom2_update_weight is not None:
             common["mom2_update_weight"] = args.mom2_update_weight
+        common["value_autocast"] = args.value_autocast
         if args.method == "memit":
             editor = MEMIT(pg, tokenizer, nodes, config=MEMITConfig(**common), corpus=args.corpus)
         else:
@@ -139,6 +141,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--n-cases", type=int, default=None, metavar="N", help="only the first N cases")
     p.add_argument("--mom2-update-weight", type=float, default=None, metavar="λ", help="MEMIT's λ (eq. 14)")
     p.add_argument("--nullspace-threshold", type=float, default=None, help="AlphaEdit's eigenvalue threshold")
+    p.add_argument("--keys-per-context", action="store_true",
+                   help="solve for every context prompt's key instead of their average (ROME, MEMIT, AlphaEdit)")
+    p.add_argument("--value-autocast", default=None, choices=("bfloat16",),
+                   help="MEMIT/AlphaEdit: run the batched value search under torch.autocast in this dtype")
     add_edit_options(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run_eval_edit)
