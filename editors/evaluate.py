@@ -13,8 +13,9 @@ The scores are means over cases.
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -25,7 +26,7 @@ from .layers import model_device
 from .progress import ProgressBar
 from .scoring import mean_target_logprobs
 
-__all__ = ["evaluate_cases", "score_case", "score_cases", "score_summary"]
+__all__ = ["evaluate_cases", "mentions_subject", "neighborhood_fraction", "score_case", "score_cases", "score_summary"]
 
 
 def score_cases(pg: nn.Module, tokenizer: Any, cases: Sequence[CounterFactCase], batch_size: int = 64
@@ -74,6 +75,26 @@ def _fraction(row: dict[str, Any], name: str, want_new: bool) -> float | None:
     if not pairs:
         return None
     return sum((n > t) if want_new else (t > n) for n, t in pairs) / len(pairs)
+
+
+def mentions_subject(subjects: Iterable[str]) -> Callable[[str], bool]:
+    """``prompt -> bool``: whether the prompt names one of ``subjects`` as a whole word (case-sensitive).
+
+    Used to leave out of the neighbourhood score the prompts about a subject that is itself edited in the same
+    batch or group: such a prompt measures that subject's own edit, not whether unrelated facts were kept.
+    """
+    names = sorted({s for s in subjects if s}, key=len, reverse=True)
+    if not names:
+        return lambda prompt: False
+    pattern = re.compile(r"(?<!\w)(?:" + "|".join(map(re.escape, names)) + r")(?!\w)")
+    return lambda prompt: pattern.search(prompt) is not None
+
+
+def neighborhood_fraction(row: Mapping[str, Any], keep: Sequence[bool]) -> float | None:
+    """The neighbourhood score of a :func:`score_cases` row over the prompts where ``keep`` is true (one flag per
+    neighbourhood prompt): the fraction with ``P(true) > P(new)``; ``None`` if none is kept."""
+    pairs = [(n, t) for n, t, k in zip(row["logp_new"]["neighborhood"], row["logp_true"]["neighborhood"], keep) if k]
+    return sum(t > n for n, t in pairs) / len(pairs) if pairs else None
 
 
 def score_case(pg: nn.Module, tokenizer: Any, case: CounterFactCase) -> dict[str, Any]:

@@ -6,6 +6,12 @@ the whole group is applied, every case of the group is scored, then the group's 
 weights) and the next group starts from the original model. ``sequential = 1`` scores each batch on its own;
 ``batch_size = 1, sequential = 1`` is ``eval-rome``'s one fact at a time. Scores as :mod:`editors.evaluate`:
 efficacy, paraphrase and neighbourhood scores, means over cases, with the same scores on the unedited model (``pre``).
+
+A neighbourhood prompt that names a subject edited in the same group ("The city of Benoni is located in" when Benoni
+is itself rewritten) measures that subject's own edit, not whether unrelated facts were kept: it is left out of the
+neighbourhood score, before and after the edits alike, and counted (``neighborhood_left_out`` per case,
+``neighborhood_prompts_left_out`` in all). A case whose every neighbourhood prompt is left out has no neighbourhood
+score and does not count in its mean.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from torch import nn
 from .counterfact import CounterFactCase, EditRequest
 from .edit import Edit, restore_edits
 from .edit_batch import BatchEdit
-from .evaluate import score_cases, score_summary
+from .evaluate import mentions_subject, neighborhood_fraction, score_cases, score_summary
 from .progress import ProgressBar
 
 __all__ = ["AppliedBatch", "BatchApplier", "evaluate_sequential", "batch_applier", "rome_applier"]
@@ -103,9 +109,10 @@ def evaluate_sequential(
 
     Returns:
         ``{"efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases", "pre", "batch_size", "sequential",
-        "batches", "seconds_per_batch", "cases"}``: ``pre`` the scores before any edit; ``batches`` one record per
-        batch (group, facts, seconds, the editor's record); each case row as :func:`editors.evaluate_cases` writes
-        it, with its batch and group. The weights end as they began.
+        "batches", "seconds_per_batch", "cases", "neighborhood_prompts_left_out"}``: ``pre`` the scores before any
+        edit; ``batches`` one record per batch (group, facts, seconds, the editor's record); each case row as
+        :func:`editors.evaluate_cases` writes it, with its batch, group and ``neighborhood_left_out`` (above). The
+        weights end as they began.
 
     Raises:
         ValueError: ``batch_size`` or ``sequential`` below 1.
@@ -134,6 +141,7 @@ def evaluate_sequential(
                     bar.advance()
                 members = [i for batch in group for i in batch]
                 post = score_cases(pg, tokenizer, [cases[i] for i in members])
+                edited = mentions_subject(cases[i].request.subject for i in members)
             finally:
                 for done in reversed(applied):
                     done.undo()
@@ -141,10 +149,14 @@ def evaluate_sequential(
                     after_group()
             for i, scores in zip(members, post):
                 request = cases[i].request
+                keep = [not edited(prompt) for prompt in cases[i].neighborhood_prompts]
                 rows[i] = {"case_id": cases[i].case_id, "subject": request.subject, "prompt": request.text,
                            "target_true": request.target_true, "target_new": request.target_new,
-                           **{k: scores[k] for k in ("efficacy", "paraphrase", "neighborhood")},
-                           "pre": {k: pre[i][k] for k in ("efficacy", "paraphrase", "neighborhood")},
+                           **{k: scores[k] for k in ("efficacy", "paraphrase")},
+                           "neighborhood": neighborhood_fraction(scores, keep),
+                           "neighborhood_left_out": keep.count(False),
+                           "pre": {k: pre[i][k] for k in ("efficacy", "paraphrase")}
+                           | {"neighborhood": neighborhood_fraction(pre[i], keep)},
                            "logp": {"pre": {"new": pre[i]["logp_new"], "true": pre[i]["logp_true"]},
                                     "post": {"new": scores["logp_new"], "true": scores["logp_true"]}},
                            **rows[i]}
@@ -153,6 +165,6 @@ def evaluate_sequential(
                 bar.note(f"group {g // sequential + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()
                                                                      if v is not None))
     return {**score_summary(rows), "n_cases": len(rows), "pre": score_summary([r["pre"] for r in rows]),
-            "batch_size": batch_size,
+            "neighborhood_prompts_left_out": sum(r["neighborhood_left_out"] for r in rows), "batch_size": batch_size,
             "sequential": sequential, "batches": records, "seconds_per_batch": [r["seconds"] for r in records],
             "cases": rows}

@@ -9,7 +9,7 @@ import torch
 
 import editors.evaluate_batches as evaluate_batches
 from editors import load_cases, resolve_layer
-from editors.evaluate import score_case, score_cases
+from editors.evaluate import mentions_subject, neighborhood_fraction, score_case, score_cases
 from editors.evaluate_batches import AppliedBatch, evaluate_sequential
 from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_gpt2
 from gradpatch import PatchableGraph
@@ -86,6 +86,33 @@ def test_groups_are_scored_after_all_their_batches_and_undone(monkeypatch):
     torch.testing.assert_close(weight, original, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="at least 1"):
         evaluate_sequential(pg, tok, load_cases(CASES), apply, batch_size=0)
+
+
+def test_mentions_subject_matches_whole_names_only():
+    edited = mentions_subject(["Spain", "the sea", "Rio de Janeiro"])
+    assert edited("The capital of Spain is") and edited("Ships cross the sea to") and edited("Rio de Janeiro, in")
+    assert not edited("Spaniards live in") and not edited("In the season of") and not edited("The capital is")
+    assert not mentions_subject([])("Spain")
+
+
+def test_neighborhood_prompts_about_subjects_edited_in_the_group_are_left_out():
+    pg, tok = _graph()
+    records = [dict(record) for record in CASES]
+    records[0] = dict(records[0], neighborhood_prompts=["Madrid is the capital of", "The capital of France is"])
+    records[4] = dict(records[4], neighborhood_prompts=["The old town of Madrid is in", "Seville is in"])
+
+    def apply(requests):
+        return AppliedBatch(undo=lambda: None, facts=[{} for _ in requests])
+
+    result = evaluate_sequential(pg, tok, load_cases(records), apply, batch_size=2, sequential=2, progress=False)
+    rows = result["cases"]
+    # Madrid (case 2) is edited in group 0 with case 0, so case 0's first neighbourhood prompt is not scored; case 4
+    # is in group 1, where Madrid is not edited, so both of its prompts count.
+    assert [row["neighborhood_left_out"] for row in rows] == [1, 0, 0, 0, 0]
+    assert result["neighborhood_prompts_left_out"] == 1
+    post = score_cases(pg, tok, load_cases(records))  # nothing was edited: the scores before and after agree
+    assert rows[0]["neighborhood"] == neighborhood_fraction(post[0], [False, True]) == rows[0]["pre"]["neighborhood"]
+    assert rows[4]["neighborhood"] == post[4]["neighborhood"]
 
 
 @pytest.mark.parametrize("method, extra", [

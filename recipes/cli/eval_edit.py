@@ -12,8 +12,9 @@ The first ``--n-cases`` cases are cut into batches of ``--batch-size`` facts; ``
 after another (each computed on the model the earlier ones left) before the group's cases are scored and the weights
 restored (:func:`editors.evaluate_batches.evaluate_sequential`). ROME edits a batch's facts one by one (rank-one
 edits, the plain-torch value runner); MEMIT and AlphaEdit a batch at once. The JSON has ``eval-rome``'s fields
-(``efficacy_score``, ``paraphrase_score``, ``neighborhood_score``, ``n_cases``, ``pre``, ``cases``) plus ``batches``
-and ``seconds_per_batch``.
+(``efficacy_score``, ``paraphrase_score``, ``neighborhood_score``, ``n_cases``, ``pre``, ``cases``) plus ``batches``,
+``seconds_per_batch`` and ``neighborhood_prompts_left_out`` (neighbourhood prompts naming a subject edited in the same
+group are not scored).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def run_eval_edit(args: argparse.Namespace) -> int:
                                  sequential=args.sequential, after_group=after_group, progress=not args.quiet)
     t2 = time.perf_counter()
     result = {key: result[key] for key in ("efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases",
-                                           "pre")} | {
+                                           "pre", "neighborhood_prompts_left_out")} | {
         "method": args.method,
         "nodes": nodes,
         "model": args.model or "embedded:SmolLM2-135M-Instruct",
