@@ -43,8 +43,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from editors.testing import tiny_llama
 from gradpatch import AddPatch, PatchableGraph, ProbePatch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from gradpatch.models import WEIGHT_DTYPES as DTYPES, embedded_or_random_model
 
 
 def _count_nodes(pg: PatchableGraph) -> dict[str, int]:
@@ -131,18 +130,6 @@ def bench_model(model: nn.Module, shapes: list[tuple[int, int]], *, vocab: int, 
     return result
 
 
-def _smollm2(args: argparse.Namespace, dtype: torch.dtype) -> tuple[nn.Module, str]:
-    """SmolLM2-135M: the embedded weights when possible and asked for, else random weights with its config."""
-    from gradpatch.models import load_embedded_model, random_embedded_model
-
-    if not args.random_weights and args.device == "cpu" and dtype == torch.float32:
-        try:
-            return load_embedded_model()[0], "embedded GGUF"
-        except ImportError:
-            pass
-    return random_embedded_model(dtype, args.device), "random weights, embedded config"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
@@ -171,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         report["tiny_llama"] = bench_model(tiny, [(1, 16)], vocab=1000, runs=args.runs or 100, warmup=args.warmup,
                                            construct_runs=3)
     if not args.skip_real:
-        model, source = _smollm2(args, dtype)
+        model, source = embedded_or_random_model(dtype, args.device, args.random_weights)
         report["smollm2_135m"] = {"weights": source, **bench_model(
             model, shapes, vocab=model.config.vocab_size, runs=args.runs or (50 if cuda else 20), warmup=args.warmup,
             construct_runs=args.real_construct_runs)}

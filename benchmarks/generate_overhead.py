@@ -32,20 +32,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 
 from gradpatch import AddPatch, PatchableGraph
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
-    from gradpatch.models import load_embedded_model, random_embedded_model
-
-    dtype = DTYPES[args.dtype]
-    if not args.random_weights and args.device == "cpu" and dtype == torch.float32:
-        try:
-            return load_embedded_model()[0], "embedded GGUF"
-        except ImportError:
-            pass
-    return random_embedded_model(dtype, args.device), "random weights, embedded config"
+from gradpatch.models import WEIGHT_DTYPES as DTYPES, embedded_or_random_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2; 1 on a busy machine)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, source = _model(args)
+    model, source = embedded_or_random_model(DTYPES[args.dtype], args.device, args.random_weights)
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
     ids = ids.to(args.device)

