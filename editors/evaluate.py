@@ -26,7 +26,11 @@ from .layers import model_device
 from .progress import ProgressBar
 from .scoring import mean_target_logprobs
 
-__all__ = ["evaluate_cases", "mentions_subject", "neighborhood_fraction", "score_case", "score_cases", "score_summary"]
+__all__ = ["EDIT_INFO_KEYS", "case_row", "evaluate_cases", "mentions_subject", "neighborhood_fraction", "score_case",
+           "score_cases", "score_summary"]
+
+#: The fields of an edit's ``info`` (its value search) that a case row keeps under ``"edit"``.
+EDIT_INFO_KEYS = ("steps", "converged", "loss", "nll", "kl", "target_prob", "delta_norm", "v_init_norm", "timings_s")
 
 
 def score_cases(pg: nn.Module, tokenizer: Any, cases: Sequence[CounterFactCase], batch_size: int = 64
@@ -69,9 +73,12 @@ def score_cases(pg: nn.Module, tokenizer: Any, cases: Sequence[CounterFactCase],
     return rows
 
 
-def _fraction(row: dict[str, Any], name: str, want_new: bool) -> float | None:
-    """The fraction of a group's prompts preferring ``target_new`` (``want_new``) or ``target_true``."""
+def _fraction(row: Mapping[str, Any], name: str, want_new: bool, keep: Sequence[bool] | None = None) -> float | None:
+    """The fraction of a group's prompts (those where ``keep`` is true, if given) preferring ``target_new``
+    (``want_new``) or ``target_true``; ``None`` without such prompts."""
     pairs = list(zip(row["logp_new"][name], row["logp_true"][name]))
+    if keep is not None:
+        pairs = [pair for pair, kept in zip(pairs, keep) if kept]
     if not pairs:
         return None
     return sum((n > t) if want_new else (t > n) for n, t in pairs) / len(pairs)
@@ -90,11 +97,27 @@ def mentions_subject(subjects: Iterable[str]) -> Callable[[str], bool]:
     return lambda prompt: pattern.search(prompt) is not None
 
 
-def neighborhood_fraction(row: Mapping[str, Any], keep: Sequence[bool]) -> float | None:
+def neighborhood_fraction(row: Mapping[str, Any], keep: Sequence[bool] | None = None) -> float | None:
     """The neighbourhood score of a :func:`score_cases` row over the prompts where ``keep`` is true (one flag per
-    neighbourhood prompt): the fraction with ``P(true) > P(new)``; ``None`` if none is kept."""
-    pairs = [(n, t) for n, t, k in zip(row["logp_new"]["neighborhood"], row["logp_true"]["neighborhood"], keep) if k]
-    return sum(t > n for n, t in pairs) / len(pairs) if pairs else None
+    neighbourhood prompt; all of them without ``keep``): the fraction with ``P(true) > P(new)``; ``None`` if none is
+    kept."""
+    return _fraction(row, "neighborhood", False, keep)
+
+
+def case_row(case: CounterFactCase, pre: Mapping[str, Any], post: Mapping[str, Any],
+             keep: Sequence[bool] | None = None) -> dict[str, Any]:
+    """One case's row of an evaluation: its request, its scores after the edit (``post``, a :func:`score_cases`
+    row) and before (``pre``), and both rows' log-probabilities. ``keep`` flags the neighbourhood prompts that count
+    (:func:`neighborhood_fraction`), before and after alike."""
+    request = case.request
+    return {"case_id": case.case_id, "subject": request.subject, "prompt": request.text,
+            "target_true": request.target_true, "target_new": request.target_new,
+            "efficacy": post["efficacy"], "paraphrase": post["paraphrase"],
+            "neighborhood": neighborhood_fraction(post, keep),
+            "pre": {"efficacy": pre["efficacy"], "paraphrase": pre["paraphrase"],
+                    "neighborhood": neighborhood_fraction(pre, keep)},
+            "logp": {"pre": {"new": pre["logp_new"], "true": pre["logp_true"]},
+                     "post": {"new": post["logp_new"], "true": post["logp_true"]}}}
 
 
 def score_case(pg: nn.Module, tokenizer: Any, case: CounterFactCase) -> dict[str, Any]:
@@ -152,22 +175,8 @@ def evaluate_cases(
             finally:
                 edit.restore(pg)
             seconds = time.perf_counter() - t0
-            row = {
-                "case_id": case.case_id,
-                "subject": case.request.subject,
-                "prompt": case.request.text,
-                "target_true": case.request.target_true,
-                "target_new": case.request.target_new,
-                "efficacy": post["efficacy"],
-                "paraphrase": post["paraphrase"],
-                "neighborhood": post["neighborhood"],
-                "pre": {k: pre[k] for k in ("efficacy", "paraphrase", "neighborhood")},
-                "logp": {"pre": {"new": pre["logp_new"], "true": pre["logp_true"]},
-                         "post": {"new": post["logp_new"], "true": post["logp_true"]}},
-                "edit": {k: edit.info.get(k) for k in ("steps", "converged", "loss", "nll", "kl", "target_prob",
-                                                        "delta_norm", "v_init_norm", "timings_s")},
-                "seconds": seconds,
-            }
+            row = {**case_row(case, pre, post), "edit": {k: edit.info.get(k) for k in EDIT_INFO_KEYS},
+                   "seconds": seconds}
             rows.append(row)
             if progress:
                 bar.note(f"[{i + 1}/{len(cases)}] {case.request.text!r} -> {case.request.target_new!r}: "

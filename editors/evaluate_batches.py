@@ -26,7 +26,7 @@ from torch import nn
 from .counterfact import CounterFactCase, EditRequest
 from .edit import Edit, restore_edits
 from .edit_batch import BatchEdit
-from .evaluate import mentions_subject, neighborhood_fraction, score_cases, score_summary
+from .evaluate import EDIT_INFO_KEYS, case_row, mentions_subject, score_cases, score_summary
 from .progress import ProgressBar
 
 __all__ = ["AppliedBatch", "BatchApplier", "evaluate_sequential", "batch_applier", "rome_applier"]
@@ -50,8 +50,6 @@ class AppliedBatch:
 #: ``requests -> AppliedBatch``: computes the batch's edit on the model as it is and applies it.
 BatchApplier = Callable[[list[EditRequest]], AppliedBatch]
 
-_FACT_KEYS = ("steps", "converged", "loss", "nll", "kl", "target_prob", "delta_norm", "v_init_norm", "timings_s")
-
 
 def rome_applier(pg: nn.Module, compute: Callable[[EditRequest], Edit]) -> BatchApplier:
     """A batch of ROME edits: each request computed (e.g. ``ROME.compute``) on the model with the batch's earlier
@@ -66,7 +64,7 @@ def rome_applier(pg: nn.Module, compute: Callable[[EditRequest], Edit]) -> Batch
             restore_edits(pg, edits)
             raise
         return AppliedBatch(undo=lambda: restore_edits(pg, edits),
-                            facts=[{k: e.info.get(k) for k in _FACT_KEYS} for e in edits],
+                            facts=[{k: e.info.get(k) for k in EDIT_INFO_KEYS} for e in edits],
                             info={"method": "rome", "nodes": sorted({e.node for e in edits})})
 
     return apply
@@ -148,17 +146,8 @@ def evaluate_sequential(
                 if after_group is not None:
                     after_group()
             for i, scores in zip(members, post):
-                request = cases[i].request
                 keep = [not edited(prompt) for prompt in cases[i].neighborhood_prompts]
-                rows[i] = {"case_id": cases[i].case_id, "subject": request.subject, "prompt": request.text,
-                           "target_true": request.target_true, "target_new": request.target_new,
-                           **{k: scores[k] for k in ("efficacy", "paraphrase")},
-                           "neighborhood": neighborhood_fraction(scores, keep),
-                           "neighborhood_left_out": keep.count(False),
-                           "pre": {k: pre[i][k] for k in ("efficacy", "paraphrase")}
-                           | {"neighborhood": neighborhood_fraction(pre[i], keep)},
-                           "logp": {"pre": {"new": pre[i]["logp_new"], "true": pre[i]["logp_true"]},
-                                    "post": {"new": scores["logp_new"], "true": scores["logp_true"]}},
+                rows[i] = {**case_row(cases[i], pre[i], scores, keep), "neighborhood_left_out": keep.count(False),
                            **rows[i]}
             if progress:
                 summary = score_summary([rows[i] for i in members])
