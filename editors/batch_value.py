@@ -59,7 +59,9 @@ class BatchValueObjective:
             the active facts' rows need more (one fact's rows always share a pass).
         autocast: run the forward and backward passes under ``torch.autocast`` in this dtype (``torch.bfloat16``:
             matrix products in bfloat16, the loss terms in float32); ``None``: the model's own dtype. On CPUs with
-            AMX a bfloat16 product is ~9x faster than a float32 one; ``δ`` stays float32.
+            AMX a bfloat16 matrix product alone is several times faster than a float32 one, but a whole
+            search measured only 1.24x faster (2 cores, docs/memit.md) and follows another trajectory; ``δ`` stays
+            float32.
 
     Raises:
         ValueError: ``v_init`` is not ``[F, d_out]`` or ``max_tokens`` is not positive.
