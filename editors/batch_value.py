@@ -31,6 +31,7 @@ from gradpatch.finite import StepGuard
 from .counterfact import EditRequest
 from .keys import ContextTemplates
 from .layers import LinearLayer, model_device
+from .prefix_cache import PrefixCache, supports_prefix_cache
 from .selected_logits import logits_at, output_embedding_input_node
 from .tokens import pad_token_id, right_pad
 from .value import KL_PROMPT, ValuePrompts, ValueResult, encode_value_prompts, frozen_parameters, value_terms
@@ -62,6 +63,10 @@ class BatchValueObjective:
             AMX a bfloat16 matrix product alone is several times faster than a float32 one, but a whole
             search measured only 1.24x faster (2 cores, docs/memit.md) and follows another trajectory; ``δ`` stays
             float32.
+        prefix_cache: compute each row's tokens before the subject's last one once, as a KV cache
+            (:class:`editors.prefix_cache.PrefixCache`: they do not depend on ``δ``), and run only the rest at each
+            step; used when the model takes a cache (:func:`editors.prefix_cache.supports_prefix_cache`), full passes
+            otherwise. Same losses up to float rounding.
 
     Raises:
         ValueError: ``v_init`` is not ``[F, d_out]`` or ``max_tokens`` is not positive.
@@ -71,7 +76,8 @@ class BatchValueObjective:
     def __init__(self, pg: nn.Module, tokenizer: Any, layer: LinearLayer, requests: Sequence[EditRequest],
                  templates: ContextTemplates, v_init: torch.Tensor, kl_factor: float = 0.0625,
                  weight_decay: float = 1e-3, clamp_factor: float = 4.0, kl_prompts: tuple[str, ...] = (KL_PROMPT,),
-                 max_tokens: int = DEFAULT_MAX_TOKENS, autocast: torch.dtype | None = None) -> None:
+                 max_tokens: int = DEFAULT_MAX_TOKENS, autocast: torch.dtype | None = None,
+                 prefix_cache: bool = True) -> None:
         if tuple(v_init.shape) != (len(requests), layer.d_out):
             raise ValueError(f"v_init is {list(v_init.shape)}; expected [{len(requests)}, {layer.d_out}] "
                              f"(one v₀ per request)")
@@ -90,6 +96,7 @@ class BatchValueObjective:
             except ValueError as error:
                 raise type(error)(f"Request {i} (subject {request.subject!r}): {error}") from None
         self.head_node = output_embedding_input_node(pg)
+        self.prefix_cache = PrefixCache(pg, self.pad, max_tokens) if prefix_cache and supports_prefix_cache(pg) else None
         self.kl_reference: list[torch.Tensor | None] = [None] * len(self.requests)  # [n_kl, vocab] per fact
 
     @property
@@ -131,12 +138,13 @@ class BatchValueObjective:
         Raises:
             ValueError: a fact is evaluated first at a non-zero ``δ``.
         """
-        sequences, batch = self._batch(facts)
+        sequences, keys, batch = self._batch(facts)
         device = self.device
         fact_ids = torch.tensor(list(facts), device=device)
         values = delta[fact_ids][batch["row_fact"]]  # [rows, d_out]: each row gets its own fact's δ
         with torch.autocast(device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
-            logits = self._logits(sequences, values, batch["patch_cols"], batch["read_rows"], batch["read_cols"])
+            logits = self._logits(sequences, keys, values, batch["patch_cols"], batch["read_rows"],
+                                  batch["read_cols"])
         log_probs = torch.log_softmax(logits.float(), dim=-1)  # [target tokens + KL prompts, vocab]
         n_tokens = len(batch["tokens"])
         token_lp = log_probs[torch.arange(n_tokens, device=device), batch["tokens"]]
@@ -148,13 +156,15 @@ class BatchValueObjective:
         return value_terms(per_prompt, batch["prompt_fact"], kl_lp, reference, batch["kl_fact"], delta[fact_ids],
                            self.v_init[fact_ids], self.kl_factor, self.weight_decay)
 
-    def _logits(self, sequences: list[list[int]], values: torch.Tensor, patch_cols: torch.Tensor,
-                read_rows: torch.Tensor, read_cols: torch.Tensor) -> torch.Tensor:
+    def _logits(self, sequences: list[list[int]], keys: list[tuple[int, int]], values: torch.Tensor,
+                patch_cols: torch.Tensor, read_rows: torch.Tensor, read_cols: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab]`` at ``(read_rows, read_cols)`` with ``values[r]`` added at row ``r``'s
         ``patch_cols[r]``. The rows run in :data:`LENGTH_BUCKETS` passes of rows of similar length (a fact's prompts
         range from its KL prompt to ten-token prefixes: one padded batch would be a quarter padding); the passes share
-        one autograd graph, so the caller's backward covers them all."""
-        order = sorted(range(len(sequences)), key=lambda r: len(sequences[r]))
+        one autograd graph, so the caller's backward covers them all. With the prefix cache each row runs from its
+        ``patch_cols`` on (``keys`` name the rows' cached prefixes)."""
+        splits = patch_cols.tolist() if self.prefix_cache is not None else [0] * len(sequences)
+        order = sorted(range(len(sequences)), key=lambda r: len(sequences[r]) - splits[r])
         size = -(-len(order) // LENGTH_BUCKETS)
         rows_of_read = read_rows.tolist()
         parts, placed = [], []
@@ -164,23 +174,32 @@ class BatchValueObjective:
             picks = [j for j, row in enumerate(rows_of_read) if row in local]
             if not picks:
                 continue
-            ids, _ = right_pad([sequences[row] for row in rows], self.pad)
             index = torch.tensor(rows, device=self.device)
+            offsets = torch.tensor([splits[row] for row in rows], device=self.device)
+            if self.prefix_cache is not None:
+                row_keys = [keys[row] for row in rows]
+                self.prefix_cache.fill(row_keys, [sequences[row][: splits[row]] for row in rows])
+                inputs = self.prefix_cache.inputs(row_keys, [sequences[row][splits[row] :] for row in rows])
+            else:
+                inputs = {"input_ids": right_pad([sequences[row] for row in rows], self.pad)[0].to(self.device),
+                          "use_cache": False}
             patch = AddPatch(value=values[index], slice=(torch.arange(len(rows), device=self.device),
-                                                         patch_cols[index]))
-            parts.append(logits_at(self.pg, ids.to(self.device),
-                                   torch.tensor([local[rows_of_read[j]] for j in picks], device=self.device),
-                                   read_cols[torch.tensor(picks, device=self.device)],
-                                   {self.layer.output_node: patch}, head_node=self.head_node))
+                                                         patch_cols[index] - offsets))
+            local_rows = torch.tensor([local[rows_of_read[j]] for j in picks], device=self.device)
+            parts.append(logits_at(self.pg, inputs.pop("input_ids"), local_rows,
+                                   read_cols[torch.tensor(picks, device=self.device)] - offsets[local_rows],
+                                   {self.layer.output_node: patch}, head_node=self.head_node, model_kwargs=inputs))
             placed += picks
         inverse = torch.empty(len(placed), dtype=torch.long, device=self.device)
         inverse[torch.tensor(placed, device=self.device)] = torch.arange(len(placed), device=self.device)
         return torch.cat(parts)[inverse]
 
-    def _batch(self, facts: Sequence[int]) -> tuple[list[list[int]], dict[str, torch.Tensor]]:
-        """The rows of ``facts`` and the positions the terms read: every target token's logit position first, then
-        every KL prompt's last position; facts are numbered by their slot in ``facts``."""
+    def _batch(self, facts: Sequence[int]) -> tuple[list[list[int]], list[tuple[int, int]], dict[str, torch.Tensor]]:
+        """The rows of ``facts``, their keys ``(fact, prompt)`` and the positions the terms read: every target
+        token's logit position first, then every KL prompt's last position; facts are numbered by their slot in
+        ``facts``."""
         sequences: list[list[int]] = []
+        keys: list[tuple[int, int]] = []
         lists: dict[str, list[int]] = {name: [] for name in (
             "patch_cols", "row_fact", "target_rows", "target_cols", "tokens", "token_prompt", "prompt_fact",
             "prompt_lengths", "kl_rows", "kl_cols", "kl_fact")}
@@ -188,6 +207,7 @@ class BatchValueObjective:
             prompts = self.prompts[fact]
             offset, first_prompt = len(sequences), len(lists["prompt_fact"])
             sequences += prompts.sequences
+            keys += [(fact, k) for k in range(len(prompts.sequences))]
             lists["patch_cols"] += prompts.subject_positions
             lists["row_fact"] += [slot] * len(prompts.sequences)
             for row, col, token in prompts.targets:
@@ -206,7 +226,7 @@ class BatchValueObjective:
         batch["prompt_lengths"] = batch["prompt_lengths"].float()
         batch["read_rows"] = torch.cat([batch["target_rows"], batch["kl_rows"]])
         batch["read_cols"] = torch.cat([batch["target_cols"], batch["kl_cols"]])
-        return sequences, batch
+        return sequences, keys, batch
 
     def _kl_reference(self, facts: Sequence[int], kl_lp: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """The ``δ = 0`` log-probabilities of ``facts``' KL prompts ``[Q, vocab]``, kept from each fact's first
@@ -223,6 +243,12 @@ class BatchValueObjective:
             parts.append(self.kl_reference[fact])
             start += n_kl
         return torch.cat(parts)
+
+    def release(self, facts: Sequence[int]) -> None:
+        """Free what is kept for ``facts`` only while they are searched (their rows' prefix caches): call it when
+        they stop; evaluating them again recomputes it."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.discard([(fact, k) for fact in facts for k in range(len(self.prompts[fact].sequences))])
 
     @torch.no_grad()
     def project_(self, delta: torch.Tensor) -> None:
@@ -320,7 +346,9 @@ def optimize_values(
             for fact in stepping:
                 _fact_guard(objective, fact, lr).check_values(step, {"delta": delta[fact]})
                 taken[fact] += 1
+            objective.release(sorted(set(active) - set(stepping)))
             active = stepping
+    objective.release(active)
     final = delta.detach().clone()
     return [ValueResult(delta=final[i], v_star=objective.v_init[i] + final[i], steps=taken[i], history=histories[i])
             for i in range(n)]

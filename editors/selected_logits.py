@@ -46,7 +46,8 @@ def output_embedding_input_node(pg: nn.Module) -> str | None:
 
 
 def logits_at(pg: nn.Module, input_ids: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-              patches: Mapping[str, Any] | None = None, head_node: str | None = None) -> torch.Tensor:
+              patches: Mapping[str, Any] | None = None, head_node: str | None = None,
+              model_kwargs: Mapping[str, Any] | None = None) -> torch.Tensor:
     """Logits at positions ``(rows[i], cols[i])`` of a forward pass of ``pg`` with ``patches`` applied.
 
     Args:
@@ -56,17 +57,20 @@ def logits_at(pg: nn.Module, input_ids: torch.Tensor, rows: torch.Tensor, cols: 
         patches: more patches for the pass (NodePath -> patch or list of patches); differentiable values stay so.
         head_node: :func:`output_embedding_input_node` of ``pg`` (looked up when ``None``; pass it to save the look-up
             in a loop). Without such a node the full logits are computed and indexed.
+        model_kwargs: more arguments of the forward pass (``attention_mask``, ``position_ids``, ``past_key_values``:
+            :class:`editors.prefix_cache.PrefixCache`); default ``use_cache=False``.
 
     Returns:
         ``[n, vocab]`` logits, in the model's dtype (differentiable with respect to the patch values).
     """
     mapping: dict[str, Any] = dict(patches or {})
     node = head_node if head_node is not None else output_embedding_input_node(pg)
+    kwargs = dict(model_kwargs) if model_kwargs is not None else {"use_cache": False}
     if node is None:
         with pg.patch(mapping):
-            return logits_of(pg(input_ids, use_cache=False))[rows, cols]
+            return logits_of(pg(input_ids=input_ids, **kwargs))[rows, cols]
     gather = CustomPatch(custom_op=lambda hidden: hidden[rows, cols].unsqueeze(0))  # [1, n, d_model]
     existing = mapping.get(node, [])
     mapping[node] = [*(existing if isinstance(existing, list) else [existing]), gather]
     with pg.patch(mapping):
-        return logits_of(pg(input_ids, use_cache=False))[0]
+        return logits_of(pg(input_ids=input_ids, **kwargs))[0]

@@ -37,13 +37,15 @@ def _setup(kind: str = "llama"):
 
 @pytest.mark.parametrize("kind", sorted(NODES))
 @pytest.mark.parametrize("max_tokens", [40, 4096])  # one fact per pass, and all four in one pass
-def test_batched_search_returns_the_one_fact_searches_deltas(kind, max_tokens):
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_batched_search_returns_the_one_fact_searches_deltas(kind, max_tokens, prefix_cache):
     pg, tok, layer, v0 = _setup(kind)
     # A threshold that stops some facts early and not others, so rows freeze at different steps.
     early_stop = 4.0
     singles = [optimize_value(ValueObjective(pg, tok, layer, r, TEMPLATES, v0[i], clamp_factor=500.0), steps=12,
                               early_stop_loss=early_stop) for i, r in enumerate(REQUESTS)]
-    objective = BatchValueObjective(pg, tok, layer, REQUESTS, TEMPLATES, v0, clamp_factor=500.0, max_tokens=max_tokens)
+    objective = BatchValueObjective(pg, tok, layer, REQUESTS, TEMPLATES, v0, clamp_factor=500.0, max_tokens=max_tokens,
+                                    prefix_cache=prefix_cache)
     seen: list[int] = []
     batched = optimize_values(objective, steps=12, early_stop_loss=early_stop,
                               callback=lambda step, terms: seen.append(len(terms)))
@@ -54,6 +56,8 @@ def test_batched_search_returns_the_one_fact_searches_deltas(kind, max_tokens):
         torch.testing.assert_close(many.delta, single.delta, rtol=1e-4, atol=1e-4)
         assert [round(h["loss"], 4) for h in many.history] == [round(h["loss"], 4) for h in single.history]
     assert seen[0] == 4 and seen[-1] < 4  # stopped facts leave the batch
+    if prefix_cache:  # every fact's prefix states were freed when it stopped
+        assert objective.prefix_cache is not None and len(objective.prefix_cache) == 0
 
 
 def test_first_evaluation_equals_value_objective_terms():
