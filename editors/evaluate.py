@@ -22,9 +22,8 @@ from torch import nn
 
 from .counterfact import CounterFactCase, EditRequest
 from .edit import Edit
-from .layers import model_device
 from .progress import ProgressBar
-from .scoring import mean_target_logprobs
+from .selected_logits import target_logprobs_at
 
 __all__ = ["EDIT_INFO_KEYS", "case_row", "evaluate_cases", "mentions_subject", "neighborhood_fraction", "score_case",
            "score_cases", "score_summary"]
@@ -56,9 +55,7 @@ def score_cases(pg: nn.Module, tokenizer: Any, cases: Sequence[CounterFactCase],
             for group in groups.values():
                 prompts += group
                 targets += [target] * len(group)
-    device = model_device(pg)
-    scores = mean_target_logprobs(lambda ids: pg(ids.to(device), use_cache=False), tokenizer, prompts, targets,
-                                  batch_size=batch_size).tolist()
+    scores = target_logprobs_at(pg, tokenizer, prompts, targets, batch_size=batch_size).tolist()
     rows, i = [], 0
     for groups in groups_of:
         row: dict[str, Any] = {"logp_new": {}, "logp_true": {}}

@@ -12,7 +12,7 @@ not a linear layer found by ``get_output_embeddings()`` fall back to the full lo
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,10 +21,11 @@ from torch import nn
 from gradpatch import CustomPatch
 
 from .errors import LayerKindError
-from .layers import resolve_layer, wrapped_model
+from .layers import model_device, resolve_layer, wrapped_model
 from .scoring import logits_of
+from .tokens import encode_prompt_target, pad_token_id, right_pad
 
-__all__ = ["logits_at", "output_embedding_input_node"]
+__all__ = ["logits_at", "output_embedding_input_node", "target_logprobs_at"]
 
 
 def output_embedding_input_node(pg: nn.Module) -> str | None:
@@ -74,3 +75,41 @@ def logits_at(pg: nn.Module, input_ids: torch.Tensor, rows: torch.Tensor, cols: 
     mapping[node] = [*(existing if isinstance(existing, list) else [existing]), gather]
     with pg.patch(mapping):
         return logits_of(pg(input_ids=input_ids, **kwargs))[0]
+
+
+@torch.no_grad()
+def target_logprobs_at(pg: nn.Module, tokenizer: Any, prompts: Sequence[str], targets: Sequence[str],
+                       batch_size: int = 64) -> torch.Tensor:
+    """Mean token log-probability of each ``target`` after its ``prompt`` (:func:`editors.scoring.mean_target_logprobs`'s
+    result), with the output embedding and the softmax run at the target tokens' positions only (:func:`logits_at`).
+
+    Args:
+        pg: the model's PatchableGraph (active patches apply).
+        tokenizer: its tokenizer.
+        prompts: ``n`` prompts without trailing space; targets: ``n`` targets without leading space.
+        batch_size: prompt/target pairs per forward pass (right-padded).
+
+    Returns:
+        ``[n]`` float32 on the CPU.
+
+    Raises:
+        ValueError: ``prompts`` and ``targets`` differ in length.
+    """
+    if len(prompts) != len(targets):
+        raise ValueError(f"{len(prompts)} prompts but {len(targets)} targets: give one target per prompt")
+    encoded = [encode_prompt_target(tokenizer, p, t) for p, t in zip(prompts, targets)]
+    pad, device, head = pad_token_id(tokenizer), model_device(pg), output_embedding_input_node(pg)
+    out = []
+    for start in range(0, len(encoded), batch_size):
+        chunk = encoded[start : start + batch_size]
+        ids, _ = right_pad([e.ids for e in chunk], pad)
+        rows = [b for b, e in enumerate(chunk) for _ in range(e.target_start, len(e.ids))]
+        cols = [t - 1 for e in chunk for t in range(e.target_start, len(e.ids))]
+        tokens = torch.tensor([e.ids[t] for e in chunk for t in range(e.target_start, len(e.ids))], device=device)
+        row_index = torch.tensor(rows, device=device)
+        logits = logits_at(pg, ids.to(device), row_index, torch.tensor(cols, device=device), head_node=head)
+        token_lp = torch.log_softmax(logits.float(), dim=-1)[torch.arange(len(rows), device=device), tokens]
+        sums = token_lp.new_zeros(len(chunk)).index_add(0, row_index, token_lp)
+        counts = torch.tensor([e.n_target for e in chunk], dtype=torch.float32, device=device)
+        out.append((sums / counts).cpu())
+    return torch.cat(out) if out else torch.zeros(0)

@@ -10,7 +10,8 @@ from editors.batch_value import BatchValueObjective, optimize_values
 from editors.capture import node_activations
 from editors.keys import context_activations
 from editors.scoring import logits_of
-from editors.selected_logits import logits_at, output_embedding_input_node
+from editors.scoring import mean_target_logprobs
+from editors.selected_logits import logits_at, output_embedding_input_node, target_logprobs_at
 from editors.testing import byte_level_tokenizer, tiny_gpt2, tiny_llama
 from gradpatch import AddPatch, PatchableGraph
 from gradpatch.errors import NonFiniteError
@@ -107,6 +108,21 @@ def test_logits_at_equals_indexed_full_logits(kind):
     (grad_full,) = torch.autograd.grad(full.sum(), delta)
     (grad_picked,) = torch.autograd.grad(logits_at(pg, ids, rows, cols, patch).sum(), delta)
     torch.testing.assert_close(grad_picked, grad_full, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", sorted(NODES))
+def test_target_logprobs_at_equals_full_logits_scoring(kind):
+    pg, tok, layer, _ = _setup(kind)
+    prompts = [r.prompt.format(r.subject) for r in REQUESTS] * 2
+    targets = [r.target_new for r in REQUESTS] + ["a much longer target", "x", "Rome", "the sea"]
+    patch = {layer.output_node: AddPatch(value=torch.full((layer.d_out,), 0.3), slice=(slice(None), 2))}
+    with pg.patch(patch):  # active patches apply to both
+        full = mean_target_logprobs(lambda ids: pg(ids, use_cache=False), tok, prompts, targets, batch_size=3)
+        picked = target_logprobs_at(pg, tok, prompts, targets, batch_size=3)
+    assert picked.shape == (8,) and bool((picked < 0).all())
+    torch.testing.assert_close(picked, full, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one target per prompt"):
+        target_logprobs_at(pg, tok, prompts, targets[:2])
 
 
 def test_context_activations_match_compute_key_and_separate_captures():
