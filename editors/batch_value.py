@@ -31,7 +31,7 @@ from gradpatch.finite import StepGuard
 from .counterfact import EditRequest
 from .keys import ContextTemplates
 from .layers import LinearLayer, model_device
-from .prefix_cache import PrefixCache, supports_prefix_cache
+from .prefix_cache import PrefixCache, quiet_extraction, supports_prefix_cache
 from .selected_logits import logits_at, output_embedding_input_node
 from .tokens import pad_token_id, right_pad
 from .value import KL_PROMPT, ValuePrompts, ValueResult, encode_value_prompts, frozen_parameters, value_terms
@@ -186,9 +186,10 @@ class BatchValueObjective:
             patch = AddPatch(value=values[index], slice=(torch.arange(len(rows), device=self.device),
                                                          patch_cols[index] - offsets))
             local_rows = torch.tensor([local[rows_of_read[j]] for j in picks], device=self.device)
-            parts.append(logits_at(self.pg, inputs.pop("input_ids"), local_rows,
-                                   read_cols[torch.tensor(picks, device=self.device)] - offsets[local_rows],
-                                   {self.layer.output_node: patch}, head_node=self.head_node, model_kwargs=inputs))
+            with quiet_extraction():
+                parts.append(logits_at(self.pg, inputs.pop("input_ids"), local_rows,
+                                       read_cols[torch.tensor(picks, device=self.device)] - offsets[local_rows],
+                                       {self.layer.output_node: patch}, head_node=self.head_node, model_kwargs=inputs))
             placed += picks
         inverse = torch.empty(len(placed), dtype=torch.long, device=self.device)
         inverse[torch.tensor(placed, device=self.device)] = torch.arange(len(placed), device=self.device)

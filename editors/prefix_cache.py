@@ -19,8 +19,10 @@ says ``use_cache``-style decoding is possible (transformers decoder-only languag
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Hashable, Sequence
+import warnings
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,9 +30,18 @@ from torch import nn
 
 from .layers import model_device, wrapped_model
 
-__all__ = ["PrefixCache", "supports_prefix_cache"]
+__all__ = ["PrefixCache", "quiet_extraction", "supports_prefix_cache"]
 
 _ARGUMENTS = ("past_key_values", "position_ids", "attention_mask")
+
+
+@contextlib.contextmanager
+def quiet_extraction() -> Iterator[None]:
+    """Silence gradpatch's "extracting graphs" warnings for the block: the value search's cached calls (prefixes,
+    suffixes of each length class) are new kinds of call the user did not make, extracted once each."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="gradpatch: extracting graphs")
+        yield
 
 
 def supports_prefix_cache(pg: nn.Module) -> bool:
@@ -103,9 +114,11 @@ class PrefixCache:
             mask[i, width - len(prefix):] = 1
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = _new_cache(self.config)
-        output = self.pg(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
-        cache = getattr(output, "past_key_values", None) or cache
+        with quiet_extraction():
+            output = self.pg(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                             position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
+        returned = getattr(output, "past_key_values", None)
+        cache = cache if returned is None else returned
         keys = torch.stack([layer.keys for layer in cache.layers], dim=1)  # [rows, layers, kv_heads, width, head]
         values = torch.stack([layer.values for layer in cache.layers], dim=1)
         for i, (key, prefix) in enumerate(group):
