@@ -20,9 +20,13 @@ from typing import Any
 
 from torch import nn
 
+from gradpatch import PatchableGraph
+
 from .counterfact import CounterFactCase, EditRequest
 from .edit import Edit
 from .progress import ProgressBar
+from .layers import model_device
+from .scoring import mean_target_logprobs
 from .selected_logits import target_logprobs_at
 
 __all__ = ["EDIT_INFO_KEYS", "case_row", "evaluate_cases", "mentions_subject", "neighborhood_fraction", "score_case",
@@ -55,7 +59,12 @@ def score_cases(pg: nn.Module, tokenizer: Any, cases: Sequence[CounterFactCase],
             for group in groups.values():
                 prompts += group
                 targets += [target] * len(group)
-    scores = target_logprobs_at(pg, tokenizer, prompts, targets, batch_size=batch_size).tolist()
+    if isinstance(pg, PatchableGraph):  # the output embedding runs at the target tokens only
+        scores = target_logprobs_at(pg, tokenizer, prompts, targets, batch_size=batch_size).tolist()
+    else:
+        device = model_device(pg)
+        scores = mean_target_logprobs(lambda ids: pg(ids.to(device), use_cache=False), tokenizer, prompts, targets,
+                                      batch_size=batch_size).tolist()
     rows, i = [], 0
     for groups in groups_of:
         row: dict[str, Any] = {"logp_new": {}, "logp_true": {}}

@@ -44,6 +44,12 @@ def test_score_cases_batches_many_cases_like_one_at_a_time():
         for which in ("logp_new", "logp_true"):
             for group, values in alone[which].items():
                 assert row[which][group] == pytest.approx(values, abs=1e-4)
+    # A plain model (no PatchableGraph) is scored with full logits: the same numbers.
+    plain = score_cases(pg.wrapped_model, tok, cases, batch_size=7)
+    for row, other in zip(together, plain):
+        for which in ("logp_new", "logp_true"):
+            for group, values in row[which].items():
+                assert other[which][group] == pytest.approx(values, abs=1e-4)
 
 
 def test_groups_are_scored_after_all_their_batches_and_undone(monkeypatch):
