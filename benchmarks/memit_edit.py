@@ -6,7 +6,8 @@ Measured in one run, on the same facts' objective (ROME's eq. 4: target NLL over
 - ``one_at_a_time``: ``--single`` facts, each searched alone with :class:`editors.ValueObjective` and
   :func:`editors.optimize_value` (ROME's path: one forward and backward over that fact's prompts per step);
 - ``batch_of_one``: the same facts, each alone through the batched code (:func:`editors.batch_value.optimize_values`
-  with one fact): separates what batching gains from what reading only the needed logits gains;
+  with one fact): separates what batching gains from what the batched code's other savings gain (logits read only
+  where the terms need them; the prefix KV cache: each step runs only the tokens from the subject's last one on);
 - ``batched``: ``--batch`` facts searched together (one forward and backward per step carries every fact's rows,
   in passes of at most ``--max-tokens`` tokens).
 
