@@ -24,8 +24,8 @@ from gradpatch import PatchableGraph
 
 from .counterfact import CounterFactCase, EditRequest
 from .edit import Edit
-from .progress import ProgressBar
 from .layers import model_device
+from .progress import ProgressBar
 from .scoring import mean_target_logprobs
 from .selected_logits import target_logprobs_at
 
