@@ -208,7 +208,7 @@ class BatchValueObjective:
             prompts = self.prompts[fact]
             offset, first_prompt = len(sequences), len(lists["prompt_fact"])
             sequences += prompts.sequences
-            keys += [(fact, k) for k in range(len(prompts.sequences))]
+            keys += self._row_keys(fact)
             lists["patch_cols"] += prompts.subject_positions
             lists["row_fact"] += [slot] * len(prompts.sequences)
             for row, col, token in prompts.targets:
@@ -249,7 +249,11 @@ class BatchValueObjective:
         """Free what is kept for ``facts`` only while they are searched (their rows' prefix caches): call it when
         they stop; evaluating them again recomputes it."""
         if self.prefix_cache is not None:
-            self.prefix_cache.discard([(fact, k) for fact in facts for k in range(len(self.prompts[fact].sequences))])
+            self.prefix_cache.discard([key for fact in facts for key in self._row_keys(fact)])
+
+    def _row_keys(self, fact: int) -> list[tuple[int, int]]:
+        """The keys ``(fact, prompt)`` of a fact's rows (its prefix-cache entries)."""
+        return [(fact, k) for k in range(len(self.prompts[fact].sequences))]
 
     @torch.no_grad()
     def project_(self, delta: torch.Tensor) -> None:

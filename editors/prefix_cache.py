@@ -79,17 +79,19 @@ class PrefixCache:
         self.pg, self.pad, self.max_tokens = pg, pad, max_tokens
         self.config = wrapped_model(pg).config
         self.device = model_device(pg)
-        # row key -> (keys, values), each [layers, kv_heads, prefix_length, head_dim]
-        self._states: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}
+        # row key -> (keys, values), each [layers, kv_heads, prefix_length, head_dim]; None for an empty prefix
+        self._states: dict[Hashable, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def __len__(self) -> int:
         return len(self._states)
 
     def fill(self, keys: Sequence[Hashable], prefixes: Sequence[Sequence[int]]) -> None:
         """Compute and keep the prefix states of the rows not yet cached (one no-grad pass per group of rows of
-        similar length that fits ``max_tokens``). An empty prefix is kept as zero-length states."""
+        similar length that fits ``max_tokens``). An empty prefix is kept as ``None`` (nothing to attend to)."""
         todo = [(key, list(prefix)) for key, prefix in zip(keys, prefixes) if key not in self._states]
-        empty = [key for key, prefix in todo if not prefix]
+        for key, prefix in todo:
+            if not prefix:
+                self._states[key] = None
         todo = sorted(((key, prefix) for key, prefix in todo if prefix), key=lambda item: len(item[1]))
         group: list[tuple[Hashable, list[int]]] = []
         for item in todo:
@@ -99,10 +101,6 @@ class PrefixCache:
             group.append(item)
         if group:
             self._compute(group)
-        if empty:
-            reference = next(iter(self._states.values()), None)
-            for key in empty:
-                self._states[key] = self._empty_like(reference)
 
     @torch.no_grad()
     def _compute(self, group: list[tuple[Hashable, list[int]]]) -> None:
@@ -125,13 +123,6 @@ class PrefixCache:
             start = width - len(prefix)
             self._states[key] = (keys[i, :, :, start:].clone(), values[i, :, :, start:].clone())
 
-    def _empty_like(self, reference: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if reference is None:  # no row has a prefix yet: read the shapes from a one-token pass
-            self._compute([(_PROBE, [self.pad])])
-            reference = self._states.pop(_PROBE)
-        empty = reference[0][:, :, :0]
-        return empty, empty.clone()
-
     def discard(self, keys: Sequence[Hashable]) -> None:
         """Forget the rows' prefix states (rows that will not run again: their memory is freed)."""
         for key in keys:
@@ -147,7 +138,8 @@ class PrefixCache:
         Returns:
             ``input_ids`` ``[R, S]`` (right-padded), ``attention_mask`` ``[R, P + S]`` (prefixes left-padded to
             ``P``, the longest), ``position_ids`` ``[R, S]`` (each row continues its own prefix),
-            ``past_key_values`` (a fresh ``DynamicCache`` holding the prefixes) and ``use_cache=True``.
+            ``past_key_values`` (a fresh ``DynamicCache`` holding the prefixes) and ``use_cache=True``; when no row
+            has a prefix, a plain right-padded pass: ``input_ids`` and ``use_cache=False``.
 
         Raises:
             KeyError: a row's prefix was not cached.
@@ -156,31 +148,32 @@ class PrefixCache:
         if any(len(s) == 0 for s in suffixes):
             raise ValueError("every row needs at least one token from its split position on")
         states = [self._states[key] for key in keys]
-        lengths = [s[0].shape[2] for s in states]
+        lengths = [0 if state is None else state[0].shape[2] for state in states]
         prefix_width, width = max(lengths), max(len(s) for s in suffixes)
-        rows = len(keys)
+        rows, device = len(keys), self.device
         ids = torch.full((rows, width), self.pad, dtype=torch.long)
+        for i, suffix in enumerate(suffixes):
+            ids[i, : len(suffix)] = torch.tensor(list(suffix))
+        if prefix_width == 0:
+            return {"input_ids": ids.to(device), "use_cache": False}
         mask = torch.zeros((rows, prefix_width + width), dtype=torch.long)
         positions = torch.zeros((rows, width), dtype=torch.long)
         for i, (length, suffix) in enumerate(zip(lengths, suffixes)):
-            ids[i, : len(suffix)] = torch.tensor(list(suffix))
             mask[i, prefix_width - length : prefix_width + len(suffix)] = 1
             positions[i] = torch.arange(length, length + width)
+        reference = next(state for state in states if state is not None)
         cached = []
         for part in (0, 1):
-            padded = states[0][part].new_zeros((rows, *states[0][part].shape[:2], prefix_width,
-                                                states[0][part].shape[-1]))
+            layers, heads, _, head_dim = reference[part].shape
+            padded = reference[part].new_zeros((rows, layers, heads, prefix_width, head_dim))
             for i, (state, length) in enumerate(zip(states, lengths)):
-                padded[i, :, :, prefix_width - length :] = state[part]
+                if state is not None:
+                    padded[i, :, :, prefix_width - length :] = state[part]
             cached.append(padded)  # [rows, layers, kv_heads, P, head]
         cache = _new_cache(self.config, [(cached[0][:, layer], cached[1][:, layer])
                                          for layer in range(cached[0].shape[1])])
-        device = self.device
         return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "position_ids": positions.to(device),
                 "past_key_values": cache, "use_cache": True}
-
-
-_PROBE = object()
 
 
 def _new_cache(config: Any, data: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
