@@ -14,10 +14,13 @@ import torch
 
 from .tokens import EncodedPrompt, encode_prompt_target, pad_token_id, right_pad
 
-__all__ = ["Forward", "logits_of", "mean_target_logprobs", "target_logprobs_batch"]
+__all__ = ["Forward", "SelectedForward", "logits_of", "mean_target_logprobs", "target_logprobs_batch"]
 
 #: ``input_ids [batch, seq] -> logits [batch, seq, vocab]`` (or a model output holding ``.logits``).
 Forward = Callable[[torch.Tensor], Any]
+#: ``(input_ids [batch, seq], rows [n], cols [n]) -> logits [n, vocab]`` at those positions only
+#: (:func:`editors.selected_logits.logits_at`).
+SelectedForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -60,6 +63,7 @@ def mean_target_logprobs(
     prompts: Sequence[str],
     targets: Sequence[str],
     batch_size: int = 32,
+    forward_at: SelectedForward | None = None,
 ) -> torch.Tensor:
     """Score ``prompt + " " + target`` pairs: mean token log-probability of each target.
 
@@ -69,6 +73,8 @@ def mean_target_logprobs(
         prompts: ``n`` prompts without trailing space.
         targets: ``n`` targets without leading space (CounterFact convention).
         batch_size: examples per forward pass (right-padded, no attention mask needed).
+        forward_at: when given, used instead of ``forward`` for logits at the target tokens' positions only (the
+            output embedding and the softmax skip every other position); same scores up to float rounding.
 
     Returns:
         ``[n]`` float32 tensor of mean log-probabilities.
@@ -84,6 +90,22 @@ def mean_target_logprobs(
     for i in range(0, len(encoded), batch_size):
         chunk = encoded[i : i + batch_size]
         ids, _ = right_pad([e.ids for e in chunk], pad)
-        logits = logits_of(forward(ids))
-        out.append(target_logprobs_batch(logits, chunk).cpu())
+        if forward_at is None:
+            out.append(target_logprobs_batch(logits_of(forward(ids)), chunk).cpu())
+        else:
+            out.append(_selected_target_logprobs(forward_at, ids, chunk).cpu())
     return torch.cat(out) if out else torch.zeros(0)
+
+
+def _selected_target_logprobs(forward_at: SelectedForward, ids: torch.Tensor,
+                              encoded: Sequence[EncodedPrompt]) -> torch.Tensor:
+    """:func:`target_logprobs_batch` of ``encoded`` (right-padded into ``ids``) from logits at the target tokens'
+    positions only: ``[batch]``."""
+    rows = torch.tensor([b for b, e in enumerate(encoded) for _ in range(e.target_start, len(e.ids))])
+    cols = torch.tensor([t - 1 for e in encoded for t in range(e.target_start, len(e.ids))])
+    tokens = torch.tensor([e.ids[t] for e in encoded for t in range(e.target_start, len(e.ids))])
+    logits = forward_at(ids, rows, cols)  # [n_target_tokens, vocab]
+    rows, tokens = rows.to(logits.device), tokens.to(logits.device)
+    token_lp = torch.log_softmax(logits.float(), dim=-1)[torch.arange(len(tokens), device=logits.device), tokens]
+    counts = torch.tensor([e.n_target for e in encoded], dtype=torch.float32, device=logits.device)
+    return token_lp.new_zeros(len(encoded)).index_add(0, rows, token_lp) / counts

@@ -22,8 +22,7 @@ from gradpatch import CustomPatch
 
 from .errors import LayerKindError
 from .layers import model_device, resolve_layer, wrapped_model
-from .scoring import logits_of
-from .tokens import encode_prompt_target, pad_token_id, right_pad
+from .scoring import logits_of, mean_target_logprobs
 
 __all__ = ["logits_at", "output_embedding_input_node", "target_logprobs_at"]
 
@@ -77,11 +76,10 @@ def logits_at(pg: nn.Module, input_ids: torch.Tensor, rows: torch.Tensor, cols: 
         return logits_of(pg(input_ids=input_ids, **kwargs))[0]
 
 
-@torch.no_grad()
 def target_logprobs_at(pg: nn.Module, tokenizer: Any, prompts: Sequence[str], targets: Sequence[str],
                        batch_size: int = 64) -> torch.Tensor:
-    """Mean token log-probability of each ``target`` after its ``prompt`` (:func:`editors.scoring.mean_target_logprobs`'s
-    result), with the output embedding and the softmax run at the target tokens' positions only (:func:`logits_at`).
+    """:func:`editors.scoring.mean_target_logprobs` on ``pg`` with the output embedding and the softmax run at the
+    target tokens' positions only (:func:`logits_at`).
 
     Args:
         pg: the model's PatchableGraph (active patches apply).
@@ -95,21 +93,10 @@ def target_logprobs_at(pg: nn.Module, tokenizer: Any, prompts: Sequence[str], ta
     Raises:
         ValueError: ``prompts`` and ``targets`` differ in length.
     """
-    if len(prompts) != len(targets):
-        raise ValueError(f"{len(prompts)} prompts but {len(targets)} targets: give one target per prompt")
-    encoded = [encode_prompt_target(tokenizer, p, t) for p, t in zip(prompts, targets)]
-    pad, device, head = pad_token_id(tokenizer), model_device(pg), output_embedding_input_node(pg)
-    out = []
-    for start in range(0, len(encoded), batch_size):
-        chunk = encoded[start : start + batch_size]
-        ids, _ = right_pad([e.ids for e in chunk], pad)
-        rows = [b for b, e in enumerate(chunk) for _ in range(e.target_start, len(e.ids))]
-        cols = [t - 1 for e in chunk for t in range(e.target_start, len(e.ids))]
-        tokens = torch.tensor([e.ids[t] for e in chunk for t in range(e.target_start, len(e.ids))], device=device)
-        row_index = torch.tensor(rows, device=device)
-        logits = logits_at(pg, ids.to(device), row_index, torch.tensor(cols, device=device), head_node=head)
-        token_lp = torch.log_softmax(logits.float(), dim=-1)[torch.arange(len(rows), device=device), tokens]
-        sums = token_lp.new_zeros(len(chunk)).index_add(0, row_index, token_lp)
-        counts = torch.tensor([e.n_target for e in chunk], dtype=torch.float32, device=device)
-        out.append((sums / counts).cpu())
-    return torch.cat(out) if out else torch.zeros(0)
+    device, head = model_device(pg), output_embedding_input_node(pg)
+
+    def forward_at(ids: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        return logits_at(pg, ids.to(device), rows.to(device), cols.to(device), head_node=head)
+
+    return mean_target_logprobs(lambda ids: pg(ids.to(device), use_cache=False), tokenizer, prompts, targets,
+                                batch_size=batch_size, forward_at=forward_at)
