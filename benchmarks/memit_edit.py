@@ -15,9 +15,11 @@ Measured in one run, on the same facts' objective (ROME's eq. 4: target NLL over
 of the facts searched both ways are compared (``same_steps``): the batched search stops each fact where its own
 search stops. Keys and ``v₀`` are computed once beforehand and not timed; no statistics are needed.
 
-Run: ``.venv/bin/python benchmarks/memit_edit.py [--cases FILE] [--batch 100] [--single 10] [--tiny]``. Without
-``--cases`` it reads ``demos/rome/facts.json`` (the fact bank) and cycles ``demos/rome/cases.json`` if that is
-missing. ``--tiny`` uses a random tiny Llama and made-up facts (seconds).
+Run: ``.venv/bin/python benchmarks/memit_edit.py [--cases FILE] [--batch 100] [--single 10] [--tiny]
+[--value-dtype bfloat16]``. Without ``--cases`` it reads ``demos/rome/facts.json`` (the fact bank) and cycles
+``demos/rome/cases.json`` if that is missing. ``--tiny`` uses a random tiny Llama and made-up facts (seconds).
+``--value-dtype bfloat16`` runs all three parts on a bfloat16 copy of the model (:mod:`editors.search_copy`; keys and
+``v₀`` still from the float32 model).
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from editors import EditRequest, ValueObjective, load_cases, optimize_value, resolve_layer
-from editors.batch_value import BatchValueObjective, optimize_values
+from editors.batch_value import BatchValueObjective, optimize_values, search_attention
 from editors.keys import context_activations, load_or_generate_prefixes
 from editors.memit import DEFAULT_SMOLLM2_NODES, MEMITConfig
+from editors.search_copy import SearchCopy, search_dtype
 from editors.stats import default_cache_dir, statistics_fingerprint
 from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
 from gradpatch import PatchableGraph
@@ -67,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node", default=None, help="layer whose output gets δ (default: MEMIT's last layer)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per forward/backward pass")
     parser.add_argument("--tiny", action="store_true", help="a random tiny Llama instead of SmolLM2-135M")
-    parser.add_argument("--autocast", default=None, choices=("bfloat16",),
-                        help="run every search's passes under torch.autocast in this dtype (all three alike)")
+    parser.add_argument("--value-dtype", default=None, choices=("bfloat16",),
+                        help="search on a copy of the model in this dtype (all three alike; editors.search_copy)")
     args = parser.parse_args(argv)
 
     config = MEMITConfig(progress=False)
@@ -96,21 +99,24 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         v_init = layer.forward_value(keys)  # [F, d_out]
     search = {"steps": config.steps, "lr": config.lr, "early_stop_loss": config.early_stop_loss}
-    autocast = getattr(torch, args.autocast) if args.autocast else None
+    dtype = search_dtype(args.value_dtype)
+    if dtype is not None:  # keys and v₀ above come from the float32 model, as in MEMIT.compute
+        pg = SearchCopy(pg, tokenizer, dtype).graph()
+        layer = resolve_layer(pg, node)
     terms = {"kl_factor": config.kl_factor, "weight_decay": config.weight_decay, "clamp_factor": config.clamp_factor}
     n_single = min(args.single, len(requests))
 
     t0 = time.perf_counter()
-    with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+    with search_attention(pg):  # ROME's path gets the attention backend the batched search uses
         alone = [optimize_value(ValueObjective(pg, tokenizer, layer, requests[i], templates, v_init[i], **terms),
                                 **search) for i in range(n_single)]
     t1 = time.perf_counter()
     ones = [optimize_values(BatchValueObjective(pg, tokenizer, layer, [requests[i]], templates, v_init[i : i + 1],
-                                                max_tokens=max_tokens, autocast=autocast, **terms), **search)[0]
+                                                max_tokens=max_tokens, **terms), **search)[0]
             for i in range(n_single)]
     t2 = time.perf_counter()
     together = optimize_values(BatchValueObjective(pg, tokenizer, layer, requests, templates, v_init,
-                                                   max_tokens=max_tokens, autocast=autocast, **terms), **search)
+                                                   max_tokens=max_tokens, **terms), **search)
     t3 = time.perf_counter()
 
     def summary(results: list, seconds: float) -> dict:
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "value_prefixes": len(templates),
         "value_prompts_per_fact": len(templates) + 1,
         "max_tokens": max_tokens,
-        "autocast": args.autocast,
+        "value_dtype": args.value_dtype,
         "one_at_a_time": single,
         "batch_of_one": batch_of_one,
         "batched": batched,

@@ -58,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "context_activations": "keys",
     "generate_context_prefixes": "keys",
     "LinearLayer": "layers",
+    "editable_graph": "layers",
     "resolve_layer": "layers",
     "DEFAULT_SMOLLM2_NODES": "defaults",
     "MEMIT": "memit",

@@ -13,35 +13,54 @@ one-at-a-time searches would return, up to float rounding (``tests/test_batch_va
 
 Logits are computed only where the terms read them (:func:`editors.selected_logits.logits_at`), and a step whose rows
 exceed ``max_tokens`` tokens runs as several forward/backward passes whose gradients add up before the one optimizer
-step (memory: SmolLM2-135M keeps ~40 kB of activations per token and layer for the backward pass).
+step (memory: SmolLM2-135M keeps ~40 kB of activations per token and layer for the backward pass). A model in
+bfloat16/float16 on CPU runs its attention with PyTorch's math backend (matrix products) during the search: the fused
+CPU kernel's reduced-precision backward took 43 % of a bfloat16 step (docs/memit.md); the search in a bfloat16 copy of
+a float32 model is :mod:`editors.search_copy`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gradpatch import AddPatch
 from gradpatch.finite import StepGuard
 
 from .counterfact import EditRequest
 from .keys import ContextTemplates
-from .layers import LinearLayer, model_device
+from .layers import LinearLayer, model_device, model_dtype
 from .prefix_cache import PrefixCache, quiet_extraction, supports_prefix_cache
 from .selected_logits import logits_at, output_embedding_input_node
 from .tokens import pad_token_id, right_pad
 from .value import KL_PROMPT, ValuePrompts, ValueResult, encode_value_prompts, frozen_parameters, value_terms
 
-__all__ = ["BatchValueObjective", "optimize_values"]
+__all__ = ["BatchValueObjective", "math_attention", "optimize_values", "search_attention"]
 
 #: Tokens (rows × padded width) per group of facts evaluated together in the batched value search.
 DEFAULT_MAX_TOKENS = 4096
 #: Passes of rows of similar length a group of facts runs in (less padding than one batch).
 LENGTH_BUCKETS = 3
+#: Fewest rows per such pass: a pass has a fixed cost whatever its rows (graph dispatch, cache assembly), so a few
+#: facts' rows run as one pass (a lone fact's seven rows in three passes made its step slower than ROME's full pass).
+MIN_BUCKET_ROWS = 32
+
+
+def math_attention(pg: nn.Module) -> bool:
+    """Whether the value search runs ``pg``'s attention with PyTorch's math backend: a bfloat16/float16 model on CPU,
+    where the fused kernel's reduced-precision backward was 43 % of a search step (docs/memit.md)."""
+    return model_device(pg).type == "cpu" and model_dtype(pg) in (torch.bfloat16, torch.float16)
+
+
+def search_attention(pg: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """The attention backend of the value search's passes on ``pg`` (see :func:`math_attention`)."""
+    return sdpa_kernel([SDPBackend.MATH]) if math_attention(pg) else contextlib.nullcontext()
 
 
 class BatchValueObjective:
@@ -58,11 +77,6 @@ class BatchValueObjective:
         kl_prompts: templates of the essence prompts.
         max_tokens: tokens (rows × padded width) per forward/backward pass; a step runs as several passes when
             the active facts' rows need more (one fact's rows always share a pass).
-        autocast: run the forward and backward passes under ``torch.autocast`` in this dtype (``torch.bfloat16``:
-            matrix products in bfloat16, the loss terms in float32); ``None``: the model's own dtype. On CPUs with
-            AMX a bfloat16 matrix product alone is several times faster than a float32 one, but a whole
-            search measured only 1.24x faster (2 cores, docs/memit.md) and follows another trajectory; ``δ`` stays
-            float32.
         prefix_cache: compute each row's tokens before the subject's last one once, as a KV cache
             (:class:`editors.prefix_cache.PrefixCache`: they do not depend on ``δ``), and run only the rest at each
             step; used when the model takes a cache (:func:`editors.prefix_cache.supports_prefix_cache`), full passes
@@ -76,8 +90,7 @@ class BatchValueObjective:
     def __init__(self, pg: nn.Module, tokenizer: Any, layer: LinearLayer, requests: Sequence[EditRequest],
                  templates: ContextTemplates, v_init: torch.Tensor, kl_factor: float = 0.0625,
                  weight_decay: float = 1e-3, clamp_factor: float = 4.0, kl_prompts: tuple[str, ...] = (KL_PROMPT,),
-                 max_tokens: int = DEFAULT_MAX_TOKENS, autocast: torch.dtype | None = None,
-                 prefix_cache: bool = True) -> None:
+                 max_tokens: int = DEFAULT_MAX_TOKENS, prefix_cache: bool = True) -> None:
         if tuple(v_init.shape) != (len(requests), layer.d_out):
             raise ValueError(f"v_init is {list(v_init.shape)}; expected [{len(requests)}, {layer.d_out}] "
                              f"(one v₀ per request)")
@@ -86,8 +99,9 @@ class BatchValueObjective:
         self.pg, self.layer, self.requests = pg, layer, list(requests)
         self.kl_factor, self.weight_decay, self.clamp_factor = kl_factor, weight_decay, clamp_factor
         self.v_init = v_init.detach()
-        self.max_tokens, self.autocast = max_tokens, autocast
+        self.max_tokens = max_tokens
         self.device = model_device(pg)
+        self.math_attention = math_attention(pg)
         self.pad = pad_token_id(tokenizer)
         self.prompts: list[ValuePrompts] = []
         for i, request in enumerate(self.requests):
@@ -106,21 +120,27 @@ class BatchValueObjective:
 
     def chunks(self, facts: Sequence[int]) -> list[list[int]]:
         """Split ``facts`` into groups whose rows fit ``max_tokens`` (rows × widest row) per pass, facts of similar
-        length together (less padding; the facts' losses are independent, so the grouping changes no result)."""
+        length together (less padding; the facts' losses are independent, so the grouping changes no result). With
+        the prefix cache a row's width is its tokens from the subject's last one on (what a step runs)."""
         groups: list[list[int]] = []
         current: list[int] = []
         rows = width = 0
-        for fact in sorted(facts, key=lambda f: max(len(s) for s in self.prompts[f].sequences)):
-            sequences = self.prompts[fact].sequences
-            new_rows, new_width = rows + len(sequences), max(width, max(len(s) for s in sequences))
+        for fact in sorted(facts, key=self._width):
+            new_rows, new_width = rows + len(self.prompts[fact].sequences), max(width, self._width(fact))
             if current and new_rows * new_width > self.max_tokens:
                 groups.append(current)
-                current, new_rows, new_width = [], len(sequences), max(len(s) for s in sequences)
+                current, new_rows, new_width = [], len(self.prompts[fact].sequences), self._width(fact)
             current.append(fact)
             rows, width = new_rows, new_width
         if current:
             groups.append(current)
         return groups
+
+    def _width(self, fact: int) -> int:
+        """Tokens of ``fact``'s longest row at each step (from the subject's last token on with the prefix cache)."""
+        prompts = self.prompts[fact]
+        starts = prompts.subject_positions if self.prefix_cache is not None else [0] * len(prompts.sequences)
+        return max(len(sequence) - start for sequence, start in zip(prompts.sequences, starts))
 
     def loss(self, delta: torch.Tensor, facts: Sequence[int]) -> dict[str, torch.Tensor]:
         """The terms of ``facts`` (one forward pass; differentiable with respect to ``delta``).
@@ -142,7 +162,7 @@ class BatchValueObjective:
         device = self.device
         fact_ids = torch.tensor(list(facts), device=device)
         values = delta[fact_ids][batch["row_fact"]]  # [rows, d_out]: each row gets its own fact's δ
-        with torch.autocast(device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
+        with search_attention(self.pg):
             logits = self._logits(sequences, keys, values, batch["patch_cols"], batch["read_rows"],
                                   batch["read_cols"])
         log_probs = torch.log_softmax(logits.float(), dim=-1)  # [target tokens + KL prompts, vocab]
@@ -159,13 +179,14 @@ class BatchValueObjective:
     def _logits(self, sequences: list[list[int]], keys: list[tuple[int, int]], values: torch.Tensor,
                 patch_cols: torch.Tensor, read_rows: torch.Tensor, read_cols: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab]`` at ``(read_rows, read_cols)`` with ``values[r]`` added at row ``r``'s
-        ``patch_cols[r]``. The rows run in :data:`LENGTH_BUCKETS` passes of rows of similar length (a fact's prompts
-        range from its KL prompt to ten-token prefixes: one padded batch would be a quarter padding); the passes share
-        one autograd graph, so the caller's backward covers them all. With the prefix cache each row runs from its
-        ``patch_cols`` on (``keys`` name the rows' cached prefixes)."""
+        ``patch_cols[r]``. The rows run in up to :data:`LENGTH_BUCKETS` passes of rows of similar length, each of at
+        least :data:`MIN_BUCKET_ROWS` rows (a fact's prompts range from its KL prompt to ten-token prefixes: one padded
+        batch would be a quarter padding); the passes share one autograd graph, so the caller's backward covers them
+        all. With the prefix cache each row runs from its ``patch_cols`` on (``keys`` name the rows' cached
+        prefixes)."""
         splits = patch_cols.tolist() if self.prefix_cache is not None else [0] * len(sequences)
         order = sorted(range(len(sequences)), key=lambda r: len(sequences[r]) - splits[r])
-        size = -(-len(order) // LENGTH_BUCKETS)
+        size = -(-len(order) // max(1, min(LENGTH_BUCKETS, len(order) // MIN_BUCKET_ROWS)))
         rows_of_read = read_rows.tolist()
         parts, placed = [], []
         for start in range(0, len(order), size):

@@ -21,9 +21,14 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .errors import LayerKindError
+from gradpatch import PatchableGraph
 
-__all__ = ["LinearLayer", "model_device", "resolve_layer", "resolve_module", "wrapped_model"]
+from .errors import LayerKindError
+from .tokens import pad_token_id, right_pad
+
+__all__ = [
+    "LinearLayer", "editable_graph", "model_device", "model_dtype", "resolve_layer", "resolve_module", "wrapped_model",
+]
 
 
 def wrapped_model(target: nn.Module) -> nn.Module:
@@ -37,6 +42,23 @@ def model_device(target: nn.Module) -> torch.device:
     parameter that is not an offloaded (meta) placeholder; CPU if it has none."""
     parameter = next((p for p in wrapped_model(target).parameters() if not p.is_meta), None)
     return torch.device("cpu") if parameter is None else parameter.device
+
+
+def editable_graph(model: nn.Module, tokenizer: Any) -> PatchableGraph:
+    """A :class:`gradpatch.PatchableGraph` of a causal LM for editing, in ``eval()``: built on a right-padded batch of
+    two prompts with ``use_cache=False``, so any batch size and length runs without a new extraction."""
+    texts = ["The capital of France is", "The Eiffel Tower is located in the city of"]
+    ids, _ = right_pad([list(tokenizer(t)["input_ids"]) for t in texts], pad_token_id(tokenizer))
+    with torch.no_grad():
+        pg = PatchableGraph(model, ids.to(model_device(model)), use_cache=False)
+    return pg.eval()
+
+
+def model_dtype(target: nn.Module) -> torch.dtype:
+    """The dtype of ``target``'s first floating-point parameter (a PatchableGraph's or a plain model's); float32 if it
+    has none."""
+    parameter = next((p for p in wrapped_model(target).parameters() if p.is_floating_point()), None)
+    return torch.float32 if parameter is None else parameter.dtype
 
 
 def resolve_module(target: nn.Module, node_path: str) -> nn.Module:

@@ -27,15 +27,13 @@ from editors import ROME, CounterFactCase, Edit, EditRequest, evaluate_cases
 from editors.defaults import DEFAULT_SMOLLM2_NODE
 from editors.layers import model_device
 from editors.scoring import mean_target_logprobs
-from editors.tokens import pad_token_id, right_pad
-from gradpatch import PatchableGraph
 
 from .errors import RecipeConfigError
 from .generation import greedy_generate
 from .logger import generations_table
 from .rome_value import LightningValueRunner
 
-__all__ = ["ROMERun", "build_editable_graph", "edit_node", "evaluate_rome", "rewrite_probabilities", "run_rome"]
+__all__ = ["ROMERun", "edit_node", "evaluate_rome", "rewrite_probabilities", "run_rome"]
 
 
 @dataclass
@@ -80,16 +78,6 @@ def edit_node(model_path: str | None, node: str | None) -> str:
             "model.layers_4.mlp.down_proj (Llama) or transformer.h_17.mlp.c_proj (GPT-2 XL); "
             "`gradpatch graph --model PATH` prints the node tree")
     return DEFAULT_SMOLLM2_NODE
-
-
-def build_editable_graph(model: nn.Module, tokenizer: Any) -> PatchableGraph:
-    """A :class:`gradpatch.PatchableGraph` of a causal LM for editing, in ``eval()``: built on a right-padded batch of
-    two prompts with ``use_cache=False``, so any batch size and length runs without a new extraction."""
-    texts = ["The capital of France is", "The Eiffel Tower is located in the city of"]
-    ids, _ = right_pad([list(tokenizer(t)["input_ids"]) for t in texts], pad_token_id(tokenizer))
-    with torch.no_grad():
-        pg = PatchableGraph(model, ids.to(model_device(model)), use_cache=False)
-    return pg.eval()
 
 
 def rewrite_probabilities(pg: nn.Module, tokenizer: Any, request: EditRequest) -> dict[str, float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import editors.batch_value as batch_value
 from editors import ContextTemplates, EditRequest, ValueObjective, compute_key, optimize_value, resolve_layer
 from editors.batch_value import BatchValueObjective, optimize_values
 from editors.capture import node_activations
@@ -39,8 +40,10 @@ def _setup(kind: str = "llama"):
 @pytest.mark.parametrize("kind", sorted(NODES))
 @pytest.mark.parametrize("max_tokens", [40, 4096])  # one fact per pass, and all four in one pass
 @pytest.mark.parametrize("prefix_cache", [True, False])
-def test_batched_search_returns_the_one_fact_searches_deltas(kind, max_tokens, prefix_cache):
+def test_batched_search_returns_the_one_fact_searches_deltas(kind, max_tokens, prefix_cache, monkeypatch):
     pg, tok, layer, v0 = _setup(kind)
+    if max_tokens == 4096:  # all 16 rows in one group: run them as three length buckets (a lone fact's run as one)
+        monkeypatch.setattr(batch_value, "MIN_BUCKET_ROWS", 1)
     # A threshold that stops some facts early and not others, so rows freeze at different steps.
     early_stop = 4.0
     singles = [optimize_value(ValueObjective(pg, tok, layer, r, TEMPLATES, v0[i], clamp_factor=500.0), steps=12,
@@ -50,7 +53,8 @@ def test_batched_search_returns_the_one_fact_searches_deltas(kind, max_tokens, p
     seen: list[int] = []
     batched = optimize_values(objective, steps=12, early_stop_loss=early_stop,
                               callback=lambda step, terms: seen.append(len(terms)))
-    assert len(objective.chunks(range(4))) == (4 if max_tokens == 40 else 1)
+    groups = len(objective.chunks(range(4)))  # with the cache a row counts only the tokens a step runs
+    assert groups == 1 if max_tokens == 4096 else (1 < groups < 4 if prefix_cache else groups == 4)
     assert sorted({s.steps for s in singles}) != [12], "the threshold should stop some facts early"
     for single, many in zip(singles, batched):
         assert many.steps == single.steps
@@ -138,16 +142,3 @@ def test_context_activations_match_compute_key_and_separate_captures():
     assert torch.equal(both[1], node_activations(pg, [layer.input_node], ids)[0])
     assert torch.equal(both[0], node_activations(pg, [residual], ids)[0])
 
-
-def test_bfloat16_autocast_search_follows_the_float32_one():
-    pg, tok, layer, v0 = _setup()
-    runs = {}
-    for dtype in (None, torch.bfloat16):
-        objective = BatchValueObjective(pg, tok, layer, REQUESTS, TEMPLATES, v0, clamp_factor=500.0, autocast=dtype)
-        runs[dtype] = optimize_values(objective, steps=8, early_stop_loss=0.0)
-    for exact, fast in zip(runs[None], runs[torch.bfloat16]):
-        assert fast.delta.dtype == torch.float32 and fast.steps == exact.steps == 8
-        assert fast.history[-1]["loss"] == pytest.approx(exact.history[-1]["loss"], rel=0.05)
-        assert fast.history[-1]["loss"] < fast.history[0]["loss"]
-        cosine = torch.nn.functional.cosine_similarity(fast.delta, exact.delta, dim=0)
-        assert float(cosine) > 0.95

@@ -122,7 +122,8 @@ def test_neighborhood_prompts_about_subjects_edited_in_the_group_are_left_out():
 
 
 @pytest.mark.parametrize("method, extra", [
-    ("memit", ["--batch-size", "3", "--nodes", "transformer.h_0.mlp.c_proj,transformer.h_1.mlp.c_proj"]),
+    ("memit", ["--batch-size", "3", "--nodes", "transformer.h_0.mlp.c_proj,transformer.h_1.mlp.c_proj",
+               "--value-dtype", "bfloat16"]),
     ("alphaedit", ["--batch-size", "2", "--sequential", "2", "--nodes", "transformer.h_0.mlp.c_proj",
                    "--nullspace-threshold", "0.5"]),
     ("rome", ["--batch-size", "2", "--sequential", "2", "--node", NODE]),

@@ -32,13 +32,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from editors import ROME, CounterFactCase, ROMEConfig, load_cases
+from editors import ROME, CounterFactCase, ROMEConfig, editable_graph, load_cases
 from editors.causal_trace import KINDS, TraceResult, causal_trace, save_trace
 from editors.defaults import DEFAULT_N_SAMPLES
 from editors.progress import ProgressBar
 from gradpatch.models import EMBEDDED_MODEL_NAME, default_device, load_model
 from recipes.errors import RecipeConfigError
-from recipes.rome_recipe import ROMERun, build_editable_graph, edit_node, evaluate_rome, run_rome
+from recipes.rome_recipe import ROMERun, edit_node, evaluate_rome, run_rome
 from recipes.rome_value import LightningValueRunner
 from recipes.trace_tensorboard import log_trace_to_tensorboard
 
@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"[1/5] loading {model_name} on {device} and building its PatchableGraph")
     t = time.perf_counter()
     model, tokenizer = load_model(args.model, device=device)
-    pg = build_editable_graph(model, tokenizer)
+    pg = editable_graph(model, tokenizer)
     seconds["load"] = time.perf_counter() - t
 
     print(f"[2/5] causal trace of {TRACE_PROMPT.format(TRACE_SUBJECT)!r}")

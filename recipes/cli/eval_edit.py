@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from editors.defaults import DEFAULT_SMOLLM2_NODE, DEFAULT_SMOLLM2_NODES
+from editors.defaults import DEFAULT_SMOLLM2_MOM2_UPDATE_WEIGHT, DEFAULT_SMOLLM2_NODE, DEFAULT_SMOLLM2_NODES
 
 from .options import add_edit_options, usage_error
 
@@ -55,12 +55,10 @@ def _nodes(args: argparse.Namespace) -> list[str] | None:
 
 def run_eval_edit(args: argparse.Namespace) -> int:
     """Run ``eval-edit`` (see the module docstring); returns the exit status."""
-    from editors import AlphaEdit, AlphaEditConfig, MEMIT, MEMITConfig, ROME, ROMEConfig, load_cases
+    from editors import AlphaEdit, AlphaEditConfig, MEMIT, MEMITConfig, ROME, ROMEConfig, editable_graph, load_cases
     from editors.evaluate_batches import batch_applier, evaluate_sequential, rome_applier
     from gradpatch.files import atomic_write_text
     from gradpatch.models import default_device, load_model
-
-    from ..rome_recipe import build_editable_graph
 
     nodes = _nodes(args)
     if nodes is None:
@@ -75,7 +73,7 @@ def run_eval_edit(args: argparse.Namespace) -> int:
         cases = cases[: args.n_cases]
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device or default_device())
-    pg = build_editable_graph(model, tokenizer)
+    pg = editable_graph(model, tokenizer)
     common: dict[str, Any] = {"n_samples": args.n_samples, "steps": args.steps, "cache_dir": args.cache_dir,
                               "progress": not args.quiet, "allow_unconverged": True,
                               "keys_per_context": args.keys_per_context}
@@ -87,7 +85,9 @@ def run_eval_edit(args: argparse.Namespace) -> int:
     else:
         if args.mom2_update_weight is not None:
             common["mom2_update_weight"] = args.mom2_update_weight
-        common["value_autocast"] = args.value_autocast
+        elif args.model is None:  # the embedded SmolLM2: its development-split λ
+            common["mom2_update_weight"] = DEFAULT_SMOLLM2_MOM2_UPDATE_WEIGHT
+        common["value_dtype"] = args.value_dtype
         if args.method == "memit":
             editor = MEMIT(pg, tokenizer, nodes, config=MEMITConfig(**common), corpus=args.corpus)
         else:
@@ -140,12 +140,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--sequential", type=int, default=1, metavar="K",
                    help="batches applied one after another before scoring (default %(default)s)")
     p.add_argument("--n-cases", type=int, default=None, metavar="N", help="only the first N cases")
-    p.add_argument("--mom2-update-weight", type=float, default=None, metavar="λ", help="MEMIT's λ (eq. 14)")
+    p.add_argument("--mom2-update-weight", type=float, default=None, metavar="λ",
+                   help=f"MEMIT's λ (eq. 14; default {DEFAULT_SMOLLM2_MOM2_UPDATE_WEIGHT:g} on the embedded SmolLM2, "
+                        f"MEMITConfig's 15000 with --model)")
     p.add_argument("--nullspace-threshold", type=float, default=None, help="AlphaEdit's eigenvalue threshold")
     p.add_argument("--keys-per-context", action="store_true",
                    help="solve for every context prompt's key instead of their average (ROME, MEMIT, AlphaEdit)")
-    p.add_argument("--value-autocast", default=None, choices=("bfloat16",),
-                   help="MEMIT/AlphaEdit: run the batched value search under torch.autocast in this dtype")
+    p.add_argument("--value-dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="MEMIT/AlphaEdit: run the batched value search on a copy of the model in this dtype "
+                        "(bfloat16 on a float32 model on CPU: faster; default: the model itself)")
     add_edit_options(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run_eval_edit)

@@ -25,12 +25,12 @@ NAME = "eval-rome"
 
 def run_eval_rome(args: argparse.Namespace) -> int:
     """Run ``eval-rome`` (see the module docstring); returns the exit status."""
-    from editors import ROME, ROMEConfig, load_cases
+    from editors import ROME, ROMEConfig, editable_graph, load_cases
     from gradpatch.files import atomic_write_text
     from gradpatch.models import default_device, load_model
 
     from ..errors import RecipeConfigError
-    from ..rome_recipe import build_editable_graph, edit_node, evaluate_rome
+    from ..rome_recipe import edit_node, evaluate_rome
     from ..rome_value import LightningValueRunner
 
     try:
@@ -42,7 +42,7 @@ def run_eval_rome(args: argparse.Namespace) -> int:
         cases = cases[: args.limit]
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device or default_device())
-    pg = build_editable_graph(model, tokenizer)
+    pg = editable_graph(model, tokenizer)
     config = ROMEConfig(n_samples=args.n_samples, steps=args.steps, cache_dir=args.cache_dir,
                         progress=not args.quiet)
     rome = ROME(pg, tokenizer, node, config=config, corpus=args.corpus, value_runner=LightningValueRunner())

@@ -26,13 +26,13 @@ NAME = "rome"
 
 def _run_rome(args: argparse.Namespace) -> int:
     """Run ``gradpatch rome`` (see the module docstring); returns the exit status."""
-    from editors import ROME, EditRequest, ROMEConfig
+    from editors import ROME, EditRequest, ROMEConfig, editable_graph
     from editors.errors import EditNotConvergedError, SubjectNotFoundError
     from gradpatch.errors import NonFiniteError
     from gradpatch.models import default_device, load_model
 
     from ..errors import RecipeConfigError
-    from ..rome_recipe import build_editable_graph, edit_node, run_rome
+    from ..rome_recipe import edit_node, run_rome
     from ..rome_value import LightningValueRunner
 
     try:
@@ -43,7 +43,7 @@ def _run_rome(args: argparse.Namespace) -> int:
         return usage_error(NAME, error)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device or default_device())
-    pg = build_editable_graph(model, tokenizer)
+    pg = editable_graph(model, tokenizer)
     t1 = time.perf_counter()
     runner = LightningValueRunner(logdir=args.logdir, name="rome", progress=not args.quiet)
     config = ROMEConfig(n_samples=args.n_samples, steps=args.steps, cache_dir=args.cache_dir, progress=not args.quiet,
