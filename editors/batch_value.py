@@ -125,11 +125,13 @@ class BatchValueObjective:
         groups: list[list[int]] = []
         current: list[int] = []
         rows = width = 0
-        for fact in sorted(facts, key=self._width):
-            new_rows, new_width = rows + len(self.prompts[fact].sequences), max(width, self._width(fact))
+        widths = {fact: self._width(fact) for fact in facts}
+        for fact in sorted(facts, key=widths.__getitem__):
+            fact_rows = len(self.prompts[fact].sequences)
+            new_rows, new_width = rows + fact_rows, max(width, widths[fact])
             if current and new_rows * new_width > self.max_tokens:
                 groups.append(current)
-                current, new_rows, new_width = [], len(self.prompts[fact].sequences), self._width(fact)
+                current, new_rows, new_width = [], fact_rows, widths[fact]
             current.append(fact)
             rows, width = new_rows, new_width
         if current:
