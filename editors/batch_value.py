@@ -38,6 +38,7 @@ from .keys import ContextTemplates
 from .layers import LinearLayer, model_device, model_dtype
 from .prefix_cache import PrefixCache, quiet_extraction, supports_prefix_cache
 from .selected_logits import logits_at, output_embedding_input_node
+from .token_log_probs import token_log_probs
 from .tokens import pad_token_id, right_pad
 from .value import KL_PROMPT, ValuePrompts, ValueResult, encode_value_prompts, frozen_parameters, value_terms
 
@@ -164,24 +165,34 @@ class BatchValueObjective:
         device = self.device
         fact_ids = torch.tensor(list(facts), device=device)
         values = delta[fact_ids][batch["row_fact"]]  # [rows, d_out]: each row gets its own fact's δ
-        with search_attention(self.pg):
-            logits = self._logits(sequences, keys, values, batch["patch_cols"], batch["read_rows"],
-                                  batch["read_cols"])
-        log_probs = torch.log_softmax(logits.float(), dim=-1)  # [target tokens + KL prompts, vocab]
         n_tokens = len(batch["tokens"])
-        token_lp = log_probs[torch.arange(n_tokens, device=device), batch["tokens"]]
+        token_parts, token_reads, kl_parts, kl_reads = [], [], [], []
+        with search_attention(self.pg):
+            passes = self._logits(sequences, keys, values, batch["patch_cols"], batch["read_rows"],
+                                  batch["read_cols"])
+        for logits, reads in passes:  # each pass's target-token reads come before its KL reads
+            n_target = int((reads < n_tokens).sum())
+            target_logits, kl_logits = logits.split([n_target, len(reads) - n_target])  # (slices' backward: 2 fills)
+            token_parts.append(token_log_probs(target_logits, batch["tokens"][reads[:n_target]]))
+            kl_parts.append(torch.log_softmax(kl_logits.float(), dim=-1))
+            token_reads.append(reads[:n_target])
+            kl_reads.append(reads[n_target:] - n_tokens)
+        token_lp = _in_read_order(torch.cat(token_parts), torch.cat(token_reads))  # [target tokens]
+        kl_lp = _in_read_order(torch.cat(kl_parts), torch.cat(kl_reads))  # [KL prompts, vocab]
         n_prompts = len(batch["prompt_fact"])
         per_prompt = (token_lp.new_zeros(n_prompts).index_add(0, batch["token_prompt"], token_lp)
                       / batch["prompt_lengths"])
-        kl_lp = log_probs[n_tokens:]
         reference = self._kl_reference(facts, kl_lp, delta)
         return value_terms(per_prompt, batch["prompt_fact"], kl_lp, reference, batch["kl_fact"], delta[fact_ids],
                            self.v_init[fact_ids], self.kl_factor, self.weight_decay)
 
     def _logits(self, sequences: list[list[int]], keys: list[tuple[int, int]], values: torch.Tensor,
-                patch_cols: torch.Tensor, read_rows: torch.Tensor, read_cols: torch.Tensor) -> torch.Tensor:
-        """Logits ``[n, vocab]`` at ``(read_rows, read_cols)`` with ``values[r]`` added at row ``r``'s
-        ``patch_cols[r]``. The rows run in up to :data:`LENGTH_BUCKETS` passes of rows of similar length, each of at
+                patch_cols: torch.Tensor, read_rows: torch.Tensor, read_cols: torch.Tensor
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Logits at ``(read_rows, read_cols)`` with ``values[r]`` added at row ``r``'s ``patch_cols[r]``, per pass:
+        ``(logits [m, vocab], reads [m])``, ``reads`` the ascending indices into ``read_rows`` of the pass's rows
+        (the logits are not gathered into one tensor in read order: that copy and its backward pass cost as much as
+        the log-softmax). The rows run in up to :data:`LENGTH_BUCKETS` passes of rows of similar length, each of at
         least :data:`MIN_BUCKET_ROWS` rows (a fact's prompts range from its KL prompt to ten-token prefixes: one padded
         batch would be a quarter padding); the passes share one autograd graph, so the caller's backward covers them
         all. With the prefix cache each row runs from its ``patch_cols`` on (``keys`` name the rows' cached
@@ -190,7 +201,7 @@ class BatchValueObjective:
         order = sorted(range(len(sequences)), key=lambda r: len(sequences[r]) - splits[r])
         size = -(-len(order) // max(1, min(LENGTH_BUCKETS, len(order) // MIN_BUCKET_ROWS)))
         rows_of_read = read_rows.tolist()
-        parts, placed = [], []
+        parts = []
         for start in range(0, len(order), size):
             rows = order[start : start + size]
             local = {row: i for i, row in enumerate(rows)}
@@ -209,14 +220,12 @@ class BatchValueObjective:
             patch = AddPatch(value=values[index], slice=(torch.arange(len(rows), device=self.device),
                                                          patch_cols[index] - offsets))
             local_rows = torch.tensor([local[rows_of_read[j]] for j in picks], device=self.device)
+            reads = torch.tensor(picks, device=self.device)
             with quiet_extraction():
-                parts.append(logits_at(self.pg, inputs.pop("input_ids"), local_rows,
-                                       read_cols[torch.tensor(picks, device=self.device)] - offsets[local_rows],
-                                       {self.layer.output_node: patch}, head_node=self.head_node, model_kwargs=inputs))
-            placed += picks
-        inverse = torch.empty(len(placed), dtype=torch.long, device=self.device)
-        inverse[torch.tensor(placed, device=self.device)] = torch.arange(len(placed), device=self.device)
-        return torch.cat(parts)[inverse]
+                logits = logits_at(self.pg, inputs.pop("input_ids"), local_rows, read_cols[reads] - offsets[local_rows],
+                                   {self.layer.output_node: patch}, head_node=self.head_node, model_kwargs=inputs)
+            parts.append((logits, reads))
+        return parts
 
     def _batch(self, facts: Sequence[int]) -> tuple[list[list[int]], list[tuple[int, int]], dict[str, torch.Tensor]]:
         """The rows of ``facts``, their keys ``(fact, prompt)`` and the positions the terms read: every target
@@ -284,6 +293,11 @@ class BatchValueObjective:
         max_norm = self.clamp_factor * self.v_init.norm(dim=-1, keepdim=True)  # [F, 1]
         norm = delta.norm(dim=-1, keepdim=True)
         delta.mul_(torch.where(norm > max_norm, max_norm / norm.clamp_min(1e-30), torch.ones_like(norm)))
+
+
+def _in_read_order(values: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
+    """``values`` (rows in pass order, row ``i`` read ``reads[i]``) with its rows put in read order."""
+    return values[torch.argsort(reads)]
 
 
 #: ``callback(step, {fact: terms})``: called once per step with the terms (floats) of every fact evaluated.

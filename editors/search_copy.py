@@ -32,6 +32,17 @@ __all__ = ["SEARCH_DTYPES", "SearchCopy", "search_dtype"]
 SEARCH_DTYPES = ("bfloat16", "float16", "float32")
 
 
+def _cpu_search_attention(model: nn.Module) -> str | None:
+    """Switch a transformers model on the CPU to its eager (matrix-product) attention; return the implementation it
+    now uses (``None``: not a transformers model, or not on the CPU: left as it was). A 100-fact bfloat16 step took
+    4.50 s with eager attention, 5.57 s with scaled-dot-product attention's math backend (docs/memit.md)."""
+    setter = getattr(model, "set_attn_implementation", None)
+    if not callable(setter) or next(model.parameters()).device.type != "cpu":
+        return None
+    setter("eager")
+    return "eager"
+
+
 def search_dtype(name: str | None) -> torch.dtype | None:
     """``torch.bfloat16`` for ``"bfloat16"`` (any of :data:`SEARCH_DTYPES`); ``None`` for ``None``.
 
@@ -53,6 +64,10 @@ class SearchCopy:
         tokenizer: its tokenizer (for the copy's example inputs).
         dtype: the copy's floating-point dtype.
 
+    Attributes:
+        attention: the copy's attention implementation when the search switched it (``"eager"`` on the CPU, the
+            faster there: docs/memit.md); ``None`` when left as the model's.
+
     Raises:
         EditError: the model's weights cannot be copied as plain tensors on one device (quantized, offloaded to the
             meta device, or spread over several devices): search in the model's own dtype (``value_dtype=None``).
@@ -70,6 +85,7 @@ class SearchCopy:
         self.copy = copy.deepcopy(self.model).eval()
         for parameter in self.copy.parameters():  # buffers keep their dtype (rotary frequencies stay float32)
             parameter.data = parameter.data.to(dtype)
+        self.attention = _cpu_search_attention(self.copy)
         self.pg = editable_graph(self.copy, tokenizer)
 
     def graph(self) -> nn.Module:

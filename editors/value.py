@@ -38,7 +38,8 @@ from gradpatch.finite import StepGuard
 from .counterfact import EditRequest
 from .keys import ContextTemplates
 from .layers import LinearLayer, model_device, wrapped_model
-from .scoring import logits_of
+from .selected_logits import logits_at, output_embedding_input_node
+from .token_log_probs import token_log_probs
 from .tokens import EncodedPrompt, encode_prompt_target, encode_subject_prompt, format_with_span, pad_token_id, right_pad
 
 __all__ = ["ValueObjective", "ValuePrompts", "ValueResult", "ValueRunner", "encode_value_prompts", "frozen_parameters",
@@ -141,7 +142,9 @@ class ValueObjective:
     """The loss of eq. 4 as a function of the delta ``δ`` ``[d_out]`` added at the subject's last token.
 
     One right-padded batch holds the ``N`` rewriting prompts (context prefix + prompt + target tokens but the
-    last) followed by the KL prompt ``"{subject} is a"``; one forward pass gives every term.
+    last) followed by the KL prompt ``"{subject} is a"``; one forward pass gives every term, with the output
+    embedding run only at the positions the terms read (the target tokens, the KL prompt's last token) and the
+    target log-probabilities taken without a float32 log-softmax of every logit (:mod:`editors.token_log_probs`).
 
     Args:
         pg: the model's PatchableGraph.
@@ -190,6 +193,9 @@ class ValueObjective:
                                           dtype=torch.float32)
         self.kl_rows = torch.arange(n, len(prompts.sequences), device=self.device)
         self.kl_cols = (lengths[n:] - 1).to(self.device)
+        self.read_rows = torch.cat([self.target_rows, self.kl_rows])  # positions the terms read logits at
+        self.read_cols = torch.cat([self.target_cols, self.kl_cols])
+        self.head_node = output_embedding_input_node(pg)
         self.kl_reference: torch.Tensor | None = None  # log P(· | "{s} is a") with δ = 0, [n_kl, vocab]
 
     @property
@@ -197,10 +203,14 @@ class ValueObjective:
         """``clamp_factor · ‖v₀‖``."""
         return float(self.clamp_factor * self.v_init.norm())
 
-    def _logits(self, delta: torch.Tensor) -> torch.Tensor:
+    def _logits(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits at the target tokens' positions ``[n_target_tokens, vocab]`` and at the KL prompts' last positions
+        ``[n_kl, vocab]`` (the output embedding runs there only: :func:`editors.selected_logits.logits_at`)."""
         patch = AddPatch(value=delta, slice=self.patch_index)
-        with self.pg.patch({self.layer.output_node: patch}):
-            return logits_of(self.pg(self.input_ids, use_cache=False))
+        logits = logits_at(self.pg, self.input_ids, self.read_rows, self.read_cols, {self.layer.output_node: patch},
+                           head_node=self.head_node)
+        targets, kl = logits.split([len(self.target_tokens), len(self.kl_rows)])
+        return targets, kl
 
     def loss(self, delta: torch.Tensor) -> dict[str, torch.Tensor]:
         """All loss terms for ``δ`` (differentiable w.r.t. ``delta``).
@@ -217,22 +227,21 @@ class ValueObjective:
         """
         if self.kl_reference is None and bool(delta.detach().abs().max() > 0):
             with torch.no_grad():
-                self._set_kl_reference(self._logits(torch.zeros_like(delta)))
-        logits = self._logits(delta)
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
-        token_lp = log_probs[self.target_rows, self.target_cols, self.target_tokens]  # [n_target_tokens]
+                self._set_kl_reference(self._logits(torch.zeros_like(delta))[1])
+        target_logits, kl_logits = self._logits(delta)
+        token_lp = token_log_probs(target_logits, self.target_tokens)  # [n_target_tokens]
         per_prompt = torch.zeros_like(self.target_counts).index_add(0, self.target_rows, token_lp) / self.target_counts
-        kl_lp = log_probs[self.kl_rows, self.kl_cols]  # [n_kl, vocab]
+        kl_lp = torch.log_softmax(kl_logits.float(), dim=-1)  # [n_kl, vocab]
         if self.kl_reference is None:
-            self._set_kl_reference(logits)
+            self._set_kl_reference(kl_logits)
         prompt_fact = torch.zeros(len(per_prompt), dtype=torch.long, device=per_prompt.device)
         kl_fact = torch.zeros(len(kl_lp), dtype=torch.long, device=per_prompt.device)
         terms = value_terms(per_prompt, prompt_fact, kl_lp, self.kl_reference, kl_fact, delta.unsqueeze(0),
                             self.v_init.unsqueeze(0), self.kl_factor, self.weight_decay)
         return {name: value[0] for name, value in terms.items()}
 
-    def _set_kl_reference(self, logits: torch.Tensor) -> None:
-        self.kl_reference = torch.log_softmax(logits.detach().float(), dim=-1)[self.kl_rows, self.kl_cols]
+    def _set_kl_reference(self, kl_logits: torch.Tensor) -> None:
+        self.kl_reference = torch.log_softmax(kl_logits.detach().float(), dim=-1)
 
     @torch.no_grad()
     def project_(self, delta: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from editors import ContextTemplates, Corpus, EditRequest, compute_key, resolve_layer
 from editors.alphaedit import AlphaEdit, AlphaEditConfig
@@ -45,6 +46,12 @@ def test_bfloat16_copy_search_follows_the_float32_one():
     copy = SearchCopy(pg, tok, torch.bfloat16)
     fast_pg = copy.graph()
     assert model_dtype(fast_pg) == torch.bfloat16 and model_dtype(pg) == torch.float32
+    assert copy.attention == "eager"  # on the CPU the copy's attention is matrix products, the model's stays SDPA
+    ids = torch.randint(0, len(tok), (2, 5))
+    with torch.no_grad(), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):  # no CPU kernel: SDPA would fail here
+        fast_pg(ids, use_cache=False)
+        with pytest.raises(RuntimeError, match="scaled_dot_product_attention"):
+            pg(ids, use_cache=False)
     runs = {}
     for name, graph in (("exact", pg), ("fast", fast_pg)):
         objective = BatchValueObjective(graph, tok, resolve_layer(graph, NODE), REQUESTS, TEMPLATES, v0,
