@@ -11,12 +11,14 @@ row as it would move that fact's delta alone. Each fact stops when its loss is b
 frozen and its prompts leave the batch), as the one-fact search stops, so :func:`optimize_values` returns the deltas
 one-at-a-time searches would return, up to float rounding (``tests/test_batch_value.py``).
 
-Logits are computed only where the terms read them (:func:`editors.selected_logits.logits_at`), and a step whose rows
-exceed ``max_tokens`` tokens runs as several forward/backward passes whose gradients add up before the one optimizer
-step (memory: SmolLM2-135M keeps ~40 kB of activations per token and layer for the backward pass). A model in
-bfloat16/float16 on CPU runs its attention with PyTorch's math backend (matrix products) during the search: the fused
-CPU kernel's reduced-precision backward took 43 % of a bfloat16 step (docs/memit.md); the search in a bfloat16 copy of
-a float32 model is :mod:`editors.search_copy`.
+Logits are computed only where the terms read them (:func:`editors.selected_logits.logits_at`), the target tokens'
+log-probabilities without a float32 log-softmax of every logit (:func:`editors.token_log_probs.token_log_probs`), and
+a step whose rows exceed ``max_tokens`` tokens runs as several forward/backward passes whose gradients add up before
+the one optimizer step (memory: SmolLM2-135M keeps ~40 kB of activations per token and layer for the backward pass).
+A model in bfloat16/float16 on CPU runs its attention with PyTorch's math backend (matrix products) during the search:
+the fused CPU kernel's reduced-precision backward took 43 % of a bfloat16 step (docs/memit.md); the search in a
+bfloat16 copy of a float32 model is :mod:`editors.search_copy` (its copy uses transformers' eager attention on the CPU,
+faster still).
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ class BatchValueObjective:
                                   batch["read_cols"])
         for logits, reads in passes:  # each pass's target-token reads come before its KL reads
             n_target = int((reads < n_tokens).sum())
-            target_logits, kl_logits = logits.split([n_target, len(reads) - n_target])  # (slices' backward: 2 fills)
+            target_logits, kl_logits = logits.split([n_target, len(reads) - n_target])  # split: no zero-fill
             token_parts.append(token_log_probs(target_logits, batch["tokens"][reads[:n_target]]))
             kl_parts.append(torch.log_softmax(kl_logits.float(), dim=-1))
             token_reads.append(reads[:n_target])
