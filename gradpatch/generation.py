@@ -49,7 +49,8 @@ def generate(graph: Callable[..., Any], model: nn.Module, generation_config: Any
     Raises:
         TypeError: the model has no ``generate``.
         PatchShapeError: a patch value does not fit a forward pass (the message names the step); the caller's
-            cache, if one was passed, is cropped back to its length before that pass.
+            cache, if one was passed, is cropped back to its length before that pass (dynamic caches, and static
+            ones but for sliding-window layers).
     """
     if not hasattr(model, "generate"):
         raise TypeError(f"{type(model).__name__} has no generate(); it is not a transformers generation model")
@@ -98,9 +99,10 @@ def _graph_forward(graph: Callable[..., Any], model: nn.Module, progress: _Progr
 
 
 def _crop(cache: Any, length: int) -> None:
-    """Cut a dynamic cache back to ``length`` tokens, so no half-written step stays in the caller's cache: each
-    layer that got further loses its extra tokens (transformers ≥ 5 crops by a negative count per layer, earlier
-    versions the whole cache to a length). A static cache's later steps overwrite the positions themselves."""
+    """Cut a cache back to ``length`` tokens, so no half-written step stays in the caller's cache: each dynamic layer
+    that got further loses its extra tokens (transformers ≥ 5 crops by a negative count per layer, earlier versions
+    the whole cache to a length), and each static full-attention layer is rewound (:func:`_rewind_static_layer`).
+    A static sliding-window layer, whose positions wrap around, is left as it is."""
     layers = getattr(cache, "layers", None)
     try:
         if layers is None:
@@ -109,7 +111,22 @@ def _crop(cache: Any, length: int) -> None:
             return
         for layer in layers:
             extra = int(layer.get_seq_length()) - length
-            if extra > 0 and callable(getattr(layer, "crop", None)):
+            if extra <= 0:
+                continue
+            if callable(getattr(layer, "crop", None)):
                 layer.crop(-extra)
+            elif (isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
+                  and not getattr(layer, "is_sliding", False)):
+                _rewind_static_layer(layer, length)
     except (ValueError, NotImplementedError, AttributeError):
         pass
+
+
+def _rewind_static_layer(layer: Any, length: int) -> None:
+    """Rewind a transformers static cache layer (preallocated ``keys``/``values`` ``[batch, kv_heads, max_len,
+    head_dim]`` and a position counter ``cumulative_length``) to ``length`` tokens: the counter is set in place (its
+    address is static, for compiled decoding) and the positions from ``length`` on are zeroed, as a fresh layer has
+    them."""
+    layer.cumulative_length.fill_(length)
+    for states in (layer.keys, layer.values):
+        states[:, :, length:] = 0

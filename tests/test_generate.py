@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from gradpatch import AddPatch, CustomPatch, PatchableGraph, PatchShapeError, RecordPatch, ReplacePatch, ZeroPatch
 from gradpatch.positions import Tokens
@@ -100,3 +100,20 @@ def test_a_value_shaped_for_the_prompt_fails_at_the_first_step(setup):
             pg.generate(ids, max_new_tokens=3, past_key_values=cache, **GREEDY)
     assert cache.get_seq_length() == ids.shape[1]  # the failed step left nothing in the caller's cache
     assert torch.equal(pg.generate(ids, max_new_tokens=3, **GREEDY), model.generate(ids, max_new_tokens=3, **GREEDY))
+
+
+def test_a_failed_step_rewinds_a_static_cache_to_the_prompt(setup):
+    name, model, pg, ids = setup
+    node = NODES[name]["mlp"]
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
+    bad = torch.zeros(ids.shape[1], pg.node(node)._shape[-1])
+    with pytest.raises(PatchShapeError, match="generation step 1"):
+        with pg.patch({node: AddPatch(value=bad)}):
+            pg.generate(ids, max_new_tokens=3, past_key_values=cache, **GREEDY)
+    reference = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)  # the prompt's prefill alone
+    with torch.no_grad():
+        model(ids, past_key_values=reference, use_cache=True)
+    for got, want in zip(cache.layers, reference.layers, strict=True):
+        assert int(got.get_seq_length()) == int(want.get_seq_length()) == ids.shape[1]
+        torch.testing.assert_close(got.keys, want.keys)
+        torch.testing.assert_close(got.values, want.values)
