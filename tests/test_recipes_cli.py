@@ -118,3 +118,22 @@ def test_graph_command_draws_a_subtree_and_names_unknown_nodes(tmp_path, capsys)
     assert out.splitlines()[0].startswith("mlp") and "down_proj" in out and "weight" not in out
     assert cli.main(["graph", "--model", str(model_dir), "--node", "model.layers_0.mlpp"]) == 2
     assert "Closest valid NodePaths: model.layers_0.mlp" in capsys.readouterr().err
+
+
+def test_rome_command_exits_1_on_an_unconverged_edit_and_saves_nothing(tmp_path, capsys):
+    from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_gpt2
+
+    tok = byte_level_tokenizer()
+    model_dir = tmp_path / "model"
+    tiny_gpt2(len(tok)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(list(TOY_SENTENCES) * 4), encoding="utf-8")
+    save = tmp_path / "edit"
+    status = cli.main(["rome", "--model", str(model_dir), "--node", "transformer.h_0.mlp.c_proj", "--subject",
+                       "the old town", "--prompt", "I think the answer is {}", "--target-new", "Rome", "--corpus",
+                       str(corpus), "--n-samples", "32", "--steps", "1", "--cache-dir", str(tmp_path / "cache"),
+                       "--logdir", str(tmp_path / "runs"), "--save", str(save), "--quiet"])
+    assert status == 1  # one step: its last loss is its first, so the search did not converge
+    assert "did not converge" in capsys.readouterr().err
+    assert not save.exists()
