@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     terms = {"kl_factor": config.kl_factor, "weight_decay": config.weight_decay, "clamp_factor": config.clamp_factor}
     n_single = min(args.single, len(requests))
 
-    synchronize = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
+    on_gpu = torch.device(args.device).type == "cuda"
+    synchronize = torch.cuda.synchronize if on_gpu else (lambda: None)
     synchronize()
     t0 = time.perf_counter()
     with search_attention(pg):  # ROME's path gets the attention backend the batched search uses
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
-        "device": torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
     }
     print(json.dumps(result, indent=1))
     return 0
