@@ -4,15 +4,15 @@ ROME's value objective (Meng et al. 2022, §3.1, eq. 4) adds ``δ`` to a layer's
 ``s`` of every prompt. In a causal model nothing at a position before ``s`` depends on ``δ``, at any layer: those
 positions' keys and values are the same at every step of the search. :class:`PrefixCache` computes them once per
 row (no gradients; one pass over the rows' prefixes, left-padded) and each step then runs only the row's tokens
-from ``s`` on, attending to the cached prefix through the model's own cache (``past_key_values``: a transformers
-``DynamicCache``) with explicit position ids and attention mask. On the fact bank's prompts (SmolLM2-135M, six
+from ``s`` on, attending to the cached prefix through the model's own cache (a transformers ``DynamicCache``, passed as
+``cache`` or, before transformers 5.24, ``past_key_values``) with explicit position ids and attention mask. On the fact bank's prompts (SmolLM2-135M, six
 context prefixes) the tokens from ``s`` on are 36 % of all tokens, so a step's forward and backward passes carry a
 third of the tokens they did. The logits are the full passes' up to float rounding (``tests/test_prefix_cache.py``).
 
 Memory: the cache holds ``2 · layers · kv_heads · head_dim`` numbers per prefix token (SmolLM2-135M: 46 kB per token in
 float32; the 1,000 facts of a MEMIT batch, with seven prompts each, ~3.7 GB) for the length of one search.
 
-Only models whose ``forward`` takes ``past_key_values``, ``position_ids`` and ``attention_mask`` and whose config
+Only models whose ``forward`` takes a cache (``cache`` or ``past_key_values``), ``position_ids`` and ``attention_mask`` and whose config
 says ``use_cache``-style decoding is possible (transformers decoder-only language models) can use it;
 :func:`supports_prefix_cache` tells, and the batched search runs full passes otherwise.
 """
@@ -28,11 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradpatch.generation import cache_argument
+
 from .layers import model_device, wrapped_model
 
 __all__ = ["PrefixCache", "quiet_extraction", "supports_prefix_cache"]
 
-_ARGUMENTS = ("past_key_values", "position_ids", "attention_mask")
+_ARGUMENTS = ("position_ids", "attention_mask")  # besides the cache (gradpatch.generation.cache_argument)
 
 
 @contextlib.contextmanager
@@ -55,7 +57,7 @@ def supports_prefix_cache(pg: nn.Module) -> bool:
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-    return all(name in parameters for name in _ARGUMENTS)
+    return cache_argument(model) is not None and all(name in parameters for name in _ARGUMENTS)
 
 
 class PrefixCache:
@@ -71,13 +73,15 @@ class PrefixCache:
     """
 
     def __init__(self, pg: nn.Module, pad: int, max_tokens: int) -> None:
-        if not supports_prefix_cache(pg):
-            raise ValueError(f"{type(wrapped_model(pg)).__name__} does not take past_key_values, position_ids and "
+        cache_name = cache_argument(wrapped_model(pg))
+        if cache_name is None or not supports_prefix_cache(pg):
+            raise ValueError(f"{type(wrapped_model(pg)).__name__} does not take a cache, position_ids and "
                              f"attention_mask; run the value search with prefix_cache=False")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         self.pg, self.pad, self.max_tokens = pg, pad, max_tokens
         self.config = wrapped_model(pg).config
+        self.cache_name: str = cache_name  # the model's name for its cache argument
         self.device = model_device(pg)
         # row key -> (keys, values), each [layers, kv_heads, prefix_length, head_dim]; None for an empty prefix
         self._states: dict[Hashable, tuple[torch.Tensor, torch.Tensor] | None] = {}
@@ -114,8 +118,8 @@ class PrefixCache:
         cache = _new_cache(self.config)
         with quiet_extraction():
             output = self.pg(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                             position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
-        returned = getattr(output, "past_key_values", None)
+                             position_ids=positions.to(self.device), use_cache=True, **{self.cache_name: cache})
+        returned = getattr(output, self.cache_name, None)
         cache = cache if returned is None else returned
         keys = torch.stack([layer.keys for layer in cache.layers], dim=1)  # [rows, layers, kv_heads, width, head]
         values = torch.stack([layer.values for layer in cache.layers], dim=1)
@@ -138,7 +142,8 @@ class PrefixCache:
         Returns:
             ``input_ids`` ``[R, S]`` (right-padded), ``attention_mask`` ``[R, P + S]`` (prefixes left-padded to
             ``P``, the longest), ``position_ids`` ``[R, S]`` (each row continues its own prefix),
-            ``past_key_values`` (a fresh ``DynamicCache`` holding the prefixes) and ``use_cache=True``; when no row
+            the cache argument (:attr:`cache_name`: a fresh ``DynamicCache`` holding the prefixes) and
+            ``use_cache=True``; when no row
             has a prefix, a plain right-padded pass: ``input_ids`` and ``use_cache=False``.
 
         Raises:
@@ -173,7 +178,7 @@ class PrefixCache:
         cache = _new_cache(self.config, [(cached[0][:, layer], cached[1][:, layer])
                                          for layer in range(cached[0].shape[1])])
         return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "position_ids": positions.to(device),
-                "past_key_values": cache, "use_cache": True}
+                self.cache_name: cache, "use_cache": True}
 
 
 def _new_cache(config: Any, data: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:

@@ -1,9 +1,10 @@
 """``pg.generate``: transformers' own generation loop running the PatchableGraph, with the model's KV cache.
 
 transformers' ``generate`` calls the model once on the prompt (prefill) and then once per new token, with the
-cache (``past_key_values``: ``DynamicCache`` by default, ``StaticCache`` with ``cache_implementation="static"``)
-and ``cache_position``. Here each of those calls runs the graph: the cache is a graph input, its method calls
-(``past_key_values.update(k_embed, value_states, layer)``) are nodes, and the prefill and decode calls get graphs
+cache (the ``cache`` argument from transformers 5.24 on, ``past_key_values`` before it — :func:`cache_argument` —
+``DynamicCache`` by default, ``StaticCache`` with ``cache_implementation="static"``) and ``cache_position``. Here
+each of those calls runs the graph: the cache is a graph input, its method calls
+(``cache.update(k_embed, value_states, layer)``) are nodes, and the prefill and decode calls get graphs
 of their own kind (extracted once each), whose NodePaths are the same names. So one ``pg.patch`` block applies at
 prefill and at every decode step, at every node; a patch's ``slice`` indexes the tokens of the current forward pass
 (see :mod:`gradpatch.positions` for positions in the whole sequence), and a ``ProbePatch``/``RecordPatch`` sees one
@@ -34,6 +35,17 @@ class _Progress:
     prompt_length: int
     step: int = 0
     drop_mask: bool | None = None
+
+
+def cache_argument(model: nn.Module) -> str | None:
+    """The name under which ``model.forward`` takes a transformers KV cache: ``"cache"`` (transformers ≥ 5.24, which
+    renamed it), ``"past_key_values"`` (earlier versions), or ``None`` when its signature has neither (or none can be
+    read)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
 def generate(graph: Callable[..., Any], model: nn.Module, generation_config: Any, args: tuple,
@@ -70,6 +82,7 @@ def generate(graph: Callable[..., Any], model: nn.Module, generation_config: Any
 
 def _graph_forward(graph: Callable[..., Any], model: nn.Module, progress: _Progress) -> Callable[..., Any]:
     signature = inspect.signature(model.forward)
+    cache_name = cache_argument(model)
 
     @functools.wraps(type(model).forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -80,7 +93,7 @@ def _graph_forward(graph: Callable[..., Any], model: nn.Module, progress: _Progr
                 progress.drop_mask = bool(mask.all())
             if progress.drop_mask:
                 del call["attention_mask"]
-        cache = call.get("past_key_values")
+        cache = call.get(cache_name) if cache_name is not None else None
         length = getattr(cache, "get_seq_length", None)
         offset = int(length()) if callable(length) and call.get("use_cache", True) else 0
         try:
@@ -101,7 +114,8 @@ def _graph_forward(graph: Callable[..., Any], model: nn.Module, progress: _Progr
 def _crop(cache: Any, length: int) -> None:
     """Cut a cache back to ``length`` tokens, so no half-written step stays in the caller's cache: each dynamic layer
     that got further loses its extra tokens (transformers ≥ 5 crops by a negative count per layer, earlier versions
-    the whole cache to a length), and each static full-attention layer is rewound (:func:`_rewind_static_layer`).
+    the whole cache to a length), and each static full-attention layer is rewound: by its own ``crop`` (transformers
+    ≥ 5.24, which moves the position counter back), else by :func:`_rewind_static_layer`.
     A static sliding-window layer, whose positions wrap around, is left as it is."""
     layers = getattr(cache, "layers", None)
     try:

@@ -10,6 +10,7 @@ from transformers import DynamicCache, StaticCache
 
 from gradpatch import AddPatch, CustomPatch, PatchableGraph, PatchShapeError, RecordPatch, ReplacePatch, ZeroPatch
 from gradpatch.positions import Tokens
+from gradpatch.generation import cache_argument
 
 GREEDY = {"do_sample": False, "pad_token_id": 0}
 SCORED = {**GREEDY, "max_new_tokens": 5, "output_logits": True, "return_dict_in_generate": True}
@@ -97,7 +98,7 @@ def test_a_value_shaped_for_the_prompt_fails_at_the_first_step(setup):
     bad = torch.zeros(ids.shape[1], pg.node(node)._shape[-1])
     with pytest.raises(PatchShapeError, match=r"generation step 1 .*shape \(7, \d+\).*\(2, 1, \d+\)"):
         with pg.patch({node: AddPatch(value=bad)}):
-            pg.generate(ids, max_new_tokens=3, past_key_values=cache, **GREEDY)
+            pg.generate(ids, max_new_tokens=3, **{cache_argument(model): cache}, **GREEDY)
     assert cache.get_seq_length() == ids.shape[1]  # the failed step left nothing in the caller's cache
     assert torch.equal(pg.generate(ids, max_new_tokens=3, **GREEDY), model.generate(ids, max_new_tokens=3, **GREEDY))
 
@@ -109,11 +110,15 @@ def test_a_failed_step_rewinds_a_static_cache_to_the_prompt(setup):
     bad = torch.zeros(ids.shape[1], pg.node(node)._shape[-1])
     with pytest.raises(PatchShapeError, match="generation step 1"):
         with pg.patch({node: AddPatch(value=bad)}):
-            pg.generate(ids, max_new_tokens=3, past_key_values=cache, **GREEDY)
+            pg.generate(ids, max_new_tokens=3, **{cache_argument(model): cache}, **GREEDY)
     reference = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)  # the prompt's prefill alone
     with torch.no_grad():
-        model(ids, past_key_values=reference, use_cache=True)
+        model(ids, use_cache=True, **{cache_argument(model): reference})
     for got, want in zip(cache.layers, reference.layers, strict=True):
         assert int(got.get_seq_length()) == int(want.get_seq_length()) == ids.shape[1]
-        torch.testing.assert_close(got.keys, want.keys)
-        torch.testing.assert_close(got.values, want.values)
+        # the prompt's positions; later ones are stale or zero, and the next step writes over them
+        torch.testing.assert_close(got.keys[:, :, :ids.shape[1]], want.keys[:, :, :ids.shape[1]])
+        torch.testing.assert_close(got.values[:, :, :ids.shape[1]], want.values[:, :, :ids.shape[1]])
+    with torch.no_grad():  # and the next step from either cache is the same
+        steps = [model(ids[:, -1:], use_cache=True, **{cache_argument(model): c}).logits for c in (cache, reference)]
+    torch.testing.assert_close(steps[0], steps[1])

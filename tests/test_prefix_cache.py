@@ -53,7 +53,7 @@ def test_suffix_after_cached_prefix_equals_full_pass_with_patch(kind):
     for i, expected in enumerate(full):
         torch.testing.assert_close(cached[i, : len(expected)], expected, rtol=1e-5, atol=1e-5)
     only_empty = cache.inputs(["b"], [sequences[1]])  # no row has a prefix: a plain pass, no cache
-    assert "past_key_values" not in only_empty and only_empty["use_cache"] is False
+    assert cache.cache_name not in only_empty and only_empty["use_cache"] is False
     with pg.patch({node: AddPatch(value=values[1:2], slice=(torch.arange(1), torch.zeros(1, dtype=torch.long)))}):
         torch.testing.assert_close(pg(**only_empty).logits[0], full[1], rtol=1e-5, atol=1e-5)
     cache.discard(["b", "missing"])
