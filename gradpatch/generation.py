@@ -129,7 +129,7 @@ def _crop(cache: Any, length: int) -> None:
                 continue
             if callable(getattr(layer, "crop", None)):
                 layer.crop(-extra)
-            elif (isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
+            elif (isinstance(getattr(layer, "keys", None), torch.Tensor) and hasattr(layer, "max_cache_len")
                   and not getattr(layer, "is_sliding", False)):
                 _rewind_static_layer(layer, length)
     except (ValueError, NotImplementedError, AttributeError):
@@ -138,9 +138,11 @@ def _crop(cache: Any, length: int) -> None:
 
 def _rewind_static_layer(layer: Any, length: int) -> None:
     """Rewind a transformers static cache layer (preallocated ``keys``/``values`` ``[batch, kv_heads, max_len,
-    head_dim]`` and a position counter ``cumulative_length``) to ``length`` tokens: the counter is set in place (its
-    address is static, for compiled decoding) and the positions from ``length`` on are zeroed, as a fresh layer has
-    them."""
-    layer.cumulative_length.fill_(length)
+    head_dim]``) to ``length`` tokens: the positions from ``length`` on are zeroed, as a fresh layer has them (before
+    transformers 5, its length is the count of non-zero key positions), and its position counter
+    ``cumulative_length``, where it has one, is set in place (its address is static, for compiled decoding)."""
+    counter = getattr(layer, "cumulative_length", None)
+    if isinstance(counter, torch.Tensor):
+        counter.fill_(length)
     for states in (layer.keys, layer.values):
         states[:, :, length:] = 0
