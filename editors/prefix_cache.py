@@ -4,17 +4,17 @@ ROME's value objective (Meng et al. 2022, §3.1, eq. 4) adds ``δ`` to a layer's
 ``s`` of every prompt. In a causal model nothing at a position before ``s`` depends on ``δ``, at any layer: those
 positions' keys and values are the same at every step of the search. :class:`PrefixCache` computes them once per
 row (no gradients; one pass over the rows' prefixes, left-padded) and each step then runs only the row's tokens
-from ``s`` on, attending to the cached prefix through the model's own cache (a transformers ``DynamicCache``, passed as
-``cache`` or, before transformers 5.24, ``past_key_values``) with explicit position ids and attention mask. On the fact bank's prompts (SmolLM2-135M, six
-context prefixes) the tokens from ``s`` on are 36 % of all tokens, so a step's forward and backward passes carry a
-third of the tokens they did. The logits are the full passes' up to float rounding (``tests/test_prefix_cache.py``).
+from ``s`` on, attending to the cached prefix through the model's own cache (a transformers ``DynamicCache``,
+passed as ``cache`` or, before transformers 5.24, ``past_key_values``) with explicit position ids and attention
+mask. On the fact bank's prompts (SmolLM2-135M, six context prefixes) the tokens from ``s`` on are 36 % of all
+tokens, so a step's forward and backward passes carry a third of the tokens they did. The logits are the full passes' up to float rounding (``tests/test_prefix_cache.py``).
 
 Memory: the cache holds ``2 · layers · kv_heads · head_dim`` numbers per prefix token (SmolLM2-135M: 46 kB per token in
 float32; the 1,000 facts of a MEMIT batch, with seven prompts each, ~3.7 GB) for the length of one search.
 
-Only models whose ``forward`` takes a cache (``cache`` or ``past_key_values``), ``position_ids`` and ``attention_mask`` and whose config
-says ``use_cache``-style decoding is possible (transformers decoder-only language models) can use it;
-:func:`supports_prefix_cache` tells, and the batched search runs full passes otherwise.
+Only models whose ``forward`` takes a cache (``cache`` or ``past_key_values``), ``position_ids`` and
+``attention_mask`` and whose config says ``use_cache``-style decoding is possible (transformers decoder-only
+language models) can use it; :func:`supports_prefix_cache` tells, and the batched search runs full passes otherwise.
 """
 
 from __future__ import annotations
@@ -143,8 +143,8 @@ class PrefixCache:
             ``input_ids`` ``[R, S]`` (right-padded), ``attention_mask`` ``[R, P + S]`` (prefixes left-padded to
             ``P``, the longest), ``position_ids`` ``[R, S]`` (each row continues its own prefix),
             the cache argument (:attr:`cache_name`: a fresh ``DynamicCache`` holding the prefixes) and
-            ``use_cache=True``; when no row
-            has a prefix, a plain right-padded pass: ``input_ids`` and ``use_cache=False``.
+            ``use_cache=True``; when no row has a prefix, a plain right-padded pass: ``input_ids`` and
+            ``use_cache=False``.
 
         Raises:
             KeyError: a row's prefix was not cached.

@@ -21,6 +21,7 @@ from editors import (
     restore_edits,
 )
 from editors.errors import EditError, SubjectNotFoundError
+from editors.evaluate import score_case
 from editors.scoring import mean_target_logprobs
 from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_gpt2, tiny_llama
 
@@ -144,8 +145,12 @@ def test_evaluate_cases_restores_between_cases(tmp_path) -> None:
     for key in ("efficacy_score", "paraphrase_score", "neighborhood_score"):
         assert 0.0 <= metrics[key] <= 1.0
     row = metrics["cases"][0]
-    assert row["case_id"] == 7 and row["efficacy"] == 1.0 and row["pre"]["efficacy"] == 0.0
     assert torch.equal(rome.layer.weight, original)
+    # "pre" is the unedited model's score (which way a random model leans depends on the transformers release's
+    # initialisation); the edit raised the new target's log-probability and made it win on the rewrite prompt
+    unedited = score_case(pg, tok, cases[0])
+    assert row["case_id"] == 7 and row["pre"]["efficacy"] == unedited["efficacy"] and row["efficacy"] == 1.0
+    assert row["logp"]["post"]["new"]["rewrite"] > row["logp"]["pre"]["new"]["rewrite"]
 
 
 def test_eval_rome_command(tmp_path) -> None:
