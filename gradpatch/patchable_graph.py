@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import sys
+import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence, Union
 
@@ -20,6 +22,26 @@ from .variants import GraphVariants
 
 PatchSpec = Union[Patch, Sequence[Patch]]
 PatchMap = Mapping[Union[str, NodeData], PatchSpec]
+
+#: The oldest transformers release the test suite passes on (pyproject.toml's ``hf`` extra).
+MIN_TRANSFORMERS = "5.12"
+
+
+def warn_if_old_transformers(module: nn.Module) -> None:
+    """Warn (``UserWarning``) when ``module`` is a transformers model and the installed transformers is older than
+    :data:`MIN_TRANSFORMERS`: on older releases graphs can compute other outputs than the model (on 4.57, a graph
+    extracted with an all-ones ``attention_mask`` gets a padded mask wrong). The message names the fix."""
+    transformers = sys.modules.get("transformers")
+    base = getattr(transformers, "PreTrainedModel", None)
+    if base is None or not isinstance(module, base):
+        return
+    from packaging.version import Version  # a transformers dependency
+
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        warnings.warn(f"gradpatch is tested with transformers >= {MIN_TRANSFORMERS}, and {transformers.__version__} "
+                      f"is installed: its graphs can compute other outputs than the model (on 4.57, a padded "
+                      f"attention_mask after an all-ones example); pip install 'transformers>={MIN_TRANSFORMERS}'",
+                      UserWarning, stacklevel=3)
 
 
 class PatchableGraph(nn.Module):
@@ -54,6 +76,7 @@ class PatchableGraph(nn.Module):
     def __init__(self, *args: Any, **example_kwargs: Any) -> None:
         super().__init__()
         options, module, example_args = _split_arguments(args)
+        warn_if_old_transformers(module)
         object.__setattr__(self, "_original", module)
         self._options = options
         self._variants = GraphVariants(module, options, (tuple(example_args), dict(example_kwargs)))

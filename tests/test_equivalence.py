@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -75,3 +77,14 @@ def test_dtype_conversion_reaches_graphs_and_example(tiny_llama, token_ids):
     logits = pg(token_ids, use_cache=False).logits
     assert logits.dtype == torch.float64
     torch.testing.assert_close(logits, tiny_llama(token_ids, use_cache=False).logits)
+
+
+def test_an_older_transformers_than_the_tested_ones_is_named(tiny_llama, token_ids, monkeypatch):
+    import transformers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the installed release warns nothing
+        PatchableGraph(tiny_llama, token_ids, use_cache=False)
+    monkeypatch.setattr(transformers, "__version__", "4.57.6")
+    with pytest.warns(UserWarning, match=r"transformers >= 5\.12, and 4\.57\.6 is installed.*pip install"):
+        PatchableGraph(tiny_llama, token_ids, use_cache=False)
