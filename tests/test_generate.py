@@ -9,8 +9,8 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from gradpatch import AddPatch, CustomPatch, PatchableGraph, PatchShapeError, RecordPatch, ReplacePatch, ZeroPatch
-from gradpatch.positions import Tokens
 from gradpatch.generation import cache_argument
+from gradpatch.positions import Tokens
 
 GREEDY = {"do_sample": False, "pad_token_id": 0}
 SCORED = {**GREEDY, "max_new_tokens": 5, "output_logits": True, "return_dict_in_generate": True}
