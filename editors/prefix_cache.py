@@ -7,7 +7,8 @@ row (no gradients; one pass over the rows' prefixes, left-padded) and each step 
 from ``s`` on, attending to the cached prefix through the model's own cache (a transformers ``DynamicCache``,
 passed as ``cache`` or, before transformers 5.24, ``past_key_values``) with explicit position ids and attention
 mask. On the fact bank's prompts (SmolLM2-135M, six context prefixes) the tokens from ``s`` on are 36 % of all
-tokens, so a step's forward and backward passes carry a third of the tokens they did. The logits are the full passes' up to float rounding (``tests/test_prefix_cache.py``).
+tokens, so a step's forward and backward passes carry a third of the tokens they did. The logits are the full
+passes' up to float rounding (``tests/test_prefix_cache.py``).
 
 Memory: the cache holds ``2 · layers · kv_heads · head_dim`` numbers per prefix token (SmolLM2-135M: 46 kB per token in
 float32; the 1,000 facts of a MEMIT batch, with seven prompts each, ~3.7 GB) for the length of one search.
@@ -49,15 +50,21 @@ def quiet_extraction() -> Iterator[None]:
 def supports_prefix_cache(pg: nn.Module) -> bool:
     """Whether ``pg``'s model takes a transformers ``DynamicCache`` with position ids and an attention mask (decoder-only
     transformers language models do; encoder-decoder models and plain modules do not)."""
+    return _prefix_cache_argument(pg) is not None
+
+
+def _prefix_cache_argument(pg: nn.Module) -> str | None:
+    """The name of the cache argument of ``pg``'s model (:func:`gradpatch.generation.cache_argument`) when the model
+    can run on a prefix cache (see :func:`supports_prefix_cache`), else ``None``."""
     model = wrapped_model(pg)
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):
-        return False
+        return None
     try:
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
-        return False
-    return cache_argument(model) is not None and all(name in parameters for name in _ARGUMENTS)
+        return None
+    return cache_argument(model) if all(name in parameters for name in _ARGUMENTS) else None
 
 
 class PrefixCache:
@@ -73,8 +80,8 @@ class PrefixCache:
     """
 
     def __init__(self, pg: nn.Module, pad: int, max_tokens: int) -> None:
-        cache_name = cache_argument(wrapped_model(pg))
-        if cache_name is None or not supports_prefix_cache(pg):
+        cache_name = _prefix_cache_argument(pg)
+        if cache_name is None:
             raise ValueError(f"{type(wrapped_model(pg)).__name__} does not take a cache, position_ids and "
                              f"attention_mask; run the value search with prefix_cache=False")
         if max_tokens < 1:

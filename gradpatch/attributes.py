@@ -66,9 +66,15 @@ def attribute_value(module: nn.Module, name: str) -> Any:
     return inspect.getattr_static(module, name)
 
 
+def pretrained_base(module: nn.Module) -> type | None:
+    """transformers' ``PreTrainedModel`` when ``module`` is one, else ``None`` (transformers is not imported for it:
+    a model of it means it already is)."""
+    base: Any = getattr(sys.modules.get("transformers"), "PreTrainedModel", None)
+    return base if base is not None and isinstance(module, base) else None
+
+
 def _pretrained_namespace(module: nn.Module) -> frozenset[str]:
-    transformers = sys.modules.get("transformers")
-    base: Any = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
-    if base is None or not isinstance(module, base):
+    base = pretrained_base(module)
+    if base is None:
         return frozenset()
     return frozenset(dir(base)) | frozenset(getattr(base, "__annotations__", {})) | _TRANSFORMERS_ATTRIBUTES

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from . import generation
+from .attributes import pretrained_base
 from .errors import NodePathError, ShapeSpecializationError
 from .node_path import NodeData, NodeTree
 from .options import ExtractionOptions
@@ -31,12 +32,11 @@ def warn_if_old_transformers(module: nn.Module) -> None:
     """Warn (``UserWarning``) when ``module`` is a transformers model and the installed transformers is older than
     :data:`MIN_TRANSFORMERS`: on older releases graphs can compute other outputs than the model (on 4.57, a graph
     extracted with an all-ones ``attention_mask`` gets a padded mask wrong). The message names the fix."""
-    transformers = sys.modules.get("transformers")
-    base = getattr(transformers, "PreTrainedModel", None)
-    if base is None or not isinstance(module, base):
+    if pretrained_base(module) is None:
         return
     from packaging.version import Version  # a transformers dependency
 
+    transformers = sys.modules["transformers"]
     if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
         warnings.warn(f"gradpatch is tested with transformers >= {MIN_TRANSFORMERS}, and {transformers.__version__} "
                       f"is installed: its graphs can compute other outputs than the model (on 4.57, a padded "
