@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
-from gradpatch import Patch
+from gradpatch import Patch, ReplacePatch
 
-__all__ = ["KeyCapture", "LowRankAdd", "low_rank_patches"]
+from .layers import LinearLayer
+
+__all__ = ["KeyCapture", "LowRankAdd", "low_rank_patches", "updated_weight_patches"]
 
 
 @dataclass(kw_only=True)
@@ -74,3 +76,25 @@ def low_rank_patches(input_node: str, output_node: str, u: torch.Tensor, v: torc
     """
     capture = KeyCapture()
     return {input_node: [capture], output_node: [LowRankAdd(capture=capture, u=u.detach(), v=v.detach())]}
+
+
+def updated_weight_patches(layer: LinearLayer, u: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
+    """Patches under which the graph computes with ``layer``'s weight changed by ``V Uᵀ``, for passes that measure the
+    model as an edit will leave it (MEMIT's later layers, arXiv 2210.07229 Algorithm 1).
+
+    A writable weight gets a :class:`gradpatch.ReplacePatch` of its weight node holding exactly the tensor
+    :meth:`editors.Edit.apply` would write (``W`` plus ``ΔW`` computed in float64 and cast to the weight's dtype): no
+    cost per token (:func:`low_rank_patches` costs ``(d_in + d_out)·r`` float64 multiply-adds per token, more than the
+    layer itself at MEMIT's rank of 1,000). A quantized or offloaded layer gets :func:`low_rank_patches`.
+
+    Args:
+        layer: the edited layer.
+        u: ``[d_in]`` or ``[d_in, r]``; v: ``[d_out]`` or ``[d_out, r]``.
+
+    Returns:
+        A patch map (NodePath -> list of patches).
+    """
+    if layer.not_writable():
+        return low_rank_patches(layer.input_node, layer.output_node, u, v)
+    weight = layer.weight.detach()
+    return {f"{layer.path}.weight": [ReplacePatch(value=weight + layer.delta_weight(u, v))]}

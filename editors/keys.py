@@ -168,8 +168,9 @@ def context_activations(
 ) -> list[torch.Tensor]:
     """Activations at the subject's last token of every fact behind every context prefix, for several nodes at once.
 
-    Each fact's prompt is filled with its subject behind each prefix; the rows of all facts run in right-padded
-    batches of at most ``max_tokens`` tokens (rows × width), each forward pass stopping once every node was recorded.
+    Each fact's prompt is filled with its subject behind each prefix; the rows of all facts, sorted by length (on the
+    fact bank's 1,000 first facts fact-major batches were 47 % padding, sorted ones 2 %), run in right-padded batches
+    of at most ``max_tokens`` tokens (rows × width), each forward pass stopping once every node was recorded.
 
     Args:
         pg: the model's PatchableGraph.
@@ -196,15 +197,16 @@ def context_activations(
             raise SubjectNotFoundError(f"Fact {i} (subject {subject!r}, prompt {prompt!r}): {error}") from None
     device = model_device(pg)
     pad = pad_token_id(tokenizer)
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))  # rows of similar length: little padding
     parts: list[list[torch.Tensor]] = [[] for _ in nodes]
     start = 0
-    while start < len(encoded):
+    while start < len(order):
         end, width = start, 0
-        while end < len(encoded) and (end == start or (end + 1 - start) * max(width, len(encoded[end].ids))
-                                      <= max_tokens):
-            width = max(width, len(encoded[end].ids))
+        while end < len(order) and (end == start or (end + 1 - start) * max(width, len(encoded[order[end]].ids))
+                                    <= max_tokens):
+            width = max(width, len(encoded[order[end]].ids))
             end += 1
-        chunk = encoded[start:end]
+        chunk = [encoded[i] for i in order[start:end]]
         ids, _ = right_pad([e.ids for e in chunk], pad)
         activations = node_activations(pg, nodes, ids.to(device), patches=patches)  # each [rows, seq, d]
         for part, activation in zip(parts, activations):
@@ -212,7 +214,8 @@ def context_activations(
             positions = torch.tensor([e.subject_last for e in chunk], device=activation.device)
             part.append(activation[rows, positions])
         start = end
-    return [torch.cat(part).reshape(len(facts), len(templates), -1) for part in parts]
+    unsort = torch.argsort(torch.tensor(order))
+    return [torch.cat(part)[unsort.to(part[0].device)].reshape(len(facts), len(templates), -1) for part in parts]
 
 
 def compute_key(

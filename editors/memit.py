@@ -8,9 +8,10 @@ and Algorithm 1 of the paper:
    block at the subject's last token, ``δ_i`` found by ROME's value objective at that layer's output (the output is
    added to the residual stream there), all facts in one batched search (:mod:`editors.batch_value`).
 2. **Spread over the layers**: for each layer ``l_j`` in order, with the updates of the earlier layers in place (as
-   patches: no weight is written while computing), measure each fact's key ``k_i`` at ``l_j`` (the layer input at the
-   subject's last token, averaged over the context prefixes, eq. 3 of ROME) and its current ``h_i^L``; the layer takes
-   the share ``r_i = (z_i − h_i^L) / (m − j + 1)`` of what is left.
+   patches holding the weights the edit will write, :func:`editors.edit_patch.updated_weight_patches`: no weight is
+   written while computing), measure each fact's key ``k_i`` at ``l_j`` (the layer input at the subject's last token,
+   averaged over the context prefixes, eq. 3 of ROME) and its current ``h_i^L``; the layer takes the share
+   ``r_i = (z_i − h_i^L) / (m − j + 1)`` of what is left.
 3. **Update** (eq. 14): ``ΔW = R Kᵀ (λ C + K Kᵀ)⁻¹`` per layer, ``C = E[k kᵀ]`` from the statistics cache
    (:mod:`editors.stats`; all layers' statistics in one pass over the corpus), ``λ`` = ``mom2_update_weight``.
 
@@ -44,7 +45,7 @@ from .counterfact import EditRequest
 from .defaults import DEFAULT_SMOLLM2_NODES
 from .edit import Edit
 from .edit_batch import BatchEdit
-from .edit_patch import low_rank_patches
+from .edit_patch import updated_weight_patches
 from .errors import ConflictingRequestsError, EditError, LayerKindError
 from .keys import ContextTemplates, context_activations, load_or_generate_prefixes
 from .layers import LinearLayer, model_device, model_dtype, resolve_layer, wrapped_model
@@ -296,7 +297,7 @@ class MEMIT:
             left = deltas - (h_now - h_start).to(torch.float64)  # z - h^L now, [F, d_out]
             u, v = self._layer_update(j, keys, left / (len(layers) - j))
             edits.append(Edit(node=layer.path, u=u, v=v))
-            for node, items in low_rank_patches(layer.input_node, layer.output_node, u, v).items():
+            for node, items in updated_weight_patches(layer, u, v).items():
                 patches.setdefault(node, []).extend(items)
             layer_info.append({"node": layer.path, "residual_left_norm": float(left.norm(dim=-1).mean()),
                                "key_norm": float(keys.norm(dim=-1).mean()), "rank": int(u.shape[1])})

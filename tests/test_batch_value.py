@@ -129,6 +129,17 @@ def test_target_logprobs_at_equals_full_logits_scoring(kind):
         target_logprobs_at(pg, tok, prompts, targets[:2])
 
 
+def test_context_activations_put_each_fact_and_prefix_in_its_place():
+    # The rows run sorted by length (prefixes and prompts of different lengths interleave), then go back in place.
+    pg, tok, layer, _ = _setup()
+    facts = [(r.prompt, r.subject) for r in REQUESTS]
+    keys = context_activations(pg, tok, [layer.input_node], facts, TEMPLATES, max_tokens=50)[0]
+    for i, fact in enumerate(facts):
+        for j, prefix in enumerate(TEMPLATES.prefixes):
+            alone = context_activations(pg, tok, [layer.input_node], [fact], ContextTemplates(prefixes=(prefix,)))[0]
+            torch.testing.assert_close(keys[i, j], alone[0, 0])
+
+
 def test_context_activations_match_compute_key_and_separate_captures():
     pg, tok, layer, _ = _setup()
     residual = "model.layers_1.output"

@@ -9,6 +9,8 @@ import torch
 import editors.stats as stats_module
 from editors import Corpus, EditRequest, layer_second_moment, load_cases, resolve_layer
 from editors.alphaedit import AlphaEdit, AlphaEditConfig
+from editors.edit import Edit
+from editors.edit_patch import updated_weight_patches
 from editors.errors import ConflictingRequestsError, LayerKindError, StatisticsError, SubjectNotFoundError
 from editors.memit import MEMIT, MEMITConfig
 from editors.multi_update import alphaedit_factors, memit_factors, null_space_projector
@@ -125,6 +127,26 @@ def test_memit_edits_many_facts_and_restores_bit_exactly():
     batch.apply(pg, mode="patch")
     torch.testing.assert_close(_logp(pg, tok), after, rtol=0, atol=1e-4)
     batch.restore(pg)
+
+
+def test_later_layers_are_measured_on_the_weights_the_edit_writes():
+    # MEMIT measures each layer with the earlier layers' updates as weight patches: the same logits as the written edit.
+    pg, tok = _setup()
+    layer = resolve_layer(pg, NODES[0])
+    generator = torch.Generator().manual_seed(0)
+    u = torch.randn(layer.d_in, 3, generator=generator, dtype=torch.float64)
+    v = torch.randn(layer.d_out, 3, generator=generator, dtype=torch.float64)
+    ids = torch.randint(0, len(tok), (2, 7), generator=generator)
+    original = _weights(pg)
+    with torch.no_grad():
+        plain = pg(ids, use_cache=False).logits
+        with pg.patch(updated_weight_patches(layer, u, v)):
+            patched = pg(ids, use_cache=False).logits
+        assert all(torch.equal(a, b) for a, b in zip(_weights(pg), original))
+        edit = Edit(node=layer.path, u=u, v=v).apply(pg)
+        written = pg(ids, use_cache=False).logits
+        edit.restore(pg)
+    assert torch.equal(patched, written) and not torch.equal(patched, plain)
 
 
 def test_bad_input_is_named_and_weights_stay(tmp_path):
