@@ -168,9 +168,10 @@ def context_activations(
 ) -> list[torch.Tensor]:
     """Activations at the subject's last token of every fact behind every context prefix, for several nodes at once.
 
-    Each fact's prompt is filled with its subject behind each prefix; the rows of all facts, sorted by length (on the
-    fact bank's 1,000 first facts fact-major batches were 47 % padding, sorted ones 2 %), run in right-padded batches
-    of at most ``max_tokens`` tokens (rows × width), each forward pass stopping once every node was recorded.
+    Each fact's prompt is filled with its subject behind each prefix; the rows of all facts, sorted by length, run in
+    right-padded batches of at most ``max_tokens`` tokens (rows × width), each forward pass stopping once every node
+    was recorded. (The first 1,000 facts of the fact bank behind six prefixes are 121,276 tokens; in fact-major order
+    the batches held 178,364 positions, sorted 123,969.)
 
     Args:
         pg: the model's PatchableGraph.

@@ -29,11 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradpatch import CustomPatch
 from gradpatch.generation import cache_argument
 
 from .layers import model_device, wrapped_model
-from .selected_logits import output_embedding_input_node
 
 __all__ = ["PrefixCache", "quiet_extraction", "supports_prefix_cache"]
 
@@ -92,7 +90,6 @@ class PrefixCache:
         self.config = wrapped_model(pg).config
         self.cache_name: str = cache_name  # the model's name for its cache argument
         self.device = model_device(pg)
-        self.head_node = output_embedding_input_node(pg)
         # row key -> (keys, values), each [layers, kv_heads, prefix_length, head_dim]; None for an empty prefix
         self._states: dict[Hashable, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
@@ -126,10 +123,7 @@ class PrefixCache:
             mask[i, width - len(prefix):] = 1
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = _new_cache(self.config)
-        # Only the keys and values are kept: the output embedding runs on each row's last position, not on all
-        # (on SmolLM2 the 49,152-word projection of every prefix token was a fifth of this pass).
-        last_only = {} if self.head_node is None else {self.head_node: CustomPatch(custom_op=lambda h: h[:, -1:])}
-        with quiet_extraction(), self.pg.patch(last_only):
+        with quiet_extraction():
             output = self.pg(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                              position_ids=positions.to(self.device), use_cache=True, **{self.cache_name: cache})
         returned = getattr(output, self.cache_name, None)
