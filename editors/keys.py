@@ -199,21 +199,21 @@ def context_activations(
     device = model_device(pg)
     pad = pad_token_id(tokenizer)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))  # rows of similar length: little padding
+    rows = [encoded[i] for i in order]
     parts: list[list[torch.Tensor]] = [[] for _ in nodes]
     start = 0
-    while start < len(order):
+    while start < len(rows):
         end, width = start, 0
-        while end < len(order) and (end == start or (end + 1 - start) * max(width, len(encoded[order[end]].ids))
-                                    <= max_tokens):
-            width = max(width, len(encoded[order[end]].ids))
+        while end < len(rows) and (end == start or (end + 1 - start) * max(width, len(rows[end].ids)) <= max_tokens):
+            width = max(width, len(rows[end].ids))
             end += 1
-        chunk = [encoded[i] for i in order[start:end]]
+        chunk = rows[start:end]
         ids, _ = right_pad([e.ids for e in chunk], pad)
         activations = node_activations(pg, nodes, ids.to(device), patches=patches)  # each [rows, seq, d]
         for part, activation in zip(parts, activations):
-            rows = torch.arange(len(chunk), device=activation.device)
+            index = torch.arange(len(chunk), device=activation.device)
             positions = torch.tensor([e.subject_last for e in chunk], device=activation.device)
-            part.append(activation[rows, positions])
+            part.append(activation[index, positions])
         start = end
     unsort = torch.argsort(torch.tensor(order))
     return [torch.cat(part)[unsort.to(part[0].device)].reshape(len(facts), len(templates), -1) for part in parts]

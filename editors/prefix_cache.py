@@ -60,11 +60,11 @@ def _prefix_cache_argument(pg: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):
         return None
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
+    name = cache_argument(model)  # None also when the signature cannot be read
+    if name is None:
         return None
-    return cache_argument(model) if all(name in parameters for name in _ARGUMENTS) else None
+    parameters = inspect.signature(model.forward).parameters
+    return name if all(argument in parameters for argument in _ARGUMENTS) else None
 
 
 class PrefixCache:
