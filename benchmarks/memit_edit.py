@@ -5,7 +5,7 @@ Measured in one run, on the same facts' objective (ROME's eq. 4: target NLL over
 
 - ``one_at_a_time``: ``--single`` facts, each searched alone with :class:`editors.ValueObjective` and
   :func:`editors.optimize_value` (ROME's path: one forward and backward over that fact's prompts per step);
-- ``batch_of_one``: the same facts, each alone through the batched code (:func:`editors.batch_value.optimize_values`
+- ``batch_of_one``: the same facts, each alone through the batched code (:func:`editors.batch_search.optimize_values`
   with one fact): separates what batching gains from what the batched code's other savings gain (logits read only
   where the terms need them; the prefix KV cache: each step runs only the tokens from the subject's last one on);
 - ``batched``: ``--batch`` facts searched together (one forward and backward per step carries every fact's rows,
@@ -19,7 +19,8 @@ Run: ``.venv/bin/python benchmarks/memit_edit.py [--cases FILE] [--batch 100] [-
 [--value-dtype bfloat16] [--device cuda]``. Without ``--cases`` it reads ``demos/rome/facts.json`` (the fact bank)
 and cycles ``demos/rome/cases.json`` if that is missing. ``--tiny`` uses a random tiny Llama and made-up facts
 (seconds). ``--value-dtype bfloat16`` runs all three parts on a bfloat16 copy of the model
-(:mod:`editors.search_copy`; keys and ``v₀`` still from the float32 model). ``--device cuda`` runs on a GPU (the
+(:mod:`editors.search_copy`; keys and ``v₀`` still from the float32 model), the batched code from the residual stream
+after the layer's block as MEMIT runs it there (:mod:`editors.tail_pass`). ``--device cuda`` runs on a GPU (the
 ≥ 10× target is for the CPU; docs/memit.md gives both).
 """
 
@@ -38,11 +39,13 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from editors import EditRequest, ValueObjective, load_cases, optimize_value, resolve_layer
-from editors.batch_value import BatchValueObjective, optimize_values, search_attention
+from editors.batch_search import optimize_values
+from editors.batch_value import BatchValueObjective, search_attention
 from editors.keys import context_activations, load_or_generate_prefixes
-from editors.memit import DEFAULT_SMOLLM2_NODES, MEMITConfig
+from editors.memit import DEFAULT_SMOLLM2_NODES, MEMITConfig, residual_node_of
 from editors.search_copy import SearchCopy, search_dtype
 from editors.stats import default_cache_dir, statistics_fingerprint
+from editors.tail_pass import tail_pass_for
 from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
 from gradpatch import PatchableGraph
 
@@ -117,13 +120,17 @@ def main(argv: list[str] | None = None) -> int:
                                 **search) for i in range(n_single)]
     synchronize()
     t1 = time.perf_counter()
+    def tail():  # MEMIT's batched search on its copy runs from the residual stream after the layer's block
+        return tail_pass_for(pg, residual_node_of(layer)) if dtype is not None else None
+
     ones = [optimize_values(BatchValueObjective(pg, tokenizer, layer, [requests[i]], templates, v_init[i : i + 1],
-                                                max_tokens=max_tokens, **terms), **search)[0]
+                                                max_tokens=max_tokens, tail=tail(), **terms), **search)[0]
             for i in range(n_single)]
     synchronize()
     t2 = time.perf_counter()
-    together = optimize_values(BatchValueObjective(pg, tokenizer, layer, requests, templates, v_init,
-                                                   max_tokens=max_tokens, **terms), **search)
+    objective = BatchValueObjective(pg, tokenizer, layer, requests, templates, v_init, max_tokens=max_tokens,
+                                    tail=tail(), **terms)
+    together = optimize_values(objective, **search)
     synchronize()
     t3 = time.perf_counter()
 
@@ -141,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         "value_prompts_per_fact": len(templates) + 1,
         "max_tokens": max_tokens,
         "value_dtype": args.value_dtype,
+        "tail_pass": objective.tail is not None,  # the batched search ran from the block after the layer
         "one_at_a_time": single,
         "batch_of_one": batch_of_one,
         "batched": batched,

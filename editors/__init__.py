@@ -29,7 +29,7 @@ _EXPORTS: dict[str, str] = {
     "AlphaEdit": "alphaedit",
     "AlphaEditConfig": "alphaedit",
     "BatchValueObjective": "batch_value",
-    "optimize_values": "batch_value",
+    "optimize_values": "batch_search",
     "Corpus": "corpus",
     "open_corpus": "corpus",
     "wiki_summaries": "corpus",

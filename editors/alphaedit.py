@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch_value import BatchStepCallback
+from .batch_search import BatchStepCallback
 from .counterfact import EditRequest
 from .edit_batch import BatchEdit
 from .keys import context_activations

@@ -8,8 +8,9 @@ right-padded batch, each with its own delta: ``δ`` is ``[F, d_out]`` and the :c
 layer's output adds row ``δ[fact of row]`` at that row's subject position. The loss is the sum over facts of each
 fact's own loss, so a fact's gradient is exactly the gradient of its own objective, and Adam (elementwise) moves each
 row as it would move that fact's delta alone. Each fact stops when its loss is below ``early_stop_loss`` (its row is
-frozen and its prompts leave the batch), as the one-fact search stops, so :func:`optimize_values` returns the deltas
-one-at-a-time searches would return, up to float rounding (``tests/test_batch_value.py``).
+frozen and its prompts leave the batch), as the one-fact search stops, so
+:func:`editors.batch_search.optimize_values` returns the deltas one-at-a-time searches would return, up to float
+rounding (``tests/test_batch_value.py``).
 
 Logits are computed only where the terms read them (:func:`editors.selected_logits.logits_at`), the target tokens'
 log-probabilities without a float32 log-softmax of every logit (:func:`editors.token_log_probs.token_log_probs`), and
@@ -18,14 +19,16 @@ the one optimizer step (memory: SmolLM2-135M keeps ~40 kB of activations per tok
 A model in bfloat16/float16 on CPU runs its attention with PyTorch's math backend (matrix products) during the search:
 the fused CPU kernel's reduced-precision backward took 43 % of a bfloat16 step (docs/memit.md); the search in a
 bfloat16 copy of a float32 model is :mod:`editors.search_copy` (its copy uses transformers' eager attention on the CPU,
-faster still).
+faster still). With the prefix cache, a step runs each row's tokens from the subject's last one on; on a graph nobody
+else runs (the search's copy) it runs them from the residual stream after the edited block
+(:mod:`editors.tail_pass`), the blocks up to it having run once per row.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,18 +36,18 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gradpatch import AddPatch
-from gradpatch.finite import StepGuard
 
 from .counterfact import EditRequest
 from .keys import ContextTemplates
 from .layers import LinearLayer, model_device, model_dtype
 from .prefix_cache import PrefixCache, quiet_extraction, supports_prefix_cache
 from .selected_logits import logits_at, output_embedding_input_node
+from .tail_pass import TailPass, logits_match
 from .token_log_probs import token_log_probs
 from .tokens import pad_token_id, right_pad
-from .value import KL_PROMPT, ValuePrompts, ValueResult, encode_value_prompts, frozen_parameters, value_terms
+from .value import KL_PROMPT, ValuePrompts, encode_value_prompts, value_terms
 
-__all__ = ["BatchValueObjective", "math_attention", "optimize_values", "search_attention"]
+__all__ = ["BatchValueObjective", "math_attention", "search_attention"]
 
 #: Tokens (rows × padded width) per group of facts evaluated together in the batched value search.
 DEFAULT_MAX_TOKENS = 4096
@@ -84,6 +87,11 @@ class BatchValueObjective:
             (:class:`editors.prefix_cache.PrefixCache`: they do not depend on ``δ``), and run only the rest at each
             step; used when the model takes a cache (:func:`editors.prefix_cache.supports_prefix_cache`), full passes
             otherwise. Same losses up to float rounding.
+        tail: with the prefix cache, run each step from the residual stream after the layer's block
+            (:class:`editors.tail_pass.TailPass`: the blocks up to it run once per row) if, on the first rows it runs,
+            it gives the patched pass's logits and the patch adds to that stream what it adds to the layer's output
+            (a warning and full passes if not). Only for a graph nobody else runs during the search (the search's
+            own copy). Same losses up to float rounding.
 
     Raises:
         ValueError: ``v_init`` is not ``[F, d_out]`` or ``max_tokens`` is not positive.
@@ -93,7 +101,7 @@ class BatchValueObjective:
     def __init__(self, pg: nn.Module, tokenizer: Any, layer: LinearLayer, requests: Sequence[EditRequest],
                  templates: ContextTemplates, v_init: torch.Tensor, kl_factor: float = 0.0625,
                  weight_decay: float = 1e-3, clamp_factor: float = 4.0, kl_prompts: tuple[str, ...] = (KL_PROMPT,),
-                 max_tokens: int = DEFAULT_MAX_TOKENS, prefix_cache: bool = True) -> None:
+                 max_tokens: int = DEFAULT_MAX_TOKENS, prefix_cache: bool = True, tail: TailPass | None = None) -> None:
         if tuple(v_init.shape) != (len(requests), layer.d_out):
             raise ValueError(f"v_init is {list(v_init.shape)}; expected [{len(requests)}, {layer.d_out}] "
                              f"(one v₀ per request)")
@@ -115,6 +123,8 @@ class BatchValueObjective:
         self.head_node = output_embedding_input_node(pg)
         self.prefix_cache = PrefixCache(pg, self.pad, max_tokens) if prefix_cache and supports_prefix_cache(pg) else None
         self.kl_reference: list[torch.Tensor | None] = [None] * len(self.requests)  # [n_kl, vocab] per fact
+        self.tail = tail if self.prefix_cache is not None else None
+        self.tail_checked = False  # whether the tail passes were compared with a full pass yet
 
     @property
     def n_facts(self) -> int:
@@ -212,22 +222,56 @@ class BatchValueObjective:
                 continue
             index = torch.tensor(rows, device=self.device)
             offsets = torch.tensor([splits[row] for row in rows], device=self.device)
-            if self.prefix_cache is not None:
-                row_keys = [keys[row] for row in rows]
-                self.prefix_cache.fill(row_keys, [sequences[row][: splits[row]] for row in rows])
-                inputs = self.prefix_cache.inputs(row_keys, [sequences[row][splits[row] :] for row in rows])
-            else:
-                inputs = {"input_ids": right_pad([sequences[row] for row in rows], self.pad)[0].to(self.device),
-                          "use_cache": False}
-            patch = AddPatch(value=values[index], slice=(torch.arange(len(rows), device=self.device),
-                                                         patch_cols[index] - offsets))
             local_rows = torch.tensor([local[rows_of_read[j]] for j in picks], device=self.device)
             reads = torch.tensor(picks, device=self.device)
-            with quiet_extraction():
-                logits = logits_at(self.pg, inputs.pop("input_ids"), local_rows, read_cols[reads] - offsets[local_rows],
-                                   {self.layer.output_node: patch}, head_node=self.head_node, model_kwargs=inputs)
+            local_cols = read_cols[reads] - offsets[local_rows]
+            if self.prefix_cache is None:
+                inputs = {"input_ids": right_pad([sequences[row] for row in rows], self.pad)[0].to(self.device),
+                          "use_cache": False}
+                logits = self._full_logits(inputs, values[index], patch_cols[index], local_rows, local_cols)
+            else:
+                row_keys = [keys[row] for row in rows]
+                self.prefix_cache.fill(row_keys, [sequences[row][: splits[row]] for row in rows])
+                suffixes = [sequences[row][splits[row] :] for row in rows]
+                logits = self._cached_logits(row_keys, suffixes, values[index], local_rows, local_cols)
             parts.append((logits, reads))
         return parts
+
+    def _full_logits(self, inputs: dict[str, Any], values: torch.Tensor, patch_cols: torch.Tensor,
+                     rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, vocab]`` at ``(rows, cols)`` of one pass of the engine, ``values[r]`` added at row ``r``'s
+        ``patch_cols[r]`` of the layer's output."""
+        patch = AddPatch(value=values, slice=(torch.arange(len(values), device=self.device), patch_cols))
+        model_kwargs = dict(inputs)
+        with quiet_extraction():
+            return logits_at(self.pg, model_kwargs.pop("input_ids"), rows, cols, {self.layer.output_node: patch},
+                             head_node=self.head_node, model_kwargs=model_kwargs)
+
+    def _cached_logits(self, row_keys: list[tuple[int, int]], suffixes: list[list[int]], values: torch.Tensor,
+                       rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """:meth:`_full_logits` of rows whose prefixes are cached (``values`` added at each suffix's first token),
+        through :attr:`tail` once it matched a full pass on the first rows it ran (else the full pass)."""
+        inputs = self.prefix_cache.inputs(row_keys, suffixes)
+        first = torch.zeros(len(values), dtype=torch.long, device=self.device)  # δ goes at each suffix's first token
+        if self.tail is None:
+            return self._full_logits(inputs, values, first, rows, cols)
+        self.tail.fill(row_keys, [len(s) for s in suffixes], self.prefix_cache.inputs(row_keys, suffixes))
+        if self.tail_checked:
+            return self.tail.logits(row_keys, values, rows, cols, inputs)
+        self.tail_checked = True  # the first rows run both ways: the tail is used if it gives the same logits
+        logits = self._full_logits(inputs, values, first, rows, cols)
+        with torch.no_grad():
+            same = (logits_match(self.tail.logits(row_keys, values, rows, cols,
+                                                  self.prefix_cache.inputs(row_keys, suffixes)), logits)
+                    and self.tail.adds_to_stream(self.prefix_cache.inputs(row_keys, suffixes),
+                                                 self.layer.output_node, row_keys))
+        if not same:
+            warnings.warn(f"Adding δ to the residual stream after {self.tail.residual_node} does not give the "
+                          f"patched logits of {self.layer.output_node} for this model; the value search runs full "
+                          f"passes", stacklevel=2)
+            self.tail.discard(row_keys)
+            self.tail = None
+        return logits
 
     def _batch(self, facts: Sequence[int]) -> tuple[list[list[int]], list[tuple[int, int]], dict[str, torch.Tensor]]:
         """The rows of ``facts``, their keys ``(fact, prompt)`` and the positions the terms read: every target
@@ -282,8 +326,11 @@ class BatchValueObjective:
     def release(self, facts: Sequence[int]) -> None:
         """Free what is kept for ``facts`` only while they are searched (their rows' prefix caches): call it when
         they stop; evaluating them again recomputes it."""
+        keys = [key for fact in facts for key in self._row_keys(fact)]
         if self.prefix_cache is not None:
-            self.prefix_cache.discard([key for fact in facts for key in self._row_keys(fact)])
+            self.prefix_cache.discard(keys)
+        if self.tail is not None:
+            self.tail.discard(keys)
 
     def _row_keys(self, fact: int) -> list[tuple[int, int]]:
         """The keys ``(fact, prompt)`` of a fact's rows (its prefix-cache entries)."""
@@ -300,99 +347,3 @@ class BatchValueObjective:
 def _in_read_order(values: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
     """``values`` (rows in pass order, row ``i`` read ``reads[i]``) with its rows put in read order."""
     return values[torch.argsort(reads)]
-
-
-#: ``callback(step, {fact: terms})``: called once per step with the terms (floats) of every fact evaluated.
-BatchStepCallback = Callable[[int, dict[int, dict[str, float]]], None]
-
-
-def _fact_guard(objective: BatchValueObjective, fact: int, lr: float) -> StepGuard:
-    """:func:`editors.value.value_step_guard` naming the fact."""
-    return StepGuard(f"batched value step, fact {fact} (subject {objective.requests[fact].subject!r})",
-                     f"lower the learning rate (lr={lr:g}) or keep the norm clamp (clamp_factor); the weights were "
-                     f"not changed")
-
-
-def optimize_values(
-    objective: BatchValueObjective,
-    *,
-    steps: int = 25,
-    lr: float = 0.5,
-    early_stop_loss: float = 0.05,
-    callback: BatchStepCallback | None = None,
-) -> list[ValueResult]:
-    """Minimise every fact's loss with Adam from ``δ = 0``, all facts in the same forward/backward passes.
-
-    Each step evaluates the facts still searching (in passes of at most ``objective.max_tokens`` tokens); a fact
-    whose loss is below ``early_stop_loss`` stops there, before stepping, and keeps its ``δ`` (exactly as
-    :func:`editors.value.optimize_value` stops); the others take one Adam step on the summed loss (each row's
-    gradient is its own fact's) and are clamped. The model's parameters are frozen meanwhile and restored after.
-
-    Args:
-        objective: the facts' losses.
-        steps: maximum optimiser steps per fact (25).
-        lr: Adam learning rate (0.5).
-        early_stop_loss: a fact stops once its loss is below this (0.05).
-        callback: called after each step's evaluations with ``(step, {fact: terms})``.
-
-    Returns:
-        One :class:`editors.value.ValueResult` per fact, in request order (``steps``: that fact's optimiser steps).
-
-    Raises:
-        ValueError: ``lr`` is not a finite positive number.
-        NonFiniteError: a fact's loss term, gradient or ``δ`` became NaN or inf (the message names the fact and
-            the step); nothing is returned.
-    """
-    if not (math.isfinite(lr) and lr > 0):
-        raise ValueError(f"lr must be a finite positive number, got {lr}; ROME and MEMIT use 0.5")
-    n = objective.n_facts
-    delta = nn.Parameter(torch.zeros_like(objective.v_init))  # [F, d_out]
-    optimizer = torch.optim.Adam([delta], lr=lr)
-    histories: list[list[dict[str, float]]] = [[] for _ in range(n)]
-    taken = [0] * n
-    active = list(range(n))
-    with frozen_parameters(objective.pg), torch.enable_grad():
-        for step in range(steps):
-            if not active:
-                break
-            optimizer.zero_grad(set_to_none=True)
-            stepping: list[int] = []
-            evaluated: dict[int, dict[str, float]] = {}
-            for chunk in objective.chunks(active):
-                terms = objective.loss(delta, chunk)
-                columns = {name: value.detach().tolist() for name, value in terms.items()}
-                keep = []
-                for j, fact in enumerate(chunk):
-                    record = {name: values[j] for name, values in columns.items()}
-                    _fact_guard(objective, fact, lr).check_terms(step, record)
-                    histories[fact].append(record)
-                    evaluated[fact] = record
-                    if record["loss"] >= early_stop_loss:
-                        keep.append(j)
-                if keep:
-                    terms["loss"][torch.tensor(keep, device=delta.device)].sum().backward()
-                stepping += [chunk[j] for j in keep]
-            if callback is not None:
-                callback(step, evaluated)
-            if not stepping:
-                break
-            rows = torch.tensor(stepping, device=delta.device)
-            for fact in stepping:
-                _fact_guard(objective, fact, lr).check_gradients(step, {"delta": delta.grad[fact]}, evaluated[fact])
-            before = delta.detach().clone()
-            with _fact_guard(objective, stepping[0], lr).update(step, lr):
-                optimizer.step()
-            with torch.no_grad():
-                kept = torch.ones(n, dtype=torch.bool, device=delta.device)
-                kept[rows] = False
-                delta[kept] = before[kept]  # stopped facts keep their δ (Adam's momentum would move them)
-            objective.project_(delta)
-            for fact in stepping:
-                _fact_guard(objective, fact, lr).check_values(step, {"delta": delta[fact]})
-                taken[fact] += 1
-            objective.release(sorted(set(active) - set(stepping)))
-            active = stepping
-    objective.release(active)
-    final = delta.detach().clone()
-    return [ValueResult(delta=final[i], v_star=objective.v_init[i] + final[i], steps=taken[i], history=histories[i])
-            for i in range(n)]

@@ -39,7 +39,8 @@ from torch import nn
 
 from gradpatch import CustomPatch, model_fingerprint
 
-from .batch_value import DEFAULT_MAX_TOKENS, BatchStepCallback, BatchValueObjective, optimize_values
+from .batch_search import BatchStepCallback, optimize_values
+from .batch_value import DEFAULT_MAX_TOKENS, BatchValueObjective
 from .corpus import Corpus
 from .counterfact import EditRequest
 from .defaults import DEFAULT_SMOLLM2_NODES
@@ -53,6 +54,7 @@ from .multi_update import memit_factors
 from .rome_config import ROMEConfig
 from .search_copy import SearchCopy, search_dtype
 from .stats import SecondMoment, default_cache_dir, layer_second_moments, statistics_fingerprint
+from .tail_pass import tail_pass_for
 from .value import ValueResult
 
 __all__ = ["DEFAULT_SMOLLM2_NODES", "MEMIT", "MEMITConfig", "check_requests"]
@@ -274,9 +276,10 @@ class MEMIT:
             v_init = last.forward_value(at_last)  # [F, d_out]
         t1 = time.perf_counter()
         search_pg = self._search_graph()
+        tail = tail_pass_for(search_pg, self.residual_node) if search_pg is not self.pg else None  # the copy only
         objective = BatchValueObjective(search_pg, self.tokenizer, resolve_layer(search_pg, last.path), requests,
                                         value_templates, v_init, kl_factor=c.kl_factor, weight_decay=c.weight_decay,
-                                        clamp_factor=c.clamp_factor, max_tokens=c.max_tokens)
+                                        clamp_factor=c.clamp_factor, max_tokens=c.max_tokens, tail=tail)
         results = optimize_values(objective, steps=c.steps, lr=c.lr, early_stop_loss=c.early_stop_loss,
                                   callback=callback)
         self.last_values = results

@@ -8,7 +8,8 @@ from ``s`` on, attending to the cached prefix through the model's own cache (a t
 passed as ``cache`` or, before transformers 5.24, ``past_key_values``) with explicit position ids and attention
 mask. On the fact bank's prompts (SmolLM2-135M, six context prefixes) the tokens from ``s`` on are 36 % of all
 tokens, so a step's forward and backward passes carry a third of the tokens they did. The logits are the full
-passes' up to float rounding (``tests/test_prefix_cache.py``).
+passes' up to float rounding (``tests/test_prefix_cache.py``). Rows behind the same context prefix begin with the
+same tokens: :meth:`PrefixCache.fill` computes those once and runs each row's other prefix tokens on them.
 
 Memory: the cache holds ``2 · layers · kv_heads · head_dim`` numbers per prefix token (SmolLM2-135M: 46 kB per token in
 float32; the 1,000 facts of a MEMIT batch, with seven prompts each, ~3.7 GB) for the length of one search.
@@ -29,12 +30,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradpatch import CustomPatch
 from gradpatch.generation import cache_argument
 
 from .layers import model_device, wrapped_model
+from .selected_logits import output_embedding_input_node
 
-__all__ = ["PrefixCache", "quiet_extraction", "supports_prefix_cache"]
+__all__ = ["MIN_SHARED_TOKENS", "PrefixCache", "quiet_extraction", "shared_length", "supports_prefix_cache"]
 
+#: Fewest tokens that rows must begin with for those tokens to run once for all of them.
+MIN_SHARED_TOKENS = 4
 _ARGUMENTS = ("position_ids", "attention_mask")  # besides the cache (gradpatch.generation.cache_argument)
 
 
@@ -45,6 +50,15 @@ def quiet_extraction() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="gradpatch: extracting graphs")
         yield
+
+
+def shared_length(rows: Sequence[Sequence[int]], limit: int) -> int:
+    """Length of the longest token prefix common to all ``rows``, at most ``limit``."""
+    length = min([limit, *(len(row) for row in rows)])
+    first = rows[0]
+    for row in rows[1:]:
+        length = next((i for i in range(length) if row[i] != first[i]), length)
+    return length
 
 
 def supports_prefix_cache(pg: nn.Module) -> bool:
@@ -90,31 +104,59 @@ class PrefixCache:
         self.config = wrapped_model(pg).config
         self.cache_name: str = cache_name  # the model's name for its cache argument
         self.device = model_device(pg)
+        self.head_node = output_embedding_input_node(pg)  # the fill needs no logits: it projects one position
         # row key -> (keys, values), each [layers, kv_heads, prefix_length, head_dim]; None for an empty prefix
         self._states: dict[Hashable, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self._shared: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # tokens -> their states
 
     def __len__(self) -> int:
         return len(self._states)
 
     def fill(self, keys: Sequence[Hashable], prefixes: Sequence[Sequence[int]]) -> None:
         """Compute and keep the prefix states of the rows not yet cached (one no-grad pass per group of rows of
-        similar length that fits ``max_tokens``). An empty prefix is kept as ``None`` (nothing to attend to)."""
+        similar length that fits ``max_tokens``). An empty prefix is kept as ``None`` (nothing to attend to). Rows
+        that begin with the same :data:`MIN_SHARED_TOKENS` or more tokens (the same context prefix) run those tokens
+        once: their states are computed in a pass of their own and the rows' other tokens run on them."""
         todo = [(key, list(prefix)) for key, prefix in zip(keys, prefixes) if key not in self._states]
         for key, prefix in todo:
             if not prefix:
                 self._states[key] = None
-        todo = sorted(((key, prefix) for key, prefix in todo if prefix), key=lambda item: len(item[1]))
-        group: list[tuple[Hashable, list[int]]] = []
-        for item in todo:
-            if group and (len(group) + 1) * len(item[1]) > self.max_tokens:
-                self._compute(group)
-                group = []
-            group.append(item)
-        if group:
-            self._compute(group)
+        by_start: dict[tuple[int, ...], list[tuple[Hashable, list[int]]]] = {}
+        for key, prefix in todo:
+            if prefix:
+                by_start.setdefault(tuple(prefix[:MIN_SHARED_TOKENS]), []).append((key, prefix))
+        alone: list[tuple[Hashable, list[int]]] = []
+        for group in by_start.values():
+            shared = shared_length([prefix for _, prefix in group], len(group[0][1])) if len(group) > 1 else 0
+            if shared >= MIN_SHARED_TOKENS:
+                self._fill_after_shared(group, shared)
+            else:
+                alone += group
+        for chunk in _chunks(sorted(alone, key=lambda item: len(item[1])), self.max_tokens, 0):
+            for (key, _), state in zip(chunk, self._run(chunk)):
+                self._states[key] = state
+
+    def _fill_after_shared(self, group: list[tuple[Hashable, list[int]]], shared: int) -> None:
+        """Fill rows whose prefixes all begin with the same ``shared`` tokens: those once, then the rest on them."""
+        head = tuple(group[0][1][:shared])
+        if head not in self._shared:
+            self._shared[head] = self._run([(head, list(head))])[0]
+        common = self._shared[head]
+        rest = []
+        for key, prefix in group:
+            if len(prefix) == shared:
+                self._states[key] = common
+            else:
+                rest.append((key, prefix[shared:]))
+        for chunk in _chunks(sorted(rest, key=lambda item: len(item[1])), self.max_tokens, shared):
+            inputs = self._inputs([common] * len(chunk), [tail for _, tail in chunk])
+            for (key, tail), (keys, values) in zip(chunk, self._forward(inputs)):
+                end = shared + len(tail)
+                self._states[key] = (keys[:, :, :end].clone(), values[:, :, :end].clone())
 
     @torch.no_grad()
-    def _compute(self, group: list[tuple[Hashable, list[int]]]) -> None:
+    def _run(self, group: list[tuple[Hashable, list[int]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The states of ``group``'s prefixes, computed from scratch in one left-padded pass."""
         width = max(len(prefix) for _, prefix in group)
         ids = torch.full((len(group), width), self.pad, dtype=torch.long)
         mask = torch.zeros((len(group), width), dtype=torch.long)
@@ -122,17 +164,25 @@ class PrefixCache:
             ids[i, width - len(prefix):] = torch.tensor(prefix)
             mask[i, width - len(prefix):] = 1
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        cache = _new_cache(self.config)
-        with quiet_extraction():
-            output = self.pg(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                             position_ids=positions.to(self.device), use_cache=True, **{self.cache_name: cache})
+        states = self._forward({"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device),
+                                "position_ids": positions.to(self.device), "use_cache": True,
+                                self.cache_name: _new_cache(self.config)})
+        return [(keys[:, :, width - len(prefix):].clone(), values[:, :, width - len(prefix):].clone())
+                for (_, prefix), (keys, values) in zip(group, states)]
+
+    @torch.no_grad()
+    def _forward(self, inputs: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Run a cached pass and return each row's states in the cache after it, ``[layers, kv_heads, width,
+        head_dim]`` (views)."""
+        cache = inputs[self.cache_name]
+        patches = {} if self.head_node is None else {self.head_node: CustomPatch(custom_op=_one_position)}
+        with quiet_extraction(), self.pg.patch(patches):
+            output = self.pg(**inputs)
         returned = getattr(output, self.cache_name, None)
         cache = cache if returned is None else returned
         keys = torch.stack([layer.keys for layer in cache.layers], dim=1)  # [rows, layers, kv_heads, width, head]
         values = torch.stack([layer.values for layer in cache.layers], dim=1)
-        for i, (key, prefix) in enumerate(group):
-            start = width - len(prefix)
-            self._states[key] = (keys[i, :, :, start:].clone(), values[i, :, :, start:].clone())
+        return [(keys[i], values[i]) for i in range(keys.shape[0])]
 
     def discard(self, keys: Sequence[Hashable]) -> None:
         """Forget the rows' prefix states (rows that will not run again: their memory is freed)."""
@@ -157,12 +207,16 @@ class PrefixCache:
             KeyError: a row's prefix was not cached.
             ValueError: a suffix is empty.
         """
+        return self._inputs([self._states[key] for key in keys], suffixes)
+
+    def _inputs(self, states: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+                suffixes: Sequence[Sequence[int]]) -> dict[str, Any]:
+        """:meth:`inputs` for rows given by their prefix states."""
         if any(len(s) == 0 for s in suffixes):
             raise ValueError("every row needs at least one token from its split position on")
-        states = [self._states[key] for key in keys]
         lengths = [0 if state is None else state[0].shape[2] for state in states]
         prefix_width, width = max(lengths), max(len(s) for s in suffixes)
-        rows, device = len(keys), self.device
+        rows, device = len(states), self.device
         ids = torch.full((rows, width), self.pad, dtype=torch.long)
         for i, suffix in enumerate(suffixes):
             ids[i, : len(suffix)] = torch.tensor(list(suffix))
@@ -186,6 +240,29 @@ class PrefixCache:
                                          for layer in range(cached[0].shape[1])])
         return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "position_ids": positions.to(device),
                 self.cache_name: cache, "use_cache": True}
+
+
+def _chunks(items: list[tuple[Hashable, list[int]]], max_tokens: int, offset: int
+            ) -> Iterator[list[tuple[Hashable, list[int]]]]:
+    """Consecutive groups of ``items`` (sorted by length) of at most ``max_tokens`` tokens (rows × (``offset`` +
+    widest)), each at least one item."""
+    group: list[tuple[Hashable, list[int]]] = []
+    for item in items:
+        if group and (len(group) + 1) * (offset + len(item[1])) > max_tokens:
+            yield group
+            group = []
+        group.append(item)
+    if group:
+        yield group
+
+
+def _one_position(hidden: torch.Tensor) -> torch.Tensor:
+    """The first row's last position of the output embedding's input ``[batch, seq, d]``, as a contiguous
+    ``[1, 1, d]``. Contiguous matters: a linear layer whose weight does not require gradients multiplies a
+    non-contiguous 3-D input by a ``bmm`` against its weight expanded to the batch, materialised (PyTorch's
+    ``matmul`` folds the batch into one ``mm`` only for a contiguous input or a weight that requires gradients); with
+    the value search's frozen weights a ``[rows, 1, d]`` slice made the fill 5× slower."""
+    return hidden[:1, -1:].contiguous()
 
 
 def _new_cache(config: Any, data: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:

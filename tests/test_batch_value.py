@@ -7,7 +7,8 @@ import torch
 
 import editors.batch_value as batch_value
 from editors import ContextTemplates, EditRequest, ValueObjective, compute_key, optimize_value, resolve_layer
-from editors.batch_value import BatchValueObjective, optimize_values
+from editors.batch_search import optimize_values
+from editors.batch_value import BatchValueObjective
 from editors.capture import node_activations
 from editors.keys import context_activations
 from editors.scoring import logits_of

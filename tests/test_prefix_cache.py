@@ -103,3 +103,30 @@ def test_models_without_a_cache_argument_run_full_passes():
     assert supports_prefix_cache(_graph("llama")[1])
     with pytest.raises(ValueError, match="prefix_cache=False"):
         PrefixCache(plain, pad=0, max_tokens=10)
+
+
+@pytest.mark.parametrize("kind", sorted(NODES))
+def test_rows_beginning_alike_share_their_first_tokens_and_keep_their_own_states(kind, monkeypatch):
+    _, pg = _graph(kind)
+    generator = torch.Generator().manual_seed(1)
+    start = torch.randint(1, 200, (6,), generator=generator).tolist()
+    # Three rows behind the same six tokens (one is exactly them), one other row.
+    prefixes = [start + [7, 8, 9], start, start + [11], torch.randint(1, 200, (5,), generator=generator).tolist()]
+    shared = PrefixCache(pg, pad=0, max_tokens=12)  # 12 tokens a pass: the rows after the shared ones apart
+    calls: list[tuple[int, ...]] = []
+    forward = pg.forward
+    monkeypatch.setattr(pg, "forward", lambda *a, **k: calls.append(tuple(k["input_ids"].shape)) or forward(*a, **k))
+    shared.fill(["a", "b", "c", "d"], prefixes)
+    monkeypatch.undo()
+    # The six shared tokens once, then rows a and c on them (3 and 1 tokens), and the other row alone.
+    assert sorted(calls) == [(1, 1), (1, 3), (1, 5), (1, 6)]
+    alone = PrefixCache(pg, pad=0, max_tokens=12)
+    for key, prefix in zip("abcd", prefixes):
+        alone.fill([key], [prefix])
+    suffixes = [[3, 4], [5], [6, 7, 8], [9, 10]]
+    with torch.no_grad():
+        got = pg(**shared.inputs(list("abcd"), suffixes)).logits
+        expected = pg(**alone.inputs(list("abcd"), suffixes)).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    shared.discard(["b"])
+    assert len(shared) == 3

@@ -10,7 +10,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from editors import ContextTemplates, Corpus, EditRequest, compute_key, resolve_layer
 from editors.alphaedit import AlphaEdit, AlphaEditConfig
-from editors.batch_value import BatchValueObjective, optimize_values
+from editors.batch_search import optimize_values
+from editors.batch_value import BatchValueObjective
 from editors.errors import EditError
 from editors.layers import model_dtype, wrapped_model
 from editors.memit import MEMIT, MEMITConfig
