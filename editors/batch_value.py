@@ -255,7 +255,8 @@ class BatchValueObjective:
         first = torch.zeros(len(values), dtype=torch.long, device=self.device)  # δ goes at each suffix's first token
         if self.tail is None:
             return self._full_logits(inputs, values, first, rows, cols)
-        self.tail.fill(row_keys, [len(s) for s in suffixes], self.prefix_cache.inputs(row_keys, suffixes))
+        if not self.tail.holds(row_keys):  # (building a pass's inputs copies the prefixes' cache)
+            self.tail.fill(row_keys, [len(s) for s in suffixes], self.prefix_cache.inputs(row_keys, suffixes))
         if self.tail_checked:
             return self.tail.logits(row_keys, values, rows, cols, inputs)
         self.tail_checked = True  # the first rows run both ways: the tail is used if it gives the same logits

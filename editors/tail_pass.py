@@ -80,6 +80,10 @@ class TailPass:
         self.start = index + 1
         self._hidden: dict[Hashable, torch.Tensor] = {}  # row key -> h_L at its tokens from s on, [S_row, d_model]
 
+    def holds(self, keys: Sequence[Hashable]) -> bool:
+        """Whether ``h_L`` of every row in ``keys`` is kept (:meth:`fill` has nothing to do)."""
+        return all(key in self._hidden for key in keys)
+
     def fill(self, keys: Sequence[Hashable], lengths: Sequence[int], model_inputs: Mapping[str, Any]) -> None:
         """Compute and keep ``h_L`` of the rows not kept yet: one no-grad pass of the engine up to ``residual_node``.
 
@@ -87,7 +91,7 @@ class TailPass:
             keys: the rows' keys; lengths: their suffix lengths (tokens from ``s`` on).
             model_inputs: a pass of the rows (:meth:`editors.prefix_cache.PrefixCache.inputs`; its cache is used up).
         """
-        if all(key in self._hidden for key in keys):
+        if self.holds(keys):
             return
         inputs = dict(model_inputs)
         with quiet_extraction():
