@@ -35,8 +35,9 @@ from gradpatch.generation import cache_argument
 
 from .layers import model_device, wrapped_model
 from .selected_logits import output_embedding_input_node
+from .tokens import common_prefix_length, sorted_chunks
 
-__all__ = ["MIN_SHARED_TOKENS", "PrefixCache", "quiet_extraction", "shared_length", "supports_prefix_cache"]
+__all__ = ["MIN_SHARED_TOKENS", "PrefixCache", "quiet_extraction", "supports_prefix_cache"]
 
 #: Fewest tokens that rows must begin with for those tokens to run once for all of them.
 MIN_SHARED_TOKENS = 4
@@ -50,15 +51,6 @@ def quiet_extraction() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="gradpatch: extracting graphs")
         yield
-
-
-def shared_length(rows: Sequence[Sequence[int]], limit: int) -> int:
-    """Length of the longest token prefix common to all ``rows``, at most ``limit``."""
-    length = min([limit, *(len(row) for row in rows)])
-    first = rows[0]
-    for row in rows[1:]:
-        length = next((i for i in range(length) if row[i] != first[i]), length)
-    return length
 
 
 def supports_prefix_cache(pg: nn.Module) -> bool:
@@ -127,7 +119,7 @@ class PrefixCache:
                 by_start.setdefault(tuple(prefix[:MIN_SHARED_TOKENS]), []).append((key, prefix))
         alone: list[tuple[Hashable, list[int]]] = []
         for group in by_start.values():
-            shared = shared_length([prefix for _, prefix in group], len(group[0][1])) if len(group) > 1 else 0
+            shared = common_prefix_length([prefix for _, prefix in group]) if len(group) > 1 else 0
             if shared >= MIN_SHARED_TOKENS:
                 self._fill_after_shared(group, shared)
             else:
@@ -243,17 +235,9 @@ class PrefixCache:
 
 
 def _chunks(items: list[tuple[Hashable, list[int]]], max_tokens: int, offset: int
-            ) -> Iterator[list[tuple[Hashable, list[int]]]]:
-    """Consecutive groups of ``items`` (sorted by length) of at most ``max_tokens`` tokens (rows × (``offset`` +
-    widest)), each at least one item."""
-    group: list[tuple[Hashable, list[int]]] = []
-    for item in items:
-        if group and (len(group) + 1) * (offset + len(item[1])) > max_tokens:
-            yield group
-            group = []
-        group.append(item)
-    if group:
-        yield group
+            ) -> list[list[tuple[Hashable, list[int]]]]:
+    """:func:`editors.tokens.sorted_chunks` of ``items`` (sorted by length) whose rows are ``offset`` tokens longer."""
+    return [[items[i] for i in group] for group in sorted_chunks([offset + len(t) for _, t in items], max_tokens)]
 
 
 def _one_position(hidden: torch.Tensor) -> torch.Tensor:

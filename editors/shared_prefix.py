@@ -21,8 +21,8 @@ from torch import nn
 
 from .capture import node_activations
 from .layers import model_device
-from .prefix_cache import MIN_SHARED_TOKENS, PrefixCache, quiet_extraction, shared_length, supports_prefix_cache
-from .tokens import right_pad
+from .prefix_cache import MIN_SHARED_TOKENS, PrefixCache, quiet_extraction, supports_prefix_cache
+from .tokens import common_prefix_length, right_pad, sorted_chunks
 
 __all__ = ["row_activations"]
 
@@ -54,7 +54,7 @@ def row_activations(pg: nn.Module, nodes: Sequence[str], rows: Sequence[Sequence
     """
     shared = 0
     if share_prefix and len(rows) > 1 and supports_prefix_cache(pg):
-        shared = shared_length(rows, min(reads))
+        shared = common_prefix_length(rows, min(reads))
     cache = None
     if shared >= MIN_SHARED_TOKENS:
         cache = PrefixCache(pg, pad, max_tokens)
@@ -65,14 +65,8 @@ def row_activations(pg: nn.Module, nodes: Sequence[str], rows: Sequence[Sequence
     device = model_device(pg)
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # rows of similar length: little padding
     parts: list[list[torch.Tensor]] = [[] for _ in nodes]
-    start = 0
-    while start < len(order):
-        end, width = start, 0
-        while end < len(order) and (end == start or (end + 1 - start) * max(width, len(rows[order[end]]) - shared)
-                                    <= max_tokens):
-            width = max(width, len(rows[order[end]]) - shared)
-            end += 1
-        chunk = order[start:end]
+    for group in sorted_chunks([len(rows[i]) - shared for i in order], max_tokens):
+        chunk = [order[i] for i in group]
         if cache is None:
             inputs: dict[str, Any] = {"input_ids": right_pad([rows[i] for i in chunk], pad)[0].to(device)}
         else:
@@ -83,6 +77,5 @@ def row_activations(pg: nn.Module, nodes: Sequence[str], rows: Sequence[Sequence
         positions = torch.tensor([reads[i] - shared for i in chunk])
         for part, activation in zip(parts, activations):
             part.append(activation[index.to(activation.device), positions.to(activation.device)])
-        start = end
     unsort = torch.argsort(torch.tensor(order))
     return [torch.cat(part)[unsort.to(part[0].device)] for part in parts]

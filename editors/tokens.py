@@ -18,6 +18,7 @@ from .errors import SubjectNotFoundError, TokenizationError
 
 __all__ = [
     "EncodedPrompt",
+    "common_prefix_length",
     "encode",
     "encode_prompt_target",
     "encode_subject_prompt",
@@ -25,6 +26,7 @@ __all__ = [
     "pad_token_id",
     "prompt_and_span",
     "right_pad",
+    "sorted_chunks",
     "subject_char_span",
     "subject_token_range",
 ]
@@ -73,13 +75,25 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def common_prefix_length(rows: Sequence[Sequence[int]], limit: int | None = None) -> int:
+    """Length of the longest token prefix common to all ``rows``, at most ``limit`` (if given)."""
+    length = min(len(row) for row in rows) if limit is None else min([limit, *(len(row) for row in rows)])
+    first = rows[0]
+    for row in rows[1:]:
+        length = next((i for i in range(length) if row[i] != first[i]), length)
+    return length
+
+
+def sorted_chunks(widths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive groups of the indices of ``widths`` (ascending: each group's last row is its widest) whose rows ×
+    widest width stay within ``max_tokens``; a row wider than that forms a group of its own."""
+    groups: list[list[int]] = []
+    for i, width in enumerate(widths):
+        if groups and (len(groups[-1]) + 1) * width <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def _last_token_before(tokenizer: Any, text: str, ids: list[int], end: int) -> int:
@@ -89,7 +103,7 @@ def _last_token_before(tokenizer: Any, text: str, ids: list[int], end: int) -> i
     (or the first differing one, which then straddles ``end``) holds the character ``end - 1``.
     """
     prefix_ids = encode(tokenizer, text[:end])
-    n = _common_prefix(prefix_ids, ids)
+    n = common_prefix_length([prefix_ids, ids])
     if n == len(prefix_ids):
         return n - 1
     return n  # the token at n straddles the boundary: it contains text[end - 1]
@@ -210,7 +224,7 @@ def encode_prompt_target(
             )
     else:
         prompt_ids = encode(tokenizer, prompt.rstrip(" "))
-        target_start = _common_prefix(prompt_ids, ids)
+        target_start = common_prefix_length([prompt_ids, ids])
         if target_start != len(prompt_ids) or target_start >= len(ids):
             raise TokenizationError(
                 f"The tokens of {prompt!r} are not a prefix of the tokens of {text!r}; use a fast tokenizer "

@@ -9,8 +9,9 @@ import torch
 import editors.shared_prefix as shared_prefix
 from editors import ContextTemplates, resolve_layer
 from editors.keys import context_activations
-from editors.prefix_cache import MIN_SHARED_TOKENS, shared_length
+from editors.prefix_cache import MIN_SHARED_TOKENS
 from editors.shared_prefix import row_activations
+from editors.tokens import common_prefix_length as shared_length
 from editors.testing import byte_level_tokenizer, tiny_gpt2, tiny_llama
 from gradpatch import AddPatch, PatchableGraph
 
