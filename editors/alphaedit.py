@@ -89,6 +89,9 @@ class AlphaEdit(MEMIT):
         assert isinstance(config, AlphaEditConfig)
         projector = self.projectors()[index]
         previous = self.previous[index] if self.previous else torch.zeros_like(projector)
+        preserved = self._preserved(index)
+        if preserved is not None:
+            previous = previous + preserved
         return alphaedit_factors(keys, residuals, projector, previous, config.l2, node=self.layers[index].path)
 
     def compute(self, requests: Sequence[EditRequest], callback: BatchStepCallback | None = None) -> BatchEdit:
@@ -121,7 +124,8 @@ class AlphaEdit(MEMIT):
         return batch
 
     def forget(self) -> None:
-        """Drop the remembered keys and batches (after their weights were restored by other means)."""
+        """Drop the remembered keys and batches (after their weights were restored by other means); the keys of
+        :meth:`MEMIT.preserve` stay."""
         self.previous, self.applied = [], []
 
     def restore_all(self) -> None:

@@ -188,6 +188,8 @@ class MEMIT:
         search_dtype(self.config.value_dtype)  # a bad name fails here, not after the statistics
         self._search_copy: SearchCopy | None = None
         self.last_values: list[ValueResult] = []
+        self.preserved: list[torch.Tensor] = []  # K_n K_nᵀ per layer from preserve(), [d_in, d_in] float64
+        self.n_preserved = 0  # facts given to preserve()
 
     @staticmethod
     def _as_moment(statistic: SecondMoment | torch.Tensor, layer: LinearLayer) -> SecondMoment:
@@ -232,10 +234,46 @@ class MEMIT:
             self._search_copy = SearchCopy(self.pg, self.tokenizer, dtype)
         return self._search_copy.graph()
 
+    def preserve(self, facts: Sequence[tuple[str, str]], weight: float = 1.0) -> None:
+        """Keep the outputs of these subjects' keys through every later update of this editor.
+
+        Each ``(prompt, subject)``'s key at each edited layer (the layer input at the subject's last token, averaged
+        over the key prefixes as an edited fact's key, measured on the model as it is now) is added, times
+        ``weight``, to the preserved term of the update: ``K_n K_nᵀ`` in MEMIT's ``λC + K_n K_nᵀ + KKᵀ``
+        (:func:`editors.multi_update.memit_factors`: more columns of eq. 14's preserved keys ``K_0``), and in
+        AlphaEdit's ``K_p K_pᵀ`` (the term that keeps earlier batches' keys). ``C`` comes from generic text, so it
+        cannot tell an edited subject from others that share its relation and old object (other cities of its
+        country: docs/memit.md, "Why the null space does not protect them"); preserving such subjects (never the
+        ones a test evaluates) gives the update their directions. Calls add up; :meth:`AlphaEdit.forget` keeps them.
+
+        Args:
+            facts: ``(prompt, subject)`` pairs, the prompt with ``{}`` where the subject goes, e.g.
+                ``("The city of {} is located in the country of", "Lyon")``.
+            weight: the factor of their outer products (> 0; 1 weighs each key as one edited fact's key).
+
+        Raises:
+            ValueError: no fact, or a weight that is not positive.
+            SubjectNotFoundError, TokenizationError: a fact cannot be encoded (its index is named).
+        """
+        if not facts:
+            raise ValueError("preserve() needs at least one (prompt, subject) pair")
+        if not weight > 0:
+            raise ValueError(f"The preservation weight must be positive, got {weight!r}")
+        c = self.config
+        keys = context_activations(self.pg, self.tokenizer, [layer.input_node for layer in self.layers], list(facts),
+                                   self.templates().subset(c.key_prefixes), max_tokens=c.max_tokens)
+        sums = [weight * (k.T @ k) for k in (layer_keys.mean(dim=1).to(torch.float64).cpu() for layer_keys in keys)]
+        self.preserved = sums if not self.preserved else [a + b for a, b in zip(self.preserved, sums)]
+        self.n_preserved += len(facts)
+
+    def _preserved(self, index: int) -> torch.Tensor | None:
+        """``K_n K_nᵀ`` of layer ``index`` (:meth:`preserve`), or ``None``."""
+        return self.preserved[index] if self.preserved else None
+
     def _layer_update(self, index: int, keys: torch.Tensor, residuals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Eq. 14 at layer ``index``: factors ``(U [d_in, F], V [d_out, F])``."""
+        """Eq. 14 at layer ``index``, with the preserved keys: factors ``(U [d_in, F], V [d_out, F])``."""
         return memit_factors(keys, residuals, self.statistics()[index].matrix, self.config.mom2_update_weight,
-                             node=self.layers[index].path)
+                             node=self.layers[index].path, preserved=self._preserved(index))
 
     def compute(self, requests: Sequence[EditRequest], callback: BatchStepCallback | None = None) -> BatchEdit:
         """Compute the edit of ``requests`` without touching the weights.
@@ -326,6 +364,7 @@ class MEMIT:
             "nodes": self.nodes,
             "residual_node": self.residual_node,
             "n_facts": len(requests),
+            "preserved_facts": self.n_preserved,
             "converged": all(f["converged"] for f in facts),
             "n_key_prompts": len(key_templates),
             "n_value_prompts": len(value_templates),

@@ -5,12 +5,15 @@ Both store ``F`` new associations ``K -> W K + R`` (keys ``K`` ``[d_in, F]``, re
 key's output must gain) in a layer ``W`` ``[d_out, d_in]`` whose preserved keys have the uncentred second moment
 ``C = E[k kᵀ]`` ``[d_in, d_in]``, and return the change as factors ``ΔW = V Uᵀ`` with ``V = R``:
 
-- MEMIT:  ``ΔW = R Kᵀ (λ C + K Kᵀ)⁻¹``, so ``U = (λ C + K Kᵀ)⁻¹ K``. ``λ`` (``mom2_update_weight``, 15,000 in the
-  reference code) weighs the preserved keys against the new ones.
+- MEMIT:  ``ΔW = R Kᵀ (λ C + K_n K_nᵀ + K Kᵀ)⁻¹``, so ``U = (λ C + K_n K_nᵀ + K Kᵀ)⁻¹ K``. ``λ``
+  (``mom2_update_weight``, 15,000 in the reference code) weighs the preserved keys against the new ones;
+  ``K_n K_nᵀ`` (zero in the paper) adds keys chosen to be preserved (``MEMIT.preserve``): more columns of the
+  paper's preserved-key matrix ``K_0``, whose outputs the update keeps as it keeps those of ``C``.
 - AlphaEdit: ``ΔW = R Kᵀ P (K_p K_pᵀ P + K Kᵀ P + α I)⁻¹``, so ``U = P (P (K Kᵀ + K_p K_pᵀ) + α I)⁻¹ P K``, where
   ``P`` projects onto the null space of ``C`` (:func:`null_space_projector`): ``ΔW k = 0`` for every key in the
   span of the preserved keys, so the update cannot disturb them; ``K_p K_pᵀ`` sums the keys of the facts edited by
-  earlier batches (kept by the editor), and ``α`` (``L2``, 10 in the reference code) regularises ``ΔW``.
+  earlier batches (kept by the editor) and any keys chosen to be preserved (``MEMIT.preserve``), and ``α``
+  (``L2``, 10 in the reference code) regularises ``ΔW``.
 
 **Keys per context.** Keys may also be given per context prompt, ``[F, P, d_in]``: every context's key is a column
 of ``K`` with its fact's residual (the reference code's ``repeat_interleave`` of the targets), so
@@ -45,8 +48,8 @@ def _per_fact(solved: torch.Tensor, n_facts: int) -> torch.Tensor:
 
 
 def memit_factors(keys: torch.Tensor, residuals: torch.Tensor, second_moment: torch.Tensor, mom2_update_weight: float,
-                  node: str = "the layer") -> tuple[torch.Tensor, torch.Tensor]:
-    """MEMIT's update of one layer (eq. 14): ``ΔW = R Kᵀ (λ C + K Kᵀ)⁻¹ = V Uᵀ``.
+                  node: str = "the layer", preserved: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MEMIT's update of one layer (eq. 14): ``ΔW = R Kᵀ (λ C + K_n K_nᵀ + K Kᵀ)⁻¹ = V Uᵀ``.
 
     Args:
         keys: ``[F, d_in]``: each fact's key at this layer (``K`` transposed), or ``[F, P, d_in]``: per context.
@@ -54,9 +57,10 @@ def memit_factors(keys: torch.Tensor, residuals: torch.Tensor, second_moment: to
         second_moment: ``C`` ``[d_in, d_in]``.
         mom2_update_weight: ``λ`` (> 0 unless the keys alone span ``d_in``).
         node: the layer's NodePath, for messages.
+        preserved: ``K_n K_nᵀ`` ``[d_in, d_in]``: summed outer products of keys to preserve, or ``None`` (none).
 
     Returns:
-        ``U = (λ C + K Kᵀ)⁻¹ K`` ``[d_in, F]`` and ``V = R`` ``[d_out, F]``, float64.
+        ``U = (λ C + K_n K_nᵀ + K Kᵀ)⁻¹ K`` ``[d_in, F]`` and ``V = R`` ``[d_out, F]``, float64.
 
     Raises:
         StatisticsError: ``λ C + K Kᵀ`` is singular or not finite, or ``C`` has the wrong shape (names ``node`` and
@@ -67,6 +71,8 @@ def memit_factors(keys: torch.Tensor, residuals: torch.Tensor, second_moment: to
     if second_moment.shape != (d_in, d_in):
         raise StatisticsError(f"{node}: second moment of shape {list(second_moment.shape)} is not square")
     system = mom2_update_weight * second_moment.to(device=k.device, dtype=torch.float64) + k @ k.T  # [d_in, d_in]
+    if preserved is not None:
+        system = system + preserved.to(device=k.device, dtype=torch.float64)
     try:
         factor, info = torch.linalg.cholesky_ex(system)
         if int(info) != 0:

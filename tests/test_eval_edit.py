@@ -125,7 +125,7 @@ def test_neighborhood_prompts_about_subjects_edited_in_the_group_are_left_out():
     ("memit", ["--batch-size", "3", "--nodes", "transformer.h_0.mlp.c_proj,transformer.h_1.mlp.c_proj",
                "--value-dtype", "bfloat16"]),
     ("alphaedit", ["--batch-size", "2", "--sequential", "2", "--nodes", "transformer.h_0.mlp.c_proj",
-                   "--nullspace-threshold", "0.5"]),
+                   "--nullspace-threshold", "0.5", "--preserve", "PRESERVE", "--preserve-weight", "2"]),
     ("rome", ["--batch-size", "2", "--sequential", "2", "--node", NODE]),
 ])
 def test_eval_edit_command(method, extra, tmp_path):
@@ -140,6 +140,9 @@ def test_eval_edit_command(method, extra, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(list(TOY_SENTENCES) * 4), encoding="utf-8")
     out = tmp_path / "metrics.json"
+    preserve = tmp_path / "preserve.json"
+    preserve.write_text(json.dumps([{"prompt": "We walked to {} at noon", "subject": s} for s in ("the park", "Lyon")]))
+    extra = [str(preserve) if arg == "PRESERVE" else arg for arg in extra]
     status = main(["eval-edit", "--method", method, "--cases", str(cases_file), "--out", str(out), "--model",
                    str(model_dir), "--corpus", str(corpus), "--n-samples", "32", "--steps", "3", "--n-cases", "4",
                    "--cache-dir", str(tmp_path / "cache"), "--quiet", *extra])
@@ -151,6 +154,8 @@ def test_eval_edit_command(method, extra, tmp_path):
     assert [c["case_id"] for c in metrics["cases"]] == [0, 1, 2, 3]
     assert all(0.0 <= metrics[k] <= 1.0 for k in ("efficacy_score", "paraphrase_score", "neighborhood_score"))
     assert all(row["edit"]["steps"] is not None for row in metrics["cases"])
+    expected = {"file": str(preserve), "n_facts": 2, "weight": 2.0} if "--preserve" in extra else None
+    assert metrics["preserved"] == expected
 
 
 def test_eval_edit_refuses_bad_arguments(tmp_path, capsys):
@@ -168,3 +173,14 @@ def test_eval_edit_refuses_bad_arguments(tmp_path, capsys):
                                                                    "prompt": "I think the answer is"}}]))
     assert main(["eval-edit", "--method", "memit", "--cases", str(bad), "--out", out]) == 2
     assert "Case 0 (record 0)" in capsys.readouterr().err
+    assert main(["eval-edit", "--method", "rome", "--cases", str(cases_file), "--out", out, "--preserve", "p"]) == 2
+    assert "--preserve applies to MEMIT and AlphaEdit" in capsys.readouterr().err
+    unfit = tmp_path / "preserve.json"
+    unfit.write_text(json.dumps([{"prompt": "We walked to {}", "subject": "Lyon"},
+                                 {"prompt": "No slot", "subject": "x"}]))
+    assert main(["eval-edit", "--method", "memit", "--cases", str(cases_file), "--out", out, "--preserve",
+                 str(unfit)]) == 2
+    assert "record 1 needs a \"prompt\" with {}" in capsys.readouterr().err
+    assert main(["eval-edit", "--method", "memit", "--cases", str(cases_file), "--out", out, "--preserve",
+                 str(unfit), "--preserve-weight", "0"]) == 2
+    assert "--preserve-weight must be positive" in capsys.readouterr().err

@@ -1,14 +1,17 @@
 """The fact bank (demos/rome/facts.json, facts_dev.json) and its builder: CounterFact structure, one subject per fact,
-dev and evaluation splits apart, and (slow) a sample still verified against SmolLM2."""
+dev and evaluation splits apart, and (slow) a sample still verified against SmolLM2; the cities to preserve
+(demos/rome/preserve.json) named in no bank."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import pytest
 
 from demos.rome.build_facts import RELATIONS, Candidate, build_cases
+from demos.rome.build_preserve import BANKS, preserved_cities
 from demos.rome.verify_cases import verify_case
 from editors import load_cases
 
@@ -47,6 +50,20 @@ def test_build_cases_neighbours_share_the_object():
     assert all(p.startswith("The city of ") and "located in the country of" in p
                for p in by_subject["Paris"].neighborhood_prompts)
     assert all(p.split(". ", 1)[1].count("Lyon") == 1 for p in lyon.paraphrase_prompts)  # prefix sentence first
+
+
+def test_preserved_cities_are_named_in_no_bank():
+    records = json.loads((BANK / "preserve.json").read_text(encoding="utf-8"))
+    text = "".join((BANK / name).read_text(encoding="utf-8") for name in BANKS)
+    subjects = [r["subject"] for r in records]
+    assert len(records) == 1000 and len(set(subjects)) == len(subjects)
+    assert all(r["prompt"] == RELATIONS["P17"].prompt and r["subject"] not in text for r in records)
+    found = [Candidate("P17", "Lyon", "France"), Candidate("P17", "Osaka", "Japan"),
+             Candidate("P1376", "Paris", "France"), Candidate("P17", "Nagoya", "Japan")]
+    drawn = preserved_cities(found, "The city of Osaka is located in", n=2, seed=0)
+    assert sorted(r["subject"] for r in drawn) == ["Lyon", "Nagoya"]  # Osaka is named, Paris is a capital (P1376)
+    with pytest.raises(ValueError, match="only 2 cities"):
+        preserved_cities(found, "Osaka", n=3, seed=0)
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from editors.alphaedit import AlphaEdit, AlphaEditConfig
 from editors.edit import Edit
 from editors.edit_patch import updated_weight_patches
 from editors.errors import ConflictingRequestsError, LayerKindError, StatisticsError, SubjectNotFoundError
+from editors.keys import context_activations
 from editors.memit import MEMIT, MEMITConfig
 from editors.multi_update import alphaedit_factors, memit_factors, null_space_projector
 from editors.scoring import mean_target_logprobs
@@ -185,3 +186,43 @@ def test_alphaedit_sequential_batches():
         torch.testing.assert_close(projector @ edit.u, edit.u, rtol=1e-6, atol=1e-8)
     alpha.restore_all()
     assert all(torch.equal(a, b) for a, b in zip(_weights(pg), original)) and alpha.previous == []
+
+
+def _change_at(batch, keys: list[torch.Tensor]) -> list[float]:
+    """‖ΔW k‖ / ‖k‖ of each layer's update at that layer's key ``k`` ``[d_in]``."""
+    return [float((e.v @ (e.u.T @ k.to(torch.float64))).norm() / k.norm()) for e, k in zip(batch.edits, keys)]
+
+
+@pytest.mark.parametrize("cls, overrides", [(MEMITConfig, dict(mom2_update_weight=1.0)),
+                                            (AlphaEditConfig, dict(nullspace_threshold=1.0))])
+def test_preserved_keys_keep_their_outputs(cls, overrides):
+    pg, tok = _setup()
+    editor = (AlphaEdit if cls is AlphaEditConfig else MEMIT)(pg, tok, NODES, _config(cls, **overrides),
+                                                              corpus=CORPUS)
+    keep = [("Because it rains, we stay home in {}", "the old bridge")]  # like the edited facts, not one of them
+    keys = [k[0].mean(dim=0) for k in context_activations(pg, tok, [f"{n}.input" for n in NODES], keep,
+                                                          editor.templates().subset(editor.config.key_prefixes))]
+    free = _change_at(editor.compute(REQUESTS), keys)
+    editor.preserve(keep, weight=1e6)
+    assert [tuple(p.shape) for p in editor.preserved] == [(64, 64), (64, 64)]
+    if isinstance(editor, AlphaEdit):
+        editor.forget()  # drops earlier batches' keys, not the preserved ones
+        assert editor.preserved
+    batch = editor.compute(REQUESTS)
+    assert batch.info["preserved_facts"] == 1
+    kept = _change_at(batch, keys)
+    # Without them the update moves the kept subject's keys; with them it (almost) leaves their outputs alone.
+    assert all(f > 1e-3 for f in free), free
+    assert all(k < 1e-3 * f for k, f in zip(kept, free)), (kept, free)
+
+
+def test_preserve_refuses_bad_input():
+    pg, tok = _setup()
+    memit = MEMIT(pg, tok, NODES, _config(), corpus=CORPUS)
+    with pytest.raises(ValueError, match="at least one"):
+        memit.preserve([])
+    with pytest.raises(ValueError, match="must be positive"):
+        memit.preserve([("I think the answer is {}", "the bridge")], weight=0.0)
+    with pytest.raises(SubjectNotFoundError, match="Fact 1 "):
+        memit.preserve([("I think the answer is {}", "the bridge"), ("No subject here", "the bridge")])
+    assert memit.preserved == [] and memit.n_preserved == 0

@@ -65,8 +65,13 @@ def run_eval_edit(args: argparse.Namespace) -> int:
         return 2
     if args.batch_size < 1 or args.sequential < 1:
         return usage_error(NAME, "--batch-size and --sequential must be at least 1")
+    if args.preserve is not None and args.method == "rome":
+        return usage_error(NAME, "--preserve applies to MEMIT and AlphaEdit; drop it for ROME")
+    if not args.preserve_weight > 0:
+        return usage_error(NAME, f"--preserve-weight must be positive, got {args.preserve_weight:g}")
     try:
         cases = load_cases(args.cases)
+        preserved = _preserved_facts(args.preserve) if args.preserve is not None else []
     except (OSError, ValueError) as error:
         return usage_error(NAME, error)
     if args.n_cases is not None:
@@ -97,6 +102,8 @@ def run_eval_edit(args: argparse.Namespace) -> int:
             after_group = editor.forget
         apply_batch = batch_applier(pg, editor.edit)
         statistics = editor.statistics()
+        if preserved:
+            editor.preserve(preserved, weight=args.preserve_weight)
     editor.templates()
     t1 = time.perf_counter()
     result = evaluate_sequential(pg, tokenizer, cases, apply_batch, batch_size=args.batch_size,
@@ -109,6 +116,8 @@ def run_eval_edit(args: argparse.Namespace) -> int:
         "model": args.model or "embedded:SmolLM2-135M-Instruct",
         "cases_file": str(args.cases),
         "config": editor.config.to_json(),
+        "preserved": {"file": args.preserve, "n_facts": len(preserved), "weight": args.preserve_weight}
+        if preserved else None,
         "statistics": [{"node": s.node, "n_tokens": s.n_tokens, "n_samples": s.n_samples, "corpus": s.corpus}
                        for s in statistics],
         "seconds": {"load_and_statistics": t1 - t0, "evaluation": t2 - t1},
@@ -120,6 +129,28 @@ def run_eval_edit(args: argparse.Namespace) -> int:
           f"{result['pre']['efficacy_score']:.3f} / {result['pre']['paraphrase_score']:.3f} / "
           f"{result['pre']['neighborhood_score']:.3f}) -> {out}")
     return 0
+
+
+def _preserved_facts(path: str) -> list[tuple[str, str]]:
+    """The ``(prompt, subject)`` pairs of a ``--preserve`` file: a JSON list of ``{"prompt": "... {} ...",
+    "subject": ...}`` records (other keys are ignored), e.g. ``demos/rome/preserve.json``.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not such a list (the first bad record is named).
+    """
+    records = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(records, list) or not records:
+        raise ValueError(f"{path}: expected a non-empty JSON list of {{\"prompt\", \"subject\"}} records")
+    facts = []
+    for i, record in enumerate(records):
+        prompt = record.get("prompt") if isinstance(record, dict) else None
+        subject = record.get("subject") if isinstance(record, dict) else None
+        if not isinstance(prompt, str) or "{}" not in prompt or not isinstance(subject, str) or not subject:
+            raise ValueError(f"{path}: record {i} needs a \"prompt\" with {{}} where the subject goes and a "
+                             f"\"subject\", got {record!r}")
+        facts.append((prompt, subject))
+    return facts
 
 
 def register(subparsers: Any) -> None:
@@ -149,6 +180,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--value-dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="MEMIT/AlphaEdit: run the batched value search on a copy of the model in this dtype "
                         "(bfloat16 on a float32 model on CPU: faster; default: the model itself)")
+    p.add_argument("--preserve", default=None, metavar="FILE.json",
+                   help="MEMIT/AlphaEdit: subjects whose keys every update keeps (MEMIT.preserve): a JSON list of "
+                        "{\"prompt\": \"... {} ...\", \"subject\": ...}, e.g. demos/rome/preserve.json")
+    p.add_argument("--preserve-weight", type=float, default=1.0, metavar="W",
+                   help="weight of each preserved key against one edited fact's (default %(default)s)")
     add_edit_options(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run_eval_edit)
