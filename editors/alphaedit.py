@@ -28,7 +28,6 @@ import torch
 from .batch_search import BatchStepCallback
 from .counterfact import EditRequest
 from .edit_batch import BatchEdit
-from .keys import context_activations
 from .memit import MEMIT, MEMITConfig
 from .multi_update import alphaedit_factors, null_space_projector
 
@@ -110,16 +109,9 @@ class AlphaEdit(MEMIT):
             The errors of :meth:`MEMIT.edit`; the weights and the remembered keys are then unchanged.
         """
         batch = super().edit(requests, callback=callback)
-        config = self.config
         facts = [(r.prompt, r.subject) for r in batch.requests]
-        keys = context_activations(self.pg, self.tokenizer, [layer.input_node for layer in self.layers], facts,
-                                   self.templates().subset(config.key_prefixes), max_tokens=config.max_tokens)
-        if not self.previous:
-            self.previous = [torch.zeros(layer.d_in, layer.d_in, dtype=torch.float64) for layer in self.layers]
-        for i, layer_keys in enumerate(keys):
-            k = (layer_keys.reshape(-1, layer_keys.shape[-1]) if config.keys_per_context
-                 else layer_keys.mean(dim=1)).to(torch.float64).cpu()  # [F·P, d_in] or [F, d_in]
-            self.previous[i] += k.T @ k
+        moments = self._key_moments(facts, per_context=self.config.keys_per_context)
+        self.previous = moments if not self.previous else [a + b for a, b in zip(self.previous, moments)]
         self.applied.append(batch)
         return batch
 

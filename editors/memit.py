@@ -259,12 +259,19 @@ class MEMIT:
             raise ValueError("preserve() needs at least one (prompt, subject) pair")
         if not weight > 0:
             raise ValueError(f"The preservation weight must be positive, got {weight!r}")
-        c = self.config
-        keys = context_activations(self.pg, self.tokenizer, [layer.input_node for layer in self.layers], list(facts),
-                                   self.templates().subset(c.key_prefixes), max_tokens=c.max_tokens)
-        sums = [weight * (k.T @ k) for k in (layer_keys.mean(dim=1).to(torch.float64).cpu() for layer_keys in keys)]
+        sums = [weight * moment for moment in self._key_moments(facts, per_context=False)]
         self.preserved = sums if not self.preserved else [a + b for a, b in zip(self.preserved, sums)]
         self.n_preserved += len(facts)
+
+    def _key_moments(self, facts: Sequence[tuple[str, str]], per_context: bool) -> list[torch.Tensor]:
+        """``Σ k kᵀ`` ``[d_in, d_in]`` (float64, CPU) per edited layer over the facts' keys on the model as it is (all
+        layers in one pass): each fact's key averaged over the key prefixes, or every context's (``per_context``).
+        Raises what :func:`editors.keys.context_activations` raises for a fact that cannot be encoded."""
+        c = self.config
+        keys = context_activations(self.pg, self.tokenizer, [layer.input_node for layer in self.layers], list(facts),
+                                   self.templates().subset(c.key_prefixes), max_tokens=c.max_tokens)  # [F, P, d_in]
+        flat = [k.reshape(-1, k.shape[-1]) if per_context else k.mean(dim=1) for k in keys]  # [F·P or F, d_in]
+        return [k.T @ k for k in (k.to(torch.float64).cpu() for k in flat)]
 
     def _preserved(self, index: int) -> torch.Tensor | None:
         """``K_n K_nᵀ`` of layer ``index`` (:meth:`preserve`), or ``None``."""
