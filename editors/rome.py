@@ -144,6 +144,10 @@ class ROME:
         t0 = time.perf_counter()
         contexts = context_activations(self.pg, self.tokenizer, [layer.input_node], [(request.prompt, request.subject)],
                                        templates)[0][0]  # [P, d_in]: the subject's key behind each context prefix
+        if c.subject_first_key:  # the subject alone: its key where a text begins with it, [1, d_in]
+            first = context_activations(self.pg, self.tokenizer, [layer.input_node], [("{}", request.subject)],
+                                        ContextTemplates(prefixes=("",)))[0][0]
+            contexts = torch.cat([contexts, first.to(contexts.dtype)])
         key = contexts.mean(dim=0)  # k* (eq. 3), [d_in]
         t1 = time.perf_counter()
         with torch.no_grad():
@@ -171,7 +175,7 @@ class ROME:
             "delta_norm": float(result.delta.norm()),
             "v_init_norm": float(v_init.norm()),
             "key_norm": float(key.norm()),
-            "n_key_prompts": len(templates),
+            "n_key_prompts": len(contexts),
             "n_value_prompts": len(objective.rewrite),
             "statistics": {"n_tokens": stats.n_tokens, "n_samples": stats.n_samples, "corpus": stats.corpus},
             "timings_s": {"key": t1 - t0, "value": t2 - t1, "update": t3 - t2},

@@ -44,6 +44,14 @@ class ROMEConfig:
             :func:`editors.rank_one.rank_one_update`) instead of their average (eq. 3); still a rank-one update.
             Off by default: on the 44 cases it won two paraphrases with the subject at position 0 and lost 0.057 of
             neighbourhood score (docs/rome.md, "Keys per context").
+        subject_first_key: with ``keys_per_context``, also solve for the key of the subject at the start of the text
+            (the subject alone, so a one-token subject sits at position 0, where the context prefixes never put it).
+            On the 44 cases it won paraphrases that begin with a one-token subject; at layer 0 the edit then meets
+            the paraphrase target, at layer 3 it does not, and layer 0 moves other entities that share the subject's
+            last token (docs/rome.md, "The subject at the start of the text"). Off by default.
+
+    Raises:
+        ValueError: ``subject_first_key`` without ``keys_per_context``.
     """
 
     steps: int = 25
@@ -63,6 +71,12 @@ class ROMEConfig:
     progress: bool = True
     allow_unconverged: bool = False
     keys_per_context: bool = False
+    subject_first_key: bool = False
+
+    def __post_init__(self) -> None:
+        if self.subject_first_key and not self.keys_per_context:
+            raise ValueError("subject_first_key=True adds a key for the rank-one solve over the contexts' keys: "
+                             "set keys_per_context=True as well (--keys-per-context)")
 
     def to_json(self) -> dict[str, Any]:
         """The hyperparameters as a JSON-able dict."""

@@ -127,6 +127,7 @@ def test_neighborhood_prompts_about_subjects_edited_in_the_group_are_left_out():
     ("alphaedit", ["--batch-size", "2", "--sequential", "2", "--nodes", "transformer.h_0.mlp.c_proj",
                    "--nullspace-threshold", "0.5", "--preserve", "PRESERVE", "--preserve-weight", "2"]),
     ("rome", ["--batch-size", "2", "--sequential", "2", "--node", NODE]),
+    ("rome", ["--node", NODE, "--keys-per-context", "--subject-first-key"]),
 ])
 def test_eval_edit_command(method, extra, tmp_path):
     from recipes.cli import main
@@ -156,6 +157,8 @@ def test_eval_edit_command(method, extra, tmp_path):
     assert all(row["edit"]["steps"] is not None for row in metrics["cases"])
     expected = {"file": str(preserve), "n_facts": 2, "weight": 2.0} if "--preserve" in extra else None
     assert metrics["preserved"] == expected
+    if method == "rome":
+        assert metrics["config"]["subject_first_key"] is ("--subject-first-key" in extra)
 
 
 def test_eval_edit_refuses_bad_arguments(tmp_path, capsys):
@@ -175,6 +178,10 @@ def test_eval_edit_refuses_bad_arguments(tmp_path, capsys):
     assert "Case 0 (record 0)" in capsys.readouterr().err
     assert main(["eval-edit", "--method", "rome", "--cases", str(cases_file), "--out", out, "--preserve", "p"]) == 2
     assert "--preserve applies to MEMIT and AlphaEdit" in capsys.readouterr().err
+    for method, extra in (("rome", []), ("memit", ["--keys-per-context"])):
+        assert main(["eval-edit", "--method", method, "--cases", str(cases_file), "--out", out,
+                     "--subject-first-key", *extra]) == 2
+        assert "--subject-first-key applies to ROME with --keys-per-context" in capsys.readouterr().err
     unfit = tmp_path / "preserve.json"
     unfit.write_text(json.dumps([{"prompt": "We walked to {}", "subject": "Lyon"},
                                  {"prompt": "No slot", "subject": "x"}]))

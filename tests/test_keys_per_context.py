@@ -7,7 +7,7 @@ import torch
 
 from editors import ROME, Corpus, EditRequest, ROMEConfig
 from editors.errors import StatisticsError
-from editors.keys import context_activations
+from editors.keys import ContextTemplates, context_activations
 from editors.multi_update import alphaedit_factors, memit_factors
 from editors.rank_one import rank_one_update
 from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
@@ -63,3 +63,27 @@ def test_rome_keys_per_context_moves_every_context():
     assert edit.u.shape == (rome.layer.d_in,) and edit.info["config"]["keys_per_context"] is True
     torch.testing.assert_close(after - before, delta.expand_as(after), rtol=1e-3, atol=1e-3 * float(delta.norm()))
     edit.restore(pg)
+
+
+def test_rome_subject_first_key_moves_the_subject_at_the_start_of_the_text():
+    tok = byte_level_tokenizer()
+    pg = PatchableGraph(tiny_llama(len(tok)), torch.randint(0, len(tok), (2, 6)), use_cache=False).eval()
+    corpus = Corpus(name="toy", texts=list(TOY_SENTENCES))
+    request = EditRequest("The river flows into the sea near {}", "the old town", "Rome")
+    gains = {}
+    for first in (False, True):
+        config = ROMEConfig(n_samples=32, max_length=64, progress=False, use_cache=False, clamp_factor=500.0,
+                            context_length_params=((5, 4), (10, 4)), keys_per_context=True, steps=5,
+                            subject_first_key=first)
+        rome = ROME(pg, tok, "model.layers_0.mlp.down_proj", config, corpus=corpus)
+        start = context_activations(pg, tok, [rome.layer.input_node], [("{}", request.subject)],
+                                    ContextTemplates(prefixes=("",)))[0][0]  # [1, d_in]: the text begins with it
+        before = rome.layer.forward_value(start).detach()
+        edit = rome.edit(request)
+        delta = rome.last_value.delta
+        gains[first] = (rome.layer.forward_value(start).detach() - before - delta).norm() / delta.norm()
+        assert edit.info["n_key_prompts"] == len(rome.templates()) + first
+        edit.restore(pg)
+    assert gains[True] < 1e-3 < gains[False]  # only with the flag does that key gain the full residual δ
+    with pytest.raises(ValueError, match="keys_per_context=True"):
+        ROMEConfig(subject_first_key=True)

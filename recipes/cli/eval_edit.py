@@ -67,6 +67,9 @@ def run_eval_edit(args: argparse.Namespace) -> int:
         return usage_error(NAME, "--batch-size and --sequential must be at least 1")
     if args.preserve is not None and args.method == "rome":
         return usage_error(NAME, "--preserve applies to MEMIT and AlphaEdit; drop it for ROME")
+    if args.subject_first_key and (args.method != "rome" or not args.keys_per_context):
+        return usage_error(NAME, "--subject-first-key applies to ROME with --keys-per-context; add "
+                                 "--method rome --keys-per-context or drop it")
     if not args.preserve_weight > 0:
         return usage_error(NAME, f"--preserve-weight must be positive, got {args.preserve_weight:g}")
     try:
@@ -84,7 +87,8 @@ def run_eval_edit(args: argparse.Namespace) -> int:
                               "keys_per_context": args.keys_per_context}
     after_group = None
     if args.method == "rome":
-        editor: Any = ROME(pg, tokenizer, nodes[0], config=ROMEConfig(**common), corpus=args.corpus)
+        config = ROMEConfig(**common, subject_first_key=args.subject_first_key)
+        editor: Any = ROME(pg, tokenizer, nodes[0], config=config, corpus=args.corpus)
         apply_batch = rome_applier(pg, editor.compute)
         statistics = [editor.statistics()]
     else:
@@ -177,6 +181,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--nullspace-threshold", type=float, default=None, help="AlphaEdit's eigenvalue threshold")
     p.add_argument("--keys-per-context", action="store_true",
                    help="solve for every context prompt's key instead of their average (ROME, MEMIT, AlphaEdit)")
+    p.add_argument("--subject-first-key", action="store_true",
+                   help="ROME with --keys-per-context: also solve for the key of the subject at the start of the "
+                        "text (prompts that begin with a one-token subject)")
     p.add_argument("--value-dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="MEMIT/AlphaEdit: run the batched value search on a copy of the model in this dtype "
                         "(bfloat16 on a float32 model on CPU: faster; default: the model itself)")
