@@ -147,7 +147,7 @@ class ROME:
         if c.subject_first_key:  # the subject alone: its key where a text begins with it, [1, d_in]
             first = context_activations(self.pg, self.tokenizer, [layer.input_node], [("{}", request.subject)],
                                         ContextTemplates(prefixes=("",)))[0][0]
-            contexts = torch.cat([contexts, first.to(contexts.dtype)])
+            contexts = torch.cat([contexts, first])
         key = contexts.mean(dim=0)  # k* (eq. 3), [d_in]
         t1 = time.perf_counter()
         with torch.no_grad():
