@@ -29,7 +29,7 @@ from .batch_search import BatchStepCallback
 from .counterfact import EditRequest
 from .edit_batch import BatchEdit
 from .memit import MEMIT, MEMITConfig
-from .multi_update import alphaedit_factors, null_space_projector
+from .multi_update import added, alphaedit_factors, null_space_projector
 
 __all__ = ["AlphaEdit", "AlphaEditConfig"]
 
@@ -110,8 +110,7 @@ class AlphaEdit(MEMIT):
         """
         batch = super().edit(requests, callback=callback)
         facts = [(r.prompt, r.subject) for r in batch.requests]
-        moments = self._key_moments(facts, per_context=self.config.keys_per_context)
-        self.previous = moments if not self.previous else [a + b for a, b in zip(self.previous, moments)]
+        self.previous = added(self.previous, self._key_moments(facts, per_context=self.config.keys_per_context))
         self.applied.append(batch)
         return batch
 

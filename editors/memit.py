@@ -50,7 +50,7 @@ from .edit_patch import updated_weight_patches
 from .errors import ConflictingRequestsError, EditError, LayerKindError
 from .keys import ContextTemplates, context_activations, load_or_generate_prefixes
 from .layers import LinearLayer, model_device, model_dtype, resolve_layer, wrapped_model
-from .multi_update import memit_factors
+from .multi_update import added, memit_factors
 from .rome_config import ROMEConfig
 from .search_copy import SearchCopy, search_dtype
 from .stats import SecondMoment, default_cache_dir, layer_second_moments, statistics_fingerprint
@@ -259,8 +259,7 @@ class MEMIT:
             raise ValueError("preserve() needs at least one (prompt, subject) pair")
         if not weight > 0:
             raise ValueError(f"The preservation weight must be positive, got {weight!r}")
-        sums = [weight * moment for moment in self._key_moments(facts, per_context=False)]
-        self.preserved = sums if not self.preserved else [a + b for a, b in zip(self.preserved, sums)]
+        self.preserved = added(self.preserved, [weight * m for m in self._key_moments(facts, per_context=False)])
         self.n_preserved += len(facts)
 
     def _key_moments(self, facts: Sequence[tuple[str, str]], per_context: bool) -> list[torch.Tensor]:

@@ -29,7 +29,7 @@ import torch
 
 from .errors import StatisticsError
 
-__all__ = ["alphaedit_factors", "memit_factors", "null_space_projector"]
+__all__ = ["added", "alphaedit_factors", "memit_factors", "null_space_projector"]
 
 
 def _as_columns(keys: torch.Tensor, residuals: torch.Tensor, d_in: int, node: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,3 +154,9 @@ def alphaedit_factors(keys: torch.Tensor, residuals: torch.Tensor, projector: to
     if not bool(torch.isfinite(u).all()):
         raise StatisticsError(f"{node}: the AlphaEdit solve is not finite; raise L2")
     return u, r
+
+
+def added(totals: list[torch.Tensor], moments: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-layer sums of keys' outer products (``Σ k kᵀ``, ``[d_in, d_in]`` each) with ``moments`` added layer by
+    layer; ``totals`` empty (nothing kept yet) gives ``moments``."""
+    return moments if not totals else [a + b for a, b in zip(totals, moments, strict=True)]

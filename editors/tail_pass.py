@@ -85,14 +85,13 @@ class TailPass:
         return all(key in self._hidden for key in keys)
 
     def fill(self, keys: Sequence[Hashable], lengths: Sequence[int], model_inputs: Mapping[str, Any]) -> None:
-        """Compute and keep ``h_L`` of the rows not kept yet: one no-grad pass of the engine up to ``residual_node``.
+        """Compute ``h_L`` of the rows, one no-grad pass of the engine up to ``residual_node``, and keep it for the rows
+        not kept yet (a caller checks :meth:`holds` first: building ``model_inputs`` copies the prefixes' cache).
 
         Args:
             keys: the rows' keys; lengths: their suffix lengths (tokens from ``s`` on).
             model_inputs: a pass of the rows (:meth:`editors.prefix_cache.PrefixCache.inputs`; its cache is used up).
         """
-        if self.holds(keys):
-            return
         inputs = dict(model_inputs)
         with quiet_extraction():
             (hidden,) = node_activations(self.pg, [self.residual_node], inputs.pop("input_ids"), **inputs)  # [R, S, d]
