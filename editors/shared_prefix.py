@@ -5,9 +5,10 @@ subject behind the same few context prefixes: behind one prefix, every fact's ro
 In a causal model the keys and values of those tokens are the same in every row, so :func:`row_activations` computes
 them once (:class:`editors.prefix_cache.PrefixCache`, one row) and runs each row's own tokens on that cache. On the
 fact bank's first 1,000 facts behind MEMIT's six key prefixes the shared tokens are 43 % of all tokens (the empty
-prefix shares none), and a pass over them reading three nodes up to block 6 of SmolLM2-135M took 27.7 s instead of
-40.9 s on two CPU cores (the first such call in a process also extracts the graphs of the cached calls: 50 s). The
-activations are the full passes' up to float rounding (``tests/test_shared_prefix.py``).
+prefix shares none), and a pass over them reading three nodes up to block 6 of SmolLM2-135M took 16.1 s instead of
+22.7 s on two CPU cores (the first such pass in a process, which also extracts the graphs of the cached calls on its
+first two rows: 19.8 s). A pass's rows × whole width fit ``max_tokens``, the shared tokens counted: its cache holds
+them. The activations are the full passes' up to float rounding (``tests/test_shared_prefix.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 
 from .capture import node_activations
 from .layers import model_device
-from .prefix_cache import MIN_SHARED_TOKENS, PrefixCache, quiet_extraction, supports_prefix_cache
+from .prefix_cache import FIRST_PASS_ROWS, MIN_SHARED_TOKENS, PrefixCache, quiet_extraction, supports_prefix_cache
 from .tokens import common_prefix_length, right_pad, sorted_chunks
 
 __all__ = ["row_activations"]
@@ -37,7 +38,8 @@ def row_activations(pg: nn.Module, nodes: Sequence[str], rows: Sequence[Sequence
 
     With ``share_prefix``, when at least two rows begin with the same :data:`MIN_SHARED_TOKENS` or more tokens before
     the earliest read position and the model takes a cache (:func:`editors.prefix_cache.supports_prefix_cache`),
-    those tokens run once and every pass runs only the rows' remaining tokens on their keys and values.
+    those tokens run once and every pass runs only the rows' remaining tokens on their keys and values; the first of
+    those passes has :data:`~editors.prefix_cache.FIRST_PASS_ROWS` rows (it may extract the graphs of cached calls).
 
     Args:
         pg: the model's PatchableGraph.
@@ -65,7 +67,8 @@ def row_activations(pg: nn.Module, nodes: Sequence[str], rows: Sequence[Sequence
     device = model_device(pg)
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # rows of similar length: little padding
     parts: list[list[torch.Tensor]] = [[] for _ in nodes]
-    for group in sorted_chunks([len(rows[i]) - shared for i in order], max_tokens):
+    widths = [len(rows[i]) for i in order]  # whole rows: each pass's cache holds the shared tokens too
+    for group in sorted_chunks(widths, max_tokens, FIRST_PASS_ROWS if cache is not None else None):
         chunk = [order[i] for i in group]
         if cache is None:
             inputs: dict[str, Any] = {"input_ids": right_pad([rows[i] for i in chunk], pad)[0].to(device)}

@@ -84,12 +84,16 @@ def common_prefix_length(rows: Sequence[Sequence[int]], limit: int | None = None
     return length
 
 
-def sorted_chunks(widths: Sequence[int], max_tokens: int) -> list[list[int]]:
+def sorted_chunks(widths: Sequence[int], max_tokens: int, first_rows: int | None = None) -> list[list[int]]:
     """Consecutive groups of the indices of ``widths`` (ascending: each group's last row is its widest) whose rows ×
-    widest width stay within ``max_tokens``; a row wider than that forms a group of its own."""
+    widest width stay within ``max_tokens``; a row wider than that forms a group of its own. With ``first_rows`` the
+    first group holds at most that many rows: a pass that may be the first of a new kind of call, which gradpatch
+    extracts graphs for by running it once more through the whole model (every layer, the logits at every position),
+    costs little when small."""
     groups: list[list[int]] = []
     for i, width in enumerate(widths):
-        if groups and (len(groups[-1]) + 1) * width <= max_tokens:
+        full = len(groups) == 1 and first_rows is not None and len(groups[0]) >= first_rows
+        if groups and not full and (len(groups[-1]) + 1) * width <= max_tokens:
             groups[-1].append(i)
         else:
             groups.append([i])

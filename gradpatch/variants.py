@@ -123,7 +123,7 @@ class GraphVariants:
         bound = self._signature.bind_partial()
         bound.arguments.update({name: _isolated(value) for name, value in call.items()})
         try:
-            with torch.enable_grad(), _transformers_extraction():
+            with torch.enable_grad(), _unsaved_activations(), _transformers_extraction():
                 wrapper, _ = extractor.extract(module, bound.args, bound.kwargs, "")
             postprocess = self._options.postprocessing_function
             if postprocess is not None:
@@ -247,6 +247,19 @@ def _tensors_in(value: Any, seen: set[int] | None = None) -> Iterator[torch.Tens
             yield from _tensors_in(item, seen)
     elif hasattr(value, "__dict__") and not isinstance(value, (type, nn.Module)):
         yield from _tensors_in(vars(value), seen)
+
+
+def _unsaved_activations() -> Any:
+    """Autograd keeps no tensor for a backward pass during the block. Extraction runs in grad mode, so that the
+    graphs keep the model's own grad-mode decisions (``torch.no_grad()`` blocks, ``requires_grad`` checks), but its
+    output is thrown away, never differentiated; on a large call the activations autograd would save are most of its
+    memory (MEMIT's key pass over 1,000 facts on SmolLM2-135M, whose first call on a KV cache carried 372 rows:
+    peak RSS 10.9 GB with them, 5.6 GB without)."""
+
+    def unpack(_: None) -> torch.Tensor:
+        raise RuntimeError("gradpatch: an extraction pass keeps no activations for a backward pass")
+
+    return torch.autograd.graph.saved_tensors_hooks(lambda _: None, unpack)
 
 
 def _transformers_extraction() -> Any:

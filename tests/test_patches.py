@@ -149,3 +149,18 @@ def test_calls_of_another_kind_get_graphs_of_their_own(tiny_llama, token_ids):
     linear = PatchableGraph(nn.Linear(3, 4), torch.randn(2, 3))
     with pytest.raises(InputSignatureError, match="does not fit"):
         linear(torch.randn(2, 3), no_such_argument=1)
+
+
+def test_extraction_keeps_no_activations_for_a_backward_pass(tiny_llama, token_ids):
+    pg = PatchableGraph(tiny_llama, token_ids, use_cache=False)
+    mask = torch.ones_like(token_ids)
+    saved: list[torch.Size] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        with torch.no_grad(), pytest.warns(UserWarning, match="new kind of call"):
+            pg(token_ids, attention_mask=mask, use_cache=False)  # extracts in grad mode, throws its output away
+    assert saved == []
+    weight = tiny_llama.model.layers[0].mlp.down_proj.weight  # parameters are shared with the model
+    patched = pg(token_ids, attention_mask=mask, use_cache=False).logits  # the new graphs still differentiate
+    eager = tiny_llama(token_ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(torch.autograd.grad(patched.square().sum(), weight)[0],
+                               torch.autograd.grad(eager.square().sum(), weight)[0])

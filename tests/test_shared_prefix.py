@@ -9,9 +9,10 @@ import torch
 import editors.shared_prefix as shared_prefix
 from editors import ContextTemplates, resolve_layer
 from editors.keys import context_activations
-from editors.prefix_cache import MIN_SHARED_TOKENS
+from editors.prefix_cache import FIRST_PASS_ROWS, MIN_SHARED_TOKENS
 from editors.shared_prefix import row_activations
 from editors.tokens import common_prefix_length as shared_length
+from editors.tokens import sorted_chunks
 from editors.testing import byte_level_tokenizer, tiny_gpt2, tiny_llama
 from gradpatch import AddPatch, PatchableGraph
 
@@ -82,6 +83,34 @@ def test_rows_share_nothing_below_the_minimum_or_past_the_first_read(monkeypatch
     assert _CountingCache.filled == [[5, 6, 7, 8]]
     expected = row_activations(pg, [NODES["llama"][0]], same, [4, 6], tok.pad_token_id, share_prefix=False)[0]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_chunks_by_tokens_with_a_small_first_one():
+    assert sorted_chunks([1, 1, 1, 2, 2, 5], 6) == [[0, 1, 2], [3, 4], [5]]
+    assert sorted_chunks([1, 1, 1, 2, 2, 5], 6, first_rows=2) == [[0, 1], [2, 3, 4], [5]]
+    assert sorted_chunks([9, 9], 6, first_rows=2) == [[0], [1]]
+
+
+def test_the_first_pass_on_a_shared_prefix_is_small_and_counts_its_tokens(monkeypatch):
+    """A first call of a new kind runs twice (gradpatch extracts its graphs on it, through the whole model): it
+    carries FIRST_PASS_ROWS rows; every pass's rows × whole width (the shared tokens are in its cache) fit."""
+    pg, tok = _graph("llama")
+    passes: list[tuple[int, int]] = []
+    record = shared_prefix.node_activations
+
+    def recording(pg, nodes, input_ids, **kwargs):
+        passes.append((input_ids.shape[0], kwargs.get("attention_mask", input_ids).shape[1]))
+        return record(pg, nodes, input_ids, **kwargs)
+
+    monkeypatch.setattr(shared_prefix, "node_activations", recording)
+    head = list(tok("A long shared beginning. ")["input_ids"])
+    rows = [head + [40 + i, 50, 60] for i in range(9)]
+    reads = [len(head)] * len(rows)
+    got = row_activations(pg, [NODES["llama"][0]], rows, reads, tok.pad_token_id, max_tokens=4 * len(rows[0]))
+    assert [n for n, _ in passes] == [FIRST_PASS_ROWS, 4, 9 - FIRST_PASS_ROWS - 4]
+    assert all(n * width <= 4 * len(rows[0]) for n, width in passes)
+    expected = row_activations(pg, [NODES["llama"][0]], rows, reads, tok.pad_token_id, share_prefix=False)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
 
 
 def test_context_activations_with_shared_prefixes_equal_whole_rows():
