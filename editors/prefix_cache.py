@@ -12,7 +12,8 @@ passes' up to float rounding (``tests/test_prefix_cache.py``). Rows behind the s
 same tokens: :meth:`PrefixCache.fill` computes those once and runs each row's other prefix tokens on them.
 
 Memory: the cache holds ``2 · layers · kv_heads · head_dim`` numbers per prefix token (SmolLM2-135M: 46 kB per token in
-float32; the 1,000 facts of a MEMIT batch, with seven prompts each, ~3.7 GB) for the length of one search.
+float32, 23 kB in bfloat16) for the length of one search. Tokens that rows share are held once: a row keeps the
+shared prefix's states by reference and only its own tokens' states (:meth:`PrefixCache.nbytes`).
 
 Only models whose ``forward`` takes a cache (``cache`` or ``past_key_values``), ``position_ids`` and
 ``attention_mask`` and whose config says ``use_cache``-style decoding is possible (transformers decoder-only
@@ -38,6 +39,9 @@ from .selected_logits import output_embedding_input_node
 from .tokens import common_prefix_length, sorted_chunks
 
 __all__ = ["FIRST_PASS_ROWS", "MIN_SHARED_TOKENS", "PrefixCache", "quiet_extraction", "supports_prefix_cache"]
+
+#: Keys and values of consecutive prefix tokens, each ``[layers, kv_heads, tokens, head_dim]``.
+StatePart = tuple[torch.Tensor, torch.Tensor]
 
 #: Fewest tokens that rows must begin with for those tokens to run once for all of them.
 MIN_SHARED_TOKENS = 4
@@ -100,22 +104,24 @@ class PrefixCache:
         self.cache_name: str = cache_name  # the model's name for its cache argument
         self.device = model_device(pg)
         self.head_node = output_embedding_input_node(pg)  # the fill needs no logits: it projects one position
-        # row key -> (keys, values), each [layers, kv_heads, prefix_length, head_dim]; None for an empty prefix
-        self._states: dict[Hashable, tuple[torch.Tensor, torch.Tensor] | None] = {}
-        self._shared: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # tokens -> their states
+        # row key -> its prefix's parts in order: (its own tokens,), or (a shared prefix, the tokens after it), or
+        # (a shared prefix,); () for an empty prefix. A shared prefix's part is one tensor pair for all its rows.
+        self._states: dict[Hashable, tuple[StatePart, ...]] = {}
+        self._shared: dict[tuple[int, ...], StatePart] = {}  # tokens -> their states
 
     def __len__(self) -> int:
         return len(self._states)
 
     def fill(self, keys: Sequence[Hashable], prefixes: Sequence[Sequence[int]]) -> None:
         """Compute and keep the prefix states of the rows not yet cached (one no-grad pass per group of rows of
-        similar length that fits ``max_tokens``). An empty prefix is kept as ``None`` (nothing to attend to). Rows
-        that begin with the same :data:`MIN_SHARED_TOKENS` or more tokens (the same context prefix) run those tokens
-        once: their states are computed in a pass of their own and the rows' other tokens run on them."""
+        similar length that fits ``max_tokens``). An empty prefix keeps nothing (nothing to attend to). Rows that
+        begin with the same :data:`MIN_SHARED_TOKENS` or more tokens (the same context prefix) run those tokens once:
+        their states are computed in a pass of their own, kept once for all those rows, and the rows' other tokens
+        run on them."""
         todo = [(key, list(prefix)) for key, prefix in zip(keys, prefixes) if key not in self._states]
         for key, prefix in todo:
             if not prefix:
-                self._states[key] = None
+                self._states[key] = ()
         by_start: dict[tuple[int, ...], list[tuple[Hashable, list[int]]]] = {}
         for key, prefix in todo:
             if prefix:
@@ -129,10 +135,11 @@ class PrefixCache:
                 alone += group
         for chunk in _chunks(sorted(alone, key=lambda item: len(item[1])), self.max_tokens, 0):
             for (key, _), state in zip(chunk, self._run(chunk)):
-                self._states[key] = state
+                self._states[key] = (state,)
 
     def _fill_after_shared(self, group: list[tuple[Hashable, list[int]]], shared: int) -> None:
-        """Fill rows whose prefixes all begin with the same ``shared`` tokens: those once, then the rest on them."""
+        """Fill rows whose prefixes all begin with the same ``shared`` tokens: those once, then the rest on them
+        (each row keeps the shared tokens' states by reference and its own tokens' states)."""
         head = tuple(group[0][1][:shared])
         if head not in self._shared:
             self._shared[head] = self._run([(head, list(head))])[0]
@@ -140,17 +147,17 @@ class PrefixCache:
         rest = []
         for key, prefix in group:
             if len(prefix) == shared:
-                self._states[key] = common
+                self._states[key] = (common,)
             else:
                 rest.append((key, prefix[shared:]))
         for chunk in _chunks(sorted(rest, key=lambda item: len(item[1])), self.max_tokens, shared):
-            inputs = self._inputs([common] * len(chunk), [tail for _, tail in chunk])
+            inputs = self._inputs([(common,)] * len(chunk), [tail for _, tail in chunk])
             for (key, tail), (keys, values) in zip(chunk, self._forward(inputs)):
                 end = shared + len(tail)
-                self._states[key] = (keys[:, :, :end].clone(), values[:, :, :end].clone())
+                self._states[key] = (common, (keys[:, :, shared:end].clone(), values[:, :, shared:end].clone()))
 
     @torch.no_grad()
-    def _run(self, group: list[tuple[Hashable, list[int]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _run(self, group: list[tuple[Hashable, list[int]]]) -> list[StatePart]:
         """The states of ``group``'s prefixes, computed from scratch in one left-padded pass."""
         width = max(len(prefix) for _, prefix in group)
         ids = torch.full((len(group), width), self.pad, dtype=torch.long)
@@ -166,7 +173,7 @@ class PrefixCache:
                 for (_, prefix), (keys, values) in zip(group, states)]
 
     @torch.no_grad()
-    def _forward(self, inputs: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _forward(self, inputs: dict[str, Any]) -> list[StatePart]:
         """Run a cached pass and return each row's states in the cache after it, ``[layers, kv_heads, width,
         head_dim]`` (views)."""
         cache = inputs[self.cache_name]
@@ -183,6 +190,17 @@ class PrefixCache:
         """Forget the rows' prefix states (rows that will not run again: their memory is freed)."""
         for key in keys:
             self._states.pop(key, None)
+
+    def nbytes(self) -> int:
+        """Bytes of the prefix states the cache holds, each tensor counted once (a shared prefix's states once for
+        all rows behind it)."""
+        storages: dict[int, int] = {}  # storage address -> bytes
+        for parts in (*self._states.values(), tuple(self._shared.values())):
+            for part in parts:
+                for tensor in part:
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
 
     def inputs(self, keys: Sequence[Hashable], suffixes: Sequence[Sequence[int]]) -> dict[str, Any]:
         """Model keyword arguments for the rows' suffixes after their cached prefixes.
@@ -204,12 +222,11 @@ class PrefixCache:
         """
         return self._inputs([self._states[key] for key in keys], suffixes)
 
-    def _inputs(self, states: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
-                suffixes: Sequence[Sequence[int]]) -> dict[str, Any]:
-        """:meth:`inputs` for rows given by their prefix states."""
+    def _inputs(self, states: Sequence[tuple[StatePart, ...]], suffixes: Sequence[Sequence[int]]) -> dict[str, Any]:
+        """:meth:`inputs` for rows given by their prefix states (each row's parts in order)."""
         if any(len(s) == 0 for s in suffixes):
             raise ValueError("every row needs at least one token from its split position on")
-        lengths = [0 if state is None else state[0].shape[2] for state in states]
+        lengths = [sum(part[0].shape[2] for part in state) for state in states]
         prefix_width, width = max(lengths), max(len(s) for s in suffixes)
         rows, device = len(states), self.device
         ids = torch.full((rows, width), self.pad, dtype=torch.long)
@@ -222,14 +239,16 @@ class PrefixCache:
         for i, (length, suffix) in enumerate(zip(lengths, suffixes)):
             mask[i, prefix_width - length : prefix_width + len(suffix)] = 1
             positions[i] = torch.arange(length, length + width)
-        reference = next(state for state in states if state is not None)
+        reference = next(state for state in states if state)[0]
         cached = []
-        for part in (0, 1):
-            layers, heads, _, head_dim = reference[part].shape
-            padded = reference[part].new_zeros((rows, layers, heads, prefix_width, head_dim))
+        for k in (0, 1):  # keys, then values
+            layers, heads, _, head_dim = reference[k].shape
+            padded = reference[k].new_zeros((rows, layers, heads, prefix_width, head_dim))
             for i, (state, length) in enumerate(zip(states, lengths)):
-                if state is not None:
-                    padded[i, :, :, prefix_width - length :] = state[part]
+                start = prefix_width - length  # left-padded: every prefix ends at column prefix_width
+                for part in state:
+                    padded[i, :, :, start : start + part[k].shape[2]] = part[k]
+                    start += part[k].shape[2]
             cached.append(padded)  # [rows, layers, kv_heads, P, head]
         cache = _new_cache(self.config, [(cached[0][:, layer], cached[1][:, layer])
                                          for layer in range(cached[0].shape[1])])
@@ -253,7 +272,7 @@ def _one_position(hidden: torch.Tensor) -> torch.Tensor:
     return hidden[:1, -1:].contiguous()
 
 
-def _new_cache(config: Any, data: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
+def _new_cache(config: Any, data: list[StatePart] | None = None) -> Any:
     """A transformers ``DynamicCache`` for ``config``'s layers, holding ``data`` (per layer ``(keys, values)``)."""
     from transformers import DynamicCache
 

@@ -128,5 +128,9 @@ def test_rows_beginning_alike_share_their_first_tokens_and_keep_their_own_states
         got = pg(**shared.inputs(list("abcd"), suffixes)).logits
         expected = pg(**alone.inputs(list("abcd"), suffixes)).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # The six shared tokens are held once: 6 + 3 + 1 + 5 tokens' states, against 9 + 6 + 7 + 5 held row by row.
+    assert alone.nbytes() % 27 == 0 and shared.nbytes() == alone.nbytes() // 27 * 15
     shared.discard(["b"])
     assert len(shared) == 3
+    shared.discard(["a", "c", "d"])
+    assert shared.nbytes() == alone.nbytes() // 27 * 6  # the shared tokens' states stay while the cache lives
