@@ -45,6 +45,7 @@ from .selected_logits import logits_at, output_embedding_input_node
 from .tail_pass import TailPass, logits_match
 from .token_log_probs import token_log_probs
 from .tokens import pad_token_id, right_pad
+from .true_answer import TrueAnswerTerm
 from .value import KL_PROMPT, ValuePrompts, encode_value_prompts, value_terms
 
 __all__ = ["BatchValueObjective", "math_attention", "search_attention"]
@@ -92,21 +93,27 @@ class BatchValueObjective:
             it gives the patched pass's logits and the patch adds to that stream what it adds to the layer's output
             (a warning and full passes if not). Only for a graph nobody else runs during the search (the search's
             own copy). Same losses up to float rounding.
+        true_logit_weight: ``λ_true`` of the term that keeps each fact's true-answer logit
+            (:class:`editors.true_answer.TrueAnswerTerm`; not in the papers); 0 (the default) leaves it out.
 
     Raises:
-        ValueError: ``v_init`` is not ``[F, d_out]`` or ``max_tokens`` is not positive.
+        ValueError: ``v_init`` is not ``[F, d_out]``, ``max_tokens`` is not positive, ``true_logit_weight`` is
+            negative, or it is positive and a request has no ``target_true``.
         SubjectNotFoundError, TokenizationError: a request cannot be encoded (the message names its subject).
     """
 
     def __init__(self, pg: nn.Module, tokenizer: Any, layer: LinearLayer, requests: Sequence[EditRequest],
                  templates: ContextTemplates, v_init: torch.Tensor, kl_factor: float = 0.0625,
                  weight_decay: float = 1e-3, clamp_factor: float = 4.0, kl_prompts: tuple[str, ...] = (KL_PROMPT,),
-                 max_tokens: int = DEFAULT_MAX_TOKENS, prefix_cache: bool = True, tail: TailPass | None = None) -> None:
+                 max_tokens: int = DEFAULT_MAX_TOKENS, prefix_cache: bool = True, tail: TailPass | None = None,
+                 true_logit_weight: float = 0.0) -> None:
         if tuple(v_init.shape) != (len(requests), layer.d_out):
             raise ValueError(f"v_init is {list(v_init.shape)}; expected [{len(requests)}, {layer.d_out}] "
                              f"(one v₀ per request)")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        if true_logit_weight < 0:
+            raise ValueError(f"true_logit_weight must be 0 or positive, got {true_logit_weight}")
         self.pg, self.layer, self.requests = pg, layer, list(requests)
         self.kl_factor, self.weight_decay, self.clamp_factor = kl_factor, weight_decay, clamp_factor
         self.v_init = v_init.detach()
@@ -125,6 +132,8 @@ class BatchValueObjective:
         self.kl_reference: list[torch.Tensor | None] = [None] * len(self.requests)  # [n_kl, vocab] per fact
         self.tail = tail if self.prefix_cache is not None else None
         self.tail_checked = False  # whether the tail passes were compared with a full pass yet
+        self.true_answer = (TrueAnswerTerm(tokenizer, self.requests, true_logit_weight) if true_logit_weight
+                            else None)
 
     @property
     def n_facts(self) -> int:
@@ -168,7 +177,8 @@ class BatchValueObjective:
             facts: indices of the facts evaluated in this pass.
 
         Returns:
-            ``{"loss", "nll", "kl", "weight_decay", "target_prob"}``, each ``[len(facts)]``.
+            ``{"loss", "nll", "kl", "weight_decay", "target_prob"}``, each ``[len(facts)]``; with the true-answer
+            term also ``"true_logit_drop"`` (its mean hinged drop, before ``λ_true``; included in ``"loss"``).
 
         Raises:
             ValueError: a fact is evaluated first at a non-zero ``δ``.
@@ -178,7 +188,9 @@ class BatchValueObjective:
         fact_ids = torch.tensor(list(facts), device=device)
         values = delta[fact_ids][batch["row_fact"]]  # [rows, d_out]: each row gets its own fact's δ
         n_tokens = len(batch["tokens"])
-        token_parts, token_reads, kl_parts, kl_reads = [], [], [], []
+        token_parts, token_reads, kl_parts, kl_reads, true_parts = [], [], [], [], []
+        true_tokens = (None if self.true_answer is None else
+                       self.true_answer.read_tokens(facts, batch["prompt_fact"][batch["token_prompt"]]))  # [n_tokens]
         with search_attention(self.pg):
             passes = self._logits(sequences, keys, values, batch["patch_cols"], batch["read_rows"],
                                   batch["read_cols"])
@@ -186,6 +198,9 @@ class BatchValueObjective:
             n_target = int((reads < n_tokens).sum())
             target_logits, kl_logits = logits.split([n_target, len(reads) - n_target])  # split: no zero-fill
             token_parts.append(token_log_probs(target_logits, batch["tokens"][reads[:n_target]]))
+            if true_tokens is not None:
+                true_tokens_here = true_tokens[reads[:n_target]].unsqueeze(1)  # [n_target, 1]
+                true_parts.append(target_logits.gather(1, true_tokens_here).squeeze(1).float())
             kl_parts.append(torch.log_softmax(kl_logits.float(), dim=-1))
             token_reads.append(reads[:n_target])
             kl_reads.append(reads[n_target:] - n_tokens)
@@ -195,8 +210,14 @@ class BatchValueObjective:
         per_prompt = (token_lp.new_zeros(n_prompts).index_add(0, batch["token_prompt"], token_lp)
                       / batch["prompt_lengths"])
         reference = self._kl_reference(facts, kl_lp, delta)
-        return value_terms(per_prompt, batch["prompt_fact"], kl_lp, reference, batch["kl_fact"], delta[fact_ids],
-                           self.v_init[fact_ids], self.kl_factor, self.weight_decay)
+        terms = value_terms(per_prompt, batch["prompt_fact"], kl_lp, reference, batch["kl_fact"], delta[fact_ids],
+                            self.v_init[fact_ids], self.kl_factor, self.weight_decay)
+        if self.true_answer is not None:
+            true_logits = _in_read_order(torch.cat(true_parts), torch.cat(token_reads))  # [target tokens]
+            drop = self.true_answer.drop(facts, true_logits, batch["token_prompt"], batch["prompt_fact"], delta)
+            terms["loss"] = terms["loss"] + self.true_answer.weight * drop
+            terms["true_logit_drop"] = drop
+        return terms
 
     def _logits(self, sequences: list[list[int]], keys: list[tuple[int, int]], values: torch.Tensor,
                 patch_cols: torch.Tensor, read_rows: torch.Tensor, read_cols: torch.Tensor

@@ -31,7 +31,6 @@ import os
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +39,7 @@ from torch import nn
 from gradpatch import CustomPatch, model_fingerprint
 
 from .batch_search import BatchStepCallback, optimize_values
-from .batch_value import DEFAULT_MAX_TOKENS, BatchValueObjective
+from .batch_value import BatchValueObjective
 from .corpus import Corpus
 from .counterfact import EditRequest
 from .defaults import DEFAULT_SMOLLM2_NODES
@@ -50,38 +49,14 @@ from .edit_patch import updated_weight_patches
 from .errors import ConflictingRequestsError, EditError, LayerKindError
 from .keys import ContextTemplates, context_activations, load_or_generate_prefixes
 from .layers import LinearLayer, model_device, model_dtype, resolve_layer, wrapped_model
+from .memit_config import MEMITConfig
 from .multi_update import added, memit_factors
-from .rome_config import ROMEConfig
 from .search_copy import SearchCopy, search_dtype
 from .stats import SecondMoment, default_cache_dir, layer_second_moments, statistics_fingerprint
 from .tail_pass import tail_pass_for
 from .value import ValueResult
 
 __all__ = ["DEFAULT_SMOLLM2_NODES", "MEMIT", "MEMITConfig", "check_requests"]
-
-
-@dataclass
-class MEMITConfig(ROMEConfig):
-    """MEMIT's hyperparameters: ROME's value search and statistics settings (:class:`editors.rome.ROMEConfig`), plus:
-
-    Attributes:
-        value_prefixes: context prefixes of the value search (6: the reference code's templates, the empty one and
-            five others; ROME uses 11).
-        key_prefixes: context prefixes the keys and residuals are averaged over (6, as the reference code).
-        mom2_update_weight: ``λ`` of eq. 14 (15,000, the reference code's value for GPT-J).
-        max_tokens: tokens per forward pass of the batched value search and the key passes.
-        value_dtype: ``"bfloat16"`` (or ``"float16"``, ``"float32"``) runs the batched value search on a copy of the
-            model in that dtype (:class:`editors.search_copy.SearchCopy`: the model's current weights, cast; memory:
-            the parameters once more in that dtype); ``None``: on the model itself. Keys, residuals, statistics and
-            the update stay in the model's dtype and float64. On a float32 model on 2 CPU cores, bfloat16 made the
-            batched search 1.69x faster per fact at batch 100 (docs/memit.md, "The value search in bfloat16").
-    """
-
-    value_prefixes: int | None = 6
-    key_prefixes: int | None = 6
-    mom2_update_weight: float = 15000.0
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    value_dtype: str | None = None
 
 
 def check_requests(requests: Sequence[EditRequest]) -> list[EditRequest]:
@@ -323,7 +298,8 @@ class MEMIT:
         tail = tail_pass_for(search_pg, self.residual_node) if search_pg is not self.pg else None  # the copy only
         objective = BatchValueObjective(search_pg, self.tokenizer, resolve_layer(search_pg, last.path), requests,
                                         value_templates, v_init, kl_factor=c.kl_factor, weight_decay=c.weight_decay,
-                                        clamp_factor=c.clamp_factor, max_tokens=c.max_tokens, tail=tail)
+                                        clamp_factor=c.clamp_factor, max_tokens=c.max_tokens, tail=tail,
+                                        true_logit_weight=c.true_logit_weight)
         results = optimize_values(objective, steps=c.steps, lr=c.lr, early_stop_loss=c.early_stop_loss,
                                   callback=callback)
         self.last_values = results

@@ -123,7 +123,7 @@ def test_neighborhood_prompts_about_subjects_edited_in_the_group_are_left_out():
 
 @pytest.mark.parametrize("method, extra", [
     ("memit", ["--batch-size", "3", "--nodes", "transformer.h_0.mlp.c_proj,transformer.h_1.mlp.c_proj",
-               "--value-dtype", "bfloat16"]),
+               "--value-dtype", "bfloat16", "--true-logit-weight", "0.5"]),
     ("alphaedit", ["--batch-size", "2", "--sequential", "2", "--nodes", "transformer.h_0.mlp.c_proj",
                    "--nullspace-threshold", "0.5", "--preserve", "PRESERVE", "--preserve-weight", "2"]),
     ("rome", ["--batch-size", "2", "--sequential", "2", "--node", NODE]),
@@ -159,6 +159,8 @@ def test_eval_edit_command(method, extra, tmp_path):
     assert metrics["preserved"] == expected
     if method == "rome":
         assert metrics["config"]["subject_first_key"] is ("--subject-first-key" in extra)
+    else:
+        assert metrics["config"]["true_logit_weight"] == (0.5 if "--true-logit-weight" in extra else 0.0)
 
 
 def test_eval_edit_refuses_bad_arguments(tmp_path, capsys):
@@ -191,3 +193,9 @@ def test_eval_edit_refuses_bad_arguments(tmp_path, capsys):
     assert main(["eval-edit", "--method", "memit", "--cases", str(cases_file), "--out", out, "--preserve",
                  str(unfit), "--preserve-weight", "0"]) == 2
     assert "--preserve-weight must be positive" in capsys.readouterr().err
+    assert main(["eval-edit", "--method", "rome", "--cases", str(cases_file), "--out", out, "--true-logit-weight",
+                 "0.5"]) == 2
+    assert "--true-logit-weight applies to MEMIT and AlphaEdit" in capsys.readouterr().err
+    assert main(["eval-edit", "--method", "memit", "--cases", str(cases_file), "--out", out, "--true-logit-weight",
+                 "-1"]) == 2
+    assert "--true-logit-weight must be 0 or positive" in capsys.readouterr().err

@@ -70,6 +70,10 @@ def run_eval_edit(args: argparse.Namespace) -> int:
     if args.subject_first_key and (args.method != "rome" or not args.keys_per_context):
         return usage_error(NAME, "--subject-first-key applies to ROME with --keys-per-context; add "
                                  "--method rome --keys-per-context or drop it")
+    if args.true_logit_weight and args.method == "rome":
+        return usage_error(NAME, "--true-logit-weight applies to MEMIT and AlphaEdit; drop it for ROME")
+    if not args.true_logit_weight >= 0:
+        return usage_error(NAME, f"--true-logit-weight must be 0 or positive, got {args.true_logit_weight:g}")
     if not args.preserve_weight > 0:
         return usage_error(NAME, f"--preserve-weight must be positive, got {args.preserve_weight:g}")
     try:
@@ -97,6 +101,7 @@ def run_eval_edit(args: argparse.Namespace) -> int:
         elif args.model is None:  # the embedded SmolLM2: its development-split λ
             common["mom2_update_weight"] = DEFAULT_SMOLLM2_MOM2_UPDATE_WEIGHT
         common["value_dtype"] = args.value_dtype
+        common["true_logit_weight"] = args.true_logit_weight
         if args.method == "memit":
             editor = MEMIT(pg, tokenizer, nodes, config=MEMITConfig(**common), corpus=args.corpus)
         else:
@@ -192,6 +197,10 @@ def register(subparsers: Any) -> None:
                         "{\"prompt\": \"... {} ...\", \"subject\": ...}, e.g. demos/rome/preserve.json")
     p.add_argument("--preserve-weight", type=float, default=1.0, metavar="W",
                    help="weight of each preserved key against one edited fact's (default %(default)s)")
+    p.add_argument("--true-logit-weight", type=float, default=0.0, metavar="λ",
+                   help="MEMIT/AlphaEdit: weight of a value-search term that keeps each fact's true-answer logit "
+                        "from falling (not in the papers; 0.5 raised AlphaEdit's neighbourhood score on the "
+                        "development facts, docs/memit.md; default %(default)s: the papers' objective)")
     add_edit_options(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run_eval_edit)
