@@ -30,7 +30,8 @@ __all__ = ["TrueAnswerTerm"]
 
 
 class TrueAnswerTerm:
-    """``λ_true`` times the mean drop of each fact's true-answer logit over its rewriting prompts (see the module).
+    """Each fact's mean hinged drop of its true-answer logit over its rewriting prompts (see the module); the objective
+    adds :attr:`weight` (``λ_true``) times it to the fact's loss.
 
     Args:
         tokenizer: the model's tokenizer.
