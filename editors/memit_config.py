@@ -29,7 +29,8 @@ class MEMITConfig(ROMEConfig):
         true_logit_weight: ``λ_true`` of a value-search term that keeps each fact's true-answer logit from falling
             (:class:`editors.true_answer.TrueAnswerTerm`; not in the papers; needs ``target_true``). 0 (default): the
             papers' objective. At 0.5, AlphaEdit's neighbourhood score on 3 sequential batches of 100 development
-            facts rose from 0.892 to 0.956 for 0.020 of efficacy (docs/memit.md, "Keeping the true answer's logit").
+            facts rose from 0.892 to 0.956 for 0.020 of efficacy, on 10 batches of 100 evaluation facts from 0.777 to
+            0.925 for 0.081 of efficacy (docs/memit.md, "Keeping the true answer's logit").
     """
 
     value_prefixes: int | None = 6
