@@ -88,7 +88,7 @@ class TrueAnswerTerm:
         at_first = true_logits.new_zeros(len(prompt_fact)).index_add(0, token_prompt[first], true_logits[first])  # [P]
         counts = torch.bincount(prompt_fact, minlength=len(facts))
         references = []
-        for slot, (fact, part) in enumerate(zip(facts, at_first.split(counts.tolist()))):
+        for fact, part in zip(facts, at_first.split(counts.tolist())):
             if self._reference[fact] is None:
                 if bool(delta[fact].detach().abs().max() > 0):
                     raise ValueError(f"Fact {fact} is evaluated first at a non-zero δ; the true-answer reference is "
