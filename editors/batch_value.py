@@ -214,7 +214,7 @@ class BatchValueObjective:
                             self.v_init[fact_ids], self.kl_factor, self.weight_decay)
         if self.true_answer is not None:
             true_logits = _in_read_order(torch.cat(true_parts), torch.cat(token_reads))  # [target tokens]
-            drop = self.true_answer.drop(facts, true_logits, batch["token_prompt"], batch["prompt_fact"], delta)
+            drop = self.true_answer.drop(facts, true_logits, batch["token_prompt"], batch["prompt_fact"])
             terms["loss"] = terms["loss"] + self.true_answer.weight * drop
             terms["true_logit_drop"] = drop
         return terms

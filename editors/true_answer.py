@@ -69,19 +69,16 @@ class TrueAnswerTerm:
         return ids[read_fact]
 
     def drop(self, facts: Sequence[int], true_logits: torch.Tensor, token_prompt: torch.Tensor,
-             prompt_fact: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+             prompt_fact: torch.Tensor) -> torch.Tensor:
         """Each fact's mean hinged drop of its true-answer logit over its rewriting prompts, ``[len(facts)]``
-        (differentiable). A fact's first evaluation, which must be at ``δ = 0``, sets its reference.
+        (differentiable). A fact's first evaluation sets its reference; the caller makes it one at ``δ = 0``
+        (:class:`editors.batch_value.BatchValueObjective` refuses any other, as it does for the KL reference).
 
         Args:
             facts: the facts evaluated, in slot order.
             true_logits: ``[n]`` the true answer's logit at every target-token read, in read order (each prompt's
                 reads in order, prompts in order).
             token_prompt: ``[n]`` the prompt of each read; prompt_fact: ``[P]`` the slot of each prompt.
-            delta: ``[F, d_out]``, to check that a reference is taken at ``δ = 0``.
-
-        Raises:
-            ValueError: a fact is evaluated first at a non-zero ``δ``.
         """
         first = torch.ones_like(token_prompt, dtype=torch.bool)
         first[1:] = token_prompt[1:] != token_prompt[:-1]
@@ -90,9 +87,6 @@ class TrueAnswerTerm:
         references = []
         for fact, part in zip(facts, at_first.split(counts.tolist())):
             if self._reference[fact] is None:
-                if bool(delta[fact].detach().abs().max() > 0):
-                    raise ValueError(f"Fact {fact} is evaluated first at a non-zero δ; the true-answer reference is "
-                                     f"its logit at δ = 0")
                 self._reference[fact] = part.detach()
             references.append(self._reference[fact])
         hinge = torch.relu(torch.cat(references) - at_first)  # [P]
