@@ -66,6 +66,7 @@ _EXPORTS: dict[str, str] = {
     "rank_one_factors": "rank_one",
     "rank_one_update": "rank_one",
     "solve_second_moment": "rank_one",
+    "update_direction": "rank_one",
     "DEFAULT_SMOLLM2_NODE": "defaults",
     "ROME": "rome",
     "ROMEConfig": "rome_config",

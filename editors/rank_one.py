@@ -21,7 +21,13 @@ import torch
 
 from .errors import StatisticsError
 
-__all__ = ["rank_one_factors", "solve_second_moment"]
+__all__ = ["rank_one_factors", "rank_one_update", "solve_second_moment", "update_direction"]
+
+# Keys per context: Gram eigenvalues below _GRAM_RTOL of the largest are dropped, so keys equal up to float32 rounding
+# count as one key (on SmolLM2's 44 cases, layers 0-3, a repeated key gives <= 2e-13 and distinct contexts' keys
+# >= 1e-5, docs/rome.md); every key must still gain the full residual to within _CONSTRAINT_ATOL (there: <= 2e-7).
+_GRAM_RTOL = 1e-10
+_CONSTRAINT_ATOL = 1e-4
 
 
 def solve_second_moment(second_moment: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -99,35 +105,58 @@ def rank_one_update(key: torch.Tensor, residual: torch.Tensor, second_moment: to
     output at ``k*`` must gain. ROME's value search finds that residual as ``δ``, so no weight is read: this is
     how layers whose weights cannot be read as a matrix (quantized, offloaded) are edited.
 
-    **Keys per context.** Given the keys of ``P`` contexts ``K`` (``[P, d_in]``, rows ``k_j``) instead of their
-    average, ``u = C⁻¹Kᵀ (K C⁻¹ Kᵀ)⁻¹ 1``: the update of least ``C``-norm with ``uᵀ k_j = 1`` for every context, so
-    every context's output gains the full residual (the average key's update only guarantees it for the average; a
-    context whose key is far from it, such as a subject at position 0, barely moves). Every context shares the
-    residual ``δ``, so the update stays rank one; ``P = 1`` is eq. 2.
-
     Args:
-        key: ``k*`` ``[d_in]``, or the contexts' keys ``[P, d_in]``.
+        key: ``k*`` ``[d_in]``, or the contexts' keys ``[P, d_in]`` (see :func:`update_direction`).
         residual: ``v* - W k*`` ``[d_out]``.
         second_moment: ``C`` ``[d_in, d_in]``.
 
     Returns:
-        ``u = C⁻¹k*/(k*ᵀC⁻¹k*)`` (or ``C⁻¹Kᵀ (K C⁻¹ Kᵀ)⁻¹ 1``) ``[d_in]`` and ``v = residual`` ``[d_out]``, float64.
+        ``u`` (:func:`update_direction`) ``[d_in]`` and ``v = residual`` ``[d_out]``, float64.
 
     Raises:
-        StatisticsError: ``C`` is unusable, ``k*ᵀ C⁻¹ k* <= 0``, or the contexts' keys are linearly dependent.
+        StatisticsError: as :func:`update_direction`.
+    """
+    u = update_direction(key, second_moment)
+    return u, residual.detach().to(device=u.device, dtype=torch.float64)
+
+
+def update_direction(key: torch.Tensor, second_moment: torch.Tensor) -> torch.Tensor:
+    """The key factor ``u`` of the ROME update ``W' = W + v uᵀ`` (eq. 2), ``u = C⁻¹k*/(k*ᵀC⁻¹k*)``. It does not
+    depend on the value, so an editor can check it before the value search.
+
+    **Keys per context.** Given the keys of ``P`` contexts ``K`` (``[P, d_in]``, rows ``k_j``) instead of their
+    average, ``u = C⁻¹Kᵀ (K C⁻¹ Kᵀ)⁻¹ 1``: the update of least ``C``-norm with ``uᵀ k_j = 1`` for every context, so
+    every context's output gains the full residual (the average key's update only guarantees it for the average; a
+    context whose key is far from it, such as a subject at position 0, barely moves). Every context shares the
+    residual ``δ``, so the update stays rank one; ``P = 1`` is eq. 2. The Gram matrix ``K C⁻¹ Kᵀ`` is inverted by
+    pseudo-inverse, so keys that are equal up to float32 rounding (a prompt that starts with the subject gives the
+    subject-first key twice) count as one key.
+
+    Args:
+        key: ``k*`` ``[d_in]``, or the contexts' keys ``[P, d_in]``.
+        second_moment: ``C`` ``[d_in, d_in]``.
+
+    Returns:
+        ``u`` ``[d_in]``, float64.
+
+    Raises:
+        StatisticsError: ``C`` is unusable, ``k*ᵀ C⁻¹ k* <= 0``, or the contexts' keys are linearly dependent in a
+            way no rank-one update can serve (e.g. ``k_3 = k_1 + k_2``, which would need ``uᵀk_3 = 2``).
     """
     c_inv_k = solve_second_moment(second_moment, key)  # [d_in] or [P, d_in]
     k = key.to(device=c_inv_k.device, dtype=torch.float64)
-    v = residual.detach().to(device=c_inv_k.device, dtype=torch.float64)
     if k.dim() == 2:
-        gram = k @ c_inv_k.T  # [P, P]: k_iᵀ C⁻¹ k_j
-        try:
-            weights = torch.linalg.solve(gram, torch.ones(len(k), dtype=torch.float64, device=k.device))
-        except RuntimeError as exc:
-            raise StatisticsError(f"The contexts' keys are linearly dependent ({exc}); use the averaged key "
-                                  f"(keys_per_context=False) or fewer context prefixes") from None
-        return weights @ c_inv_k, v
+        gram = k @ c_inv_k.T  # [P, P]: k_iᵀ C⁻¹ k_j, symmetric positive semi-definite
+        ones = torch.ones(len(k), dtype=torch.float64, device=k.device)
+        weights = torch.linalg.pinv(gram, rtol=_GRAM_RTOL, hermitian=True) @ ones  # equal keys count once
+        missed = float((gram @ weights - ones).abs().max())  # max_j |uᵀ k_j - 1|
+        if not missed <= _CONSTRAINT_ATOL:
+            raise StatisticsError(f"The contexts' keys are linearly dependent and no rank-one update gives each the "
+                                  f"full residual (max |uᵀk_j - 1| = {missed:.3g}); use the averaged key "
+                                  f"(keys_per_context=False) or fewer context prefixes")
+        return weights @ c_inv_k
     denom = torch.dot(c_inv_k, k)
     if not bool(denom > 0):
-        raise StatisticsError(f"k*ᵀ C⁻¹ k* = {denom.item():.3g} is not positive; the statistics are not positive definite")
-    return c_inv_k / denom, v
+        raise StatisticsError(f"k*ᵀ C⁻¹ k* = {denom.item():.3g} is not positive; "
+                              f"the statistics are not positive definite")
+    return c_inv_k / denom

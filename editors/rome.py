@@ -33,10 +33,10 @@ from .corpus import Corpus
 from .counterfact import EditRequest
 from .defaults import DEFAULT_SMOLLM2_NODE
 from .edit import Edit
-from .errors import EditError
+from .errors import EditError, StatisticsError
 from .keys import ContextTemplates, context_activations, load_or_generate_prefixes
 from .layers import LinearLayer, resolve_layer, wrapped_model
-from .rank_one import rank_one_update
+from .rank_one import update_direction
 from .rome_config import ROMEConfig
 from .stats import SecondMoment, default_cache_dir, layer_second_moment, statistics_fingerprint
 from .value import StepCallback, ValueObjective, ValueResult, ValueRunner, optimize_value
@@ -132,7 +132,8 @@ class ROME:
 
         Raises:
             EditError: the graph is in training mode.
-            StatisticsError: the statistics are unusable.
+            StatisticsError: the statistics are unusable, or the contexts' keys admit no rank-one update (names the
+                node and the subject).
             NonFiniteError: the value search met a non-finite loss term, gradient or value (named with its step).
         """
         if getattr(self.pg, "training", False):
@@ -150,6 +151,12 @@ class ROME:
             contexts = torch.cat([contexts, first])
         key = contexts.mean(dim=0)  # k* (eq. 3), [d_in]
         t1 = time.perf_counter()
+        try:  # u (eq. 2) depends on the keys alone: solved before the value search, so bad keys fail fast
+            with torch.no_grad():
+                u = update_direction(contexts if c.keys_per_context else key, stats.matrix)
+        except StatisticsError as exc:
+            raise StatisticsError(f"{layer.path}, subject {request.subject!r}: {exc}") from None
+        t_update = time.perf_counter()
         with torch.no_grad():
             v_init = layer.forward_value(key)  # W k* + b, [d_out]
         objective = ValueObjective(
@@ -160,9 +167,8 @@ class ROME:
                                    callback=callback)
         self.last_value = result
         t2 = time.perf_counter()
-        with torch.no_grad():  # v* = W k* + δ, so v = v* - W k* = δ (eq. 2; no weight read: quantized ones too)
-            u, v = rank_one_update(contexts if c.keys_per_context else key, result.delta, stats.matrix)
-        t3 = time.perf_counter()
+        # v* = W k* + δ, so v = v* - W k* = δ (eq. 2): no weight is read, so quantized layers are edited too
+        v = result.delta.detach().to(device=u.device, dtype=torch.float64)
         last = result.history[-1] if result.history else {}
         info = {
             "steps": result.steps,
@@ -178,7 +184,7 @@ class ROME:
             "n_key_prompts": len(contexts),
             "n_value_prompts": len(objective.rewrite),
             "statistics": {"n_tokens": stats.n_tokens, "n_samples": stats.n_samples, "corpus": stats.corpus},
-            "timings_s": {"key": t1 - t0, "value": t2 - t1, "update": t3 - t2},
+            "timings_s": {"key": t1 - t0, "value": t2 - t_update, "update": t_update - t1},
             "config": c.to_json(),
         }
         return Edit(node=layer.path, u=u, v=v, request=request, model_fingerprint=fingerprint, info=info)

@@ -29,8 +29,13 @@ def test_rank_one_update_per_context_meets_every_key():
     assert all(cost(u) < cost(u + 0.1 * null[:, j]) for j in range(8))
     single, _ = rank_one_update(keys[2], residual, C)
     torch.testing.assert_close(rank_one_update(keys[2:3], residual, C)[0], single)  # P = 1 is eq. 2
+    # A key given twice (a prompt that starts with the subject, plus the subject-first key) counts once, also when
+    # the copies differ by float32 rounding; a key that needs uᵀk = 2 (the sum of two others) cannot be served.
+    rounded = (keys[1].float() + 1e-7 * keys[1].abs().float()).double()
+    twice, _ = rank_one_update(torch.cat([keys, keys[:1], rounded[None]]), residual, C)
+    torch.testing.assert_close(twice, u)
     with pytest.raises(StatisticsError, match="linearly dependent"):
-        rank_one_update(torch.stack([keys[0], keys[0]]), residual, C)
+        rank_one_update(torch.cat([keys, (keys[0] + keys[1])[None]]), residual, C)
 
 
 def test_memit_and_alphaedit_per_context_equal_repeated_columns():
@@ -87,3 +92,23 @@ def test_rome_subject_first_key_moves_the_subject_at_the_start_of_the_text():
     assert gains[True] < 1e-3 < gains[False]  # only with the flag does that key gain the full residual δ
     with pytest.raises(ValueError, match="keys_per_context=True"):
         ROMEConfig(subject_first_key=True)
+
+
+def test_rome_subject_first_key_on_a_prompt_that_starts_with_the_subject():
+    tok = byte_level_tokenizer()
+    pg = PatchableGraph(tiny_llama(len(tok)), torch.randint(0, len(tok), (2, 6)), use_cache=False).eval()
+    config = ROMEConfig(n_samples=32, max_length=64, progress=False, use_cache=False, clamp_factor=500.0,
+                        context_length_params=((5, 4), (10, 4)), keys_per_context=True, steps=5,
+                        subject_first_key=True)
+    rome = ROME(pg, tok, "model.layers_0.mlp.down_proj", config, corpus=Corpus(name="toy", texts=list(TOY_SENTENCES)))
+    request = EditRequest("{} flows into the sea", "the old river", "Rome")  # the empty prefix gives the first key
+    node = rome.layer.input_node
+    keys = torch.cat([context_activations(pg, tok, [node], [(prompt, request.subject)], templates)[0][0]
+                      for prompt, templates in ((request.prompt, rome.templates()),
+                                                ("{}", ContextTemplates(prefixes=("",))))])  # [P + 1, d_in]
+    before = rome.layer.forward_value(keys).detach()
+    edit = rome.edit(request)
+    delta = rome.last_value.delta
+    torch.testing.assert_close(rome.layer.forward_value(keys).detach() - before, delta.expand_as(before),
+                               rtol=1e-3, atol=1e-3 * float(delta.norm()))
+    edit.restore(pg)

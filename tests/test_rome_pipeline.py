@@ -20,7 +20,7 @@ from editors import (
     resolve_layer,
     restore_edits,
 )
-from editors.errors import EditError, SubjectNotFoundError
+from editors.errors import EditError, StatisticsError, SubjectNotFoundError
 from editors.evaluate import score_case
 from editors.scoring import mean_target_logprobs
 from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_gpt2, tiny_llama
@@ -126,6 +126,12 @@ def test_failures_leave_weights_untouched(tmp_path) -> None:
     pg.eval()
     assert torch.equal(layer.weight, original)
     assert [p.requires_grad for p in pg._original.parameters()] == flags
+    searches = []  # singular statistics fail before the value search, naming the node and the subject
+    singular = ROME(pg, tok, node, _config(tmp_path), statistics=torch.zeros(layer.d_in, layer.d_in),
+                    value_runner=lambda *args, **kwargs: searches.append(args))
+    with pytest.raises(StatisticsError, match=f"{node}, subject 'France': The second moment is singular"):
+        singular.edit(EditRequest(prompt="The capital of {} is", subject="France", target_new="London"))
+    assert searches == [] and torch.equal(layer.weight, original)
 
 
 def _bad_request() -> EditRequest:
