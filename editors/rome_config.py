@@ -41,7 +41,7 @@ class ROMEConfig:
             not below its first, or non-finite); by default such an edit raises
             :class:`~editors.errors.EditNotConvergedError` and the weights stay as they were.
         keys_per_context: solve for every context's key (``uᵀ k_j = 1`` for each of the context prompts,
-            :func:`editors.rank_one.rank_one_update`) instead of their average (eq. 3); still a rank-one update.
+            :func:`editors.rank_one.update_direction`) instead of their average (eq. 3); still a rank-one update.
             Off by default: on the 44 cases it won two paraphrases with the subject at position 0 and lost 0.057 of
             neighbourhood score (docs/rome.md, "Keys per context").
         subject_first_key: with ``keys_per_context``, also solve for the key of the subject at the start of the text
