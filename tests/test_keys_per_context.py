@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
-from editors import ROME, Corpus, EditRequest, ROMEConfig
+from editors import ROME, Corpus, Edit, EditRequest, ROMEConfig
 from editors.errors import StatisticsError
 from editors.keys import ContextTemplates, context_activations
 from editors.multi_update import alphaedit_factors, memit_factors
@@ -52,41 +54,50 @@ def test_memit_and_alphaedit_per_context_equal_repeated_columns():
     torch.testing.assert_close(v @ u.T, r @ k.T @ torch.linalg.inv(k @ k.T + torch.eye(12, dtype=torch.float64)))
 
 
-def test_rome_keys_per_context_moves_every_context():
+def _tiny_graph() -> tuple[PatchableGraph, Any]:
     tok = byte_level_tokenizer()
-    pg = PatchableGraph(tiny_llama(len(tok)), torch.randint(0, len(tok), (2, 6)), use_cache=False).eval()
+    return PatchableGraph(tiny_llama(len(tok)), torch.randint(0, len(tok), (2, 6)), use_cache=False).eval(), tok
+
+
+def _per_context_rome(pg: PatchableGraph, tok: Any, subject_first_key: bool = False) -> ROME:
+    """ROME with keys per context at the tiny Llama's first MLP (toy statistics, 5 value steps)."""
     config = ROMEConfig(n_samples=32, max_length=64, progress=False, use_cache=False, clamp_factor=500.0,
-                        context_length_params=((5, 4), (10, 4)), keys_per_context=True, steps=5)
-    rome = ROME(pg, tok, "model.layers_0.mlp.down_proj", config, corpus=Corpus(name="toy", texts=list(TOY_SENTENCES)))
+                        context_length_params=((5, 4), (10, 4)), keys_per_context=True, steps=5,
+                        subject_first_key=subject_first_key)
+    return ROME(pg, tok, "model.layers_0.mlp.down_proj", config, corpus=Corpus(name="toy", texts=list(TOY_SENTENCES)))
+
+
+def _edit_and_gain(rome: ROME, request: EditRequest, keys: torch.Tensor
+                   ) -> tuple[Edit, torch.Tensor, torch.Tensor]:
+    """Apply the edit; return it, what the layer's output at each of ``keys`` ``[P, d_in]`` gained ``[P, d_out]``,
+    and the value search's ``δ`` ``[d_out]``."""
+    before = rome.layer.forward_value(keys).detach()
+    edit = rome.edit(request)
+    return edit, rome.layer.forward_value(keys).detach() - before, rome.last_value.delta
+
+
+def test_rome_keys_per_context_moves_every_context():
+    pg, tok = _tiny_graph()
+    rome = _per_context_rome(pg, tok)
     request = EditRequest("The river flows into the sea near {}", "the old town", "Rome")
     keys = context_activations(pg, tok, [rome.layer.input_node], [(request.prompt, request.subject)],
                                rome.templates())[0][0]
-    before = rome.layer.forward_value(keys).detach()  # [P, d_out]
-    edit = rome.edit(request)
-    delta = rome.last_value.delta
-    after = rome.layer.forward_value(keys).detach()
+    edit, gain, delta = _edit_and_gain(rome, request, keys)  # gain [P, d_out]
     assert edit.u.shape == (rome.layer.d_in,) and edit.info["config"]["keys_per_context"] is True
-    torch.testing.assert_close(after - before, delta.expand_as(after), rtol=1e-3, atol=1e-3 * float(delta.norm()))
+    torch.testing.assert_close(gain, delta.expand_as(gain), rtol=1e-3, atol=1e-3 * float(delta.norm()))
     edit.restore(pg)
 
 
 def test_rome_subject_first_key_moves_the_subject_at_the_start_of_the_text():
-    tok = byte_level_tokenizer()
-    pg = PatchableGraph(tiny_llama(len(tok)), torch.randint(0, len(tok), (2, 6)), use_cache=False).eval()
-    corpus = Corpus(name="toy", texts=list(TOY_SENTENCES))
+    pg, tok = _tiny_graph()
     request = EditRequest("The river flows into the sea near {}", "the old town", "Rome")
     gains = {}
     for first in (False, True):
-        config = ROMEConfig(n_samples=32, max_length=64, progress=False, use_cache=False, clamp_factor=500.0,
-                            context_length_params=((5, 4), (10, 4)), keys_per_context=True, steps=5,
-                            subject_first_key=first)
-        rome = ROME(pg, tok, "model.layers_0.mlp.down_proj", config, corpus=corpus)
+        rome = _per_context_rome(pg, tok, subject_first_key=first)
         start = context_activations(pg, tok, [rome.layer.input_node], [("{}", request.subject)],
                                     ContextTemplates(prefixes=("",)))[0][0]  # [1, d_in]: the text begins with it
-        before = rome.layer.forward_value(start).detach()
-        edit = rome.edit(request)
-        delta = rome.last_value.delta
-        gains[first] = (rome.layer.forward_value(start).detach() - before - delta).norm() / delta.norm()
+        edit, gain, delta = _edit_and_gain(rome, request, start)
+        gains[first] = (gain - delta).norm() / delta.norm()
         assert edit.info["n_key_prompts"] == len(rome.templates()) + first
         edit.restore(pg)
     assert gains[True] < 1e-3 < gains[False]  # only with the flag does that key gain the full residual δ
@@ -95,20 +106,13 @@ def test_rome_subject_first_key_moves_the_subject_at_the_start_of_the_text():
 
 
 def test_rome_subject_first_key_on_a_prompt_that_starts_with_the_subject():
-    tok = byte_level_tokenizer()
-    pg = PatchableGraph(tiny_llama(len(tok)), torch.randint(0, len(tok), (2, 6)), use_cache=False).eval()
-    config = ROMEConfig(n_samples=32, max_length=64, progress=False, use_cache=False, clamp_factor=500.0,
-                        context_length_params=((5, 4), (10, 4)), keys_per_context=True, steps=5,
-                        subject_first_key=True)
-    rome = ROME(pg, tok, "model.layers_0.mlp.down_proj", config, corpus=Corpus(name="toy", texts=list(TOY_SENTENCES)))
+    pg, tok = _tiny_graph()
+    rome = _per_context_rome(pg, tok, subject_first_key=True)
     request = EditRequest("{} flows into the sea", "the old river", "Rome")  # the empty prefix gives the first key
     node = rome.layer.input_node
     keys = torch.cat([context_activations(pg, tok, [node], [(prompt, request.subject)], templates)[0][0]
                       for prompt, templates in ((request.prompt, rome.templates()),
                                                 ("{}", ContextTemplates(prefixes=("",))))])  # [P + 1, d_in]
-    before = rome.layer.forward_value(keys).detach()
-    edit = rome.edit(request)
-    delta = rome.last_value.delta
-    torch.testing.assert_close(rome.layer.forward_value(keys).detach() - before, delta.expand_as(before),
-                               rtol=1e-3, atol=1e-3 * float(delta.norm()))
+    edit, gain, delta = _edit_and_gain(rome, request, keys)
+    torch.testing.assert_close(gain, delta.expand_as(gain), rtol=1e-3, atol=1e-3 * float(delta.norm()))
     edit.restore(pg)
