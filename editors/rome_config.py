@@ -48,10 +48,11 @@ class ROMEConfig:
             and 0.044 (AlphaEdit, 10 × 100) less neighbourhood score (docs/memit.md, "Keys per context").
         subject_first_key: with ``keys_per_context``, also solve for the key of the subject at the start of the text
             (the subject alone, so a one-token subject sits at position 0, where the context prefixes never put it).
-            On the 44 cases it won paraphrases that begin with a one-token subject; at layers 2 and 0 the edit then
-            meets the paraphrase target, at layer 3 it does not; but on 50 development facts and on other entities
-            that share the subject's last token the default did better (docs/rome.md, "The subject at the start of
-            the text"). Off by default.
+            It is averaged into ``k*`` too; a prompt that begins with the subject has this key already (behind the
+            empty prefix), and it is not added twice. On the 44 cases it won paraphrases that begin with a one-token
+            subject; at layers 2 and 0 the edit then meets the paraphrase target, at layer 3 it does not; but on 50
+            development facts and on other entities that share the subject's last token the default did better
+            (docs/rome.md, "The subject at the start of the text"). Off by default.
 
     Raises:
         ValueError: ``subject_first_key`` without ``keys_per_context``.

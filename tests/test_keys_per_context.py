@@ -116,3 +116,6 @@ def test_rome_subject_first_key_on_a_prompt_that_starts_with_the_subject():
     edit, gain, delta = _edit_and_gain(rome, request, keys)
     torch.testing.assert_close(gain, delta.expand_as(gain), rtol=1e-3, atol=1e-3 * float(delta.norm()))
     edit.restore(pg)
+    # the empty prefix's key is already the subject-first one: it is neither solved for nor averaged into k* twice
+    assert edit.info["n_key_prompts"] == len(rome.templates())
+    assert edit.info["key_norm"] == _per_context_rome(pg, tok).compute(request).info["key_norm"]
