@@ -146,7 +146,7 @@ class ROME:
         contexts = context_activations(self.pg, self.tokenizer, [layer.input_node], [(request.prompt, request.subject)],
                                        templates)[0][0]  # [P, d_in]: the subject's key behind each context prefix
         # the subject alone: its key where a text begins with it, [1, d_in]; a prompt that begins with the subject
-        # already has that key behind the empty prefix, so it is not added (nor counted twice in k*) again
+        # already has that key behind the empty prefix: adding it again would count it twice in k*
         if c.subject_first_key and not (request.prompt.startswith("{}") and "" in templates.prefixes):
             first = context_activations(self.pg, self.tokenizer, [layer.input_node], [("{}", request.subject)],
                                         ContextTemplates(prefixes=("",)))[0][0]
