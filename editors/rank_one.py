@@ -129,8 +129,7 @@ def update_direction(key: torch.Tensor, second_moment: torch.Tensor) -> torch.Te
     every context's output gains the full residual (the average key's update only guarantees it for the average; a
     context whose key is far from it, such as a subject at position 0, barely moves). Every context shares the
     residual ``δ``, so the update stays rank one; ``P = 1`` is eq. 2. The Gram matrix ``K C⁻¹ Kᵀ`` is inverted by
-    pseudo-inverse, so keys that are equal up to float32 rounding (a prompt that starts with the subject gives the
-    subject-first key twice) count as one key.
+    pseudo-inverse, so keys that are equal up to float32 rounding (a key given twice) count as one key.
 
     Args:
         key: ``k*`` ``[d_in]``, or the contexts' keys ``[P, d_in]``.

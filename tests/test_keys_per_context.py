@@ -31,8 +31,8 @@ def test_rank_one_update_per_context_meets_every_key():
     assert all(cost(u) < cost(u + 0.1 * null[:, j]) for j in range(8))
     single, _ = rank_one_update(keys[2], residual, C)
     torch.testing.assert_close(rank_one_update(keys[2:3], residual, C)[0], single)  # P = 1 is eq. 2
-    # A key given twice (a prompt that starts with the subject, plus the subject-first key) counts once, also when
-    # the copies differ by float32 rounding; a key that needs uᵀk = 2 (the sum of two others) cannot be served.
+    # A key given twice counts once, also when the copies differ by float32 rounding; a key that needs uᵀk = 2 (the
+    # sum of two others) cannot be served.
     rounded = (keys[1].float() + 1e-7 * keys[1].abs().float()).double()
     twice, _ = rank_one_update(torch.cat([keys, keys[:1], rounded[None]]), residual, C)
     torch.testing.assert_close(twice, u)
