@@ -10,12 +10,17 @@ prefill and at every decode step, at every node; a patch's ``slice`` indexes the
 (see :mod:`gradpatch.positions` for positions in the whole sequence), and a ``ProbePatch``/``RecordPatch`` sees one
 value per forward pass: ``[batch, prompt, ...]`` at prefill, then ``[batch, 1, ...]`` per new token.
 
-``use_cache=False`` keeps recomputing the whole sequence at every step. An all-ones ``attention_mask`` (no padding)
-is left out of the graph's calls, so attention runs as in eager mode without a mask.
+``use_cache=False`` keeps recomputing the whole sequence at every step; it is the default for a model whose forward
+takes no cache argument (:func:`cache_argument` is ``None``), which transformers would otherwise give a
+``DynamicCache`` built from layer counts its config may not have. A transformers model without ``GenerationMixin``
+(``PreTrainedModel`` stopped inheriting it in transformers 4.50) generates through :func:`generation_view`, with
+:func:`default_generation_config` when it has no generation config of its own. An all-ones ``attention_mask`` (no
+padding) is left out of the graph's calls, so attention runs as in eager mode without a mask.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from dataclasses import dataclass
@@ -25,7 +30,11 @@ import torch
 from torch import nn
 
 from .errors import PatchShapeError
+from .optional import transformers
 from .positions import Window, token_window
+
+
+_UNSET = object()
 
 
 @dataclass
@@ -48,35 +57,83 @@ def cache_argument(model: nn.Module) -> str | None:
     return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
+def default_generation_config(model: nn.Module) -> Any:
+    """A copy of ``model.generation_config``; for a transformers ``PreTrainedModel`` without one (a model class that
+    does not inherit ``GenerationMixin`` gets none from transformers), the generation settings of its config
+    (``GenerationConfig.from_model_config``: ``max_length`` and the like, else transformers' defaults); ``None`` for
+    any other module."""
+    own = getattr(model, "generation_config", None)
+    if own is not None:
+        return copy.deepcopy(own)
+    config = getattr(model, "config", None)
+    if transformers.AVAILABLE and isinstance(model, transformers.PreTrainedModel) and config is not None:
+        return transformers.GenerationConfig.from_model_config(config)
+    return None
+
+
+def generation_view(model: nn.Module) -> nn.Module:
+    """``model`` itself when it has ``generate``; for a transformers ``PreTrainedModel`` without ``GenerationMixin``,
+    a view of it whose class adds ``GenerationMixin`` after the model's own (transformers' recommended class layout,
+    so the model's ``prepare_inputs_for_generation`` and other overrides come first).
+
+    The view shares the model's ``__dict__`` (parameters, submodules, config, hooks): nothing is copied and the
+    model's own class is left as it is.
+
+    Raises:
+        TypeError: ``model`` has no ``generate`` and is not a transformers ``PreTrainedModel``.
+    """
+    if callable(getattr(model, "generate", None)):
+        return model
+    if not (transformers.AVAILABLE and isinstance(model, transformers.PreTrainedModel)):
+        raise TypeError(f"{type(model).__name__} has no generate() and is not a transformers PreTrainedModel; "
+                        f"generate with a transformers model, or call the graph step by step")
+    view = object.__new__(_with_generation_mixin(type(model)))
+    object.__setattr__(view, "__dict__", model.__dict__)
+    return view
+
+
+@functools.lru_cache(maxsize=None)
+def _with_generation_mixin(model_class: type) -> type:
+    return type(model_class.__name__, (model_class, transformers.GenerationMixin),
+                {"__module__": model_class.__module__, "__qualname__": model_class.__qualname__})
+
+
 def generate(graph: Callable[..., Any], model: nn.Module, generation_config: Any, args: tuple,
              kwargs: dict[str, Any]) -> Any:
     """Run ``model.generate(*args, **kwargs)`` with every forward pass going through ``graph``.
 
     Args:
         graph: the PatchableGraph (called with the model's forward arguments).
-        model: the wrapped transformers model.
-        generation_config: the default configuration (the model's own is restored afterwards).
-        args, kwargs: the arguments of ``model.generate``.
+        model: the wrapped transformers model (with or without ``GenerationMixin``: :func:`generation_view`).
+        generation_config: the default configuration (the model's own is restored afterwards); ``None``: the
+            model's own, else :func:`default_generation_config`.
+        args, kwargs: the arguments of ``model.generate``; without ``use_cache``, a model whose forward takes no
+            cache generates with ``use_cache=False``.
 
     Raises:
-        TypeError: the model has no ``generate``.
+        TypeError: the model has no ``generate`` and is not a transformers ``PreTrainedModel``.
         PatchShapeError: a patch value does not fit a forward pass (the message names the step); the caller's
             cache, if one was passed, is cropped back to its length before that pass (dynamic caches, and static
             ones but for sliding-window layers).
     """
-    if not hasattr(model, "generate"):
-        raise TypeError(f"{type(model).__name__} has no generate(); it is not a transformers generation model")
+    generator = generation_view(model)
+    if cache_argument(model) is None and "use_cache" not in kwargs:
+        kwargs = {**kwargs, "use_cache": False}
+    if generation_config is None and getattr(model, "generation_config", None) is None:
+        generation_config = default_generation_config(model)
     prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     progress = _Progress(prompt_length=int(prompt.shape[-1]) if isinstance(prompt, torch.Tensor) else 0)
-    saved_config = model.__dict__.get("generation_config")
+    saved_config = model.__dict__.get("generation_config", _UNSET)
     if generation_config is not None:  # the model's default configuration while generating, as transformers reads it
         model.generation_config = generation_config
     model.forward = _graph_forward(graph, model, progress)
     try:
-        return model.generate(*args, **kwargs)
+        return generator.generate(*args, **kwargs)
     finally:
         del model.forward
-        if generation_config is not None:
+        if saved_config is _UNSET:
+            model.__dict__.pop("generation_config", None)
+        else:
             model.generation_config = saved_config
 
 

@@ -65,7 +65,8 @@ class PatchableGraph(nn.Module):
     Attributes:
         config, generation_config: copies of a transformers model's (``None`` for other modules, or with
             ``ExtractionOptions(copy_transformers_generation_config=False)``); :meth:`generate` uses
-            ``generation_config``.
+            ``generation_config``. A model without ``GenerationMixin`` gets the generation settings of its config
+            (:func:`gradpatch.generation.default_generation_config`).
 
     Raises:
         ExtractionError: with ``error_on_compilation_failure=True``, for a module whose graph cannot be extracted.
@@ -88,7 +89,7 @@ class PatchableGraph(nn.Module):
         self._graph_module = self._variants.example_wrapper(module.training)
         copy_config = options.copy_transformers_generation_config
         self.config = copy.deepcopy(getattr(module, "config", None)) if copy_config else None
-        self.generation_config = copy.deepcopy(getattr(module, "generation_config", None)) if copy_config else None
+        self.generation_config = generation.default_generation_config(module) if copy_config else None
 
     # --- calling -------------------------------------------------------------------------------------------
 
@@ -105,7 +106,8 @@ class PatchableGraph(nn.Module):
         ``generation_config`` argument, :attr:`generation_config` is used.
 
         Raises:
-            TypeError: the wrapped model has no ``generate`` method.
+            TypeError: the wrapped model has no ``generate`` method and is not a transformers ``PreTrainedModel``
+                (one without ``GenerationMixin`` generates through :func:`gradpatch.generation.generation_view`).
             PatchShapeError: a patch value does not fit a step's value (the message names the step).
         """
         quiet, self._quiet = self._quiet, True
