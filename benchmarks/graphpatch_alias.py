@@ -129,16 +129,16 @@ LEGACY_GENERATION = "legacy_generation_parameters"
 def _legacy_generation_config() -> type:
     from transformers import GenerationConfig, PretrainedConfig
 
-    names = set(GenerationConfig._get_default_generation_params()) - {"use_cache"}  # what transformers 5 drops
+    names = set(GenerationConfig().to_dict()) - {"use_cache", "transformers_version"}
 
     class LegacyGenerationPretrainedConfig(PretrainedConfig):
         """transformers' ``PretrainedConfig`` that keeps the generation parameters it is given (``max_length``...)
         in :data:`LEGACY_GENERATION` instead of dropping them, as configs of transformers 4 did."""
 
         def __init__(self, **kwargs: Any) -> None:
-            kept = {**(kwargs.pop(LEGACY_GENERATION, None) or {}),
-                    **{name: kwargs[name] for name in names if name in kwargs}}
+            kept = kwargs.pop(LEGACY_GENERATION, None) or {}
             super().__init__(**kwargs)
+            kept.update({name: kwargs[name] for name in names & set(kwargs) if not hasattr(self, name)})  # dropped
             setattr(self, LEGACY_GENERATION, kept)
 
     LegacyGenerationPretrainedConfig.__name__ = LegacyGenerationPretrainedConfig.__qualname__ = "PretrainedConfig"

@@ -15,6 +15,7 @@ import torch
 from torch import fx, nn
 
 from .errors import NodePathError
+from .graph_code import graph_code
 from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, UnusedModule
 from .hierarchy import is_container, node_name
 from .patching import leaf_name
@@ -37,7 +38,8 @@ class NodeData:
         _path: the NodePath string.
         _shape: ``torch.Size`` of the example value for tensor leaves; for graphs and containers, a tree of the
             shapes below (``pg.graph._shape.output.sub_0``); ``None`` for other values.
-        _code: generated code of a graph, or the line of generated code that computes a leaf.
+        _code: generated code of a graph under its forward's own signature (:mod:`gradpatch.graph_code`), or the
+            line of generated code that computes a leaf.
     """
 
     def __init__(self, path: str, name: str, *, module: nn.Module | None = None, owner: nn.Module | None = None,
@@ -316,7 +318,8 @@ def _join(prefix: str, name: str) -> str:
 
 def _module_code(module: nn.Module) -> str:
     if isinstance(module, CompiledGraphModule):
-        return module.code
+        original = getattr(module, "original_module", None)
+        return graph_code(module, None if original is None else type(original).forward)
     original = getattr(module, "_gp_original", None)
     if original is not None:
         try:
