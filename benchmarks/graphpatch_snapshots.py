@@ -11,6 +11,9 @@ to the JSON file named by ``GRADPATCH_SNAPSHOT_REPORT``, one verdict per fixture
   torch.compile numbers nodes differently from gradpatch's tracer; see docs/engine.md);
 - ``differs: <first differing line pair>`` otherwise.
 
+The same verdict is given for ``pg.graph._code`` of the deeply nested output module against graphpatch's
+``test_node_path_code`` snapshot (key ``..._code[compiled]``).
+
 It needs pytest and graphpatch's fixtures; it is not a test of gradpatch's own suite.
 """
 
@@ -46,6 +49,17 @@ def snapshot_text(path: Path) -> str:
     return text.split("'''\n", 1)[1].rsplit("\n'''", 1)[0] if "'''" in text else text.strip()
 
 
+def amber_entry(path: Path, name: str) -> str | None:
+    """The value stored under ``# name: <name>`` in a syrupy ``.ambr`` file (its lines indented by two spaces)."""
+    entries = path.read_text().split("# name: ")
+    for entry in entries[1:]:
+        title, _, body = entry.partition("\n")
+        if title.strip() == name:
+            lines = body.split("\n# ---")[0].splitlines()
+            return "\n".join(line[2:] for line in lines)
+    return None
+
+
 def snapshot_file(folder: Path, name: str, compiled: bool) -> Path | None:
     """graphpatch's snapshot of fixture ``name``: for compiled graphs, the newest torch's (``_2_5``)."""
     path = folder / f"{name}{'_2_5' if compiled else ''}.ambr"
@@ -70,4 +84,8 @@ if pytest is not None and os.environ.get(REPORT_VARIABLE):
             path = snapshot_file(folder, name, mode == "compiled")
             verdict = "no snapshot" if path is None else compare(repr(pg.graph), snapshot_text(path))
             verdicts[f"{name}[{mode}]"] = verdict
+        nested = all_patchable_graphs.get("patchable_deeply_nested_output_module")
+        code = amber_entry(folder.parent.parent / "test_node_path.ambr", "test_node_path_code[2_1]")
+        if mode == "compiled" and nested is not None and code is not None:
+            verdicts[f"patchable_deeply_nested_output_module._code[{mode}]"] = compare(str(nested.graph._code), code)
         report.write_text(json.dumps(verdicts, indent=1))

@@ -58,6 +58,8 @@ INTERNAL_TESTS = {
 SNAPSHOT_TESTS = {"test_node_path.py::test_patchable_graph_graph_repr", "test_node_path.py::test_node_path_code"}
 #: Skip reasons that mean "needs a GPU" (graphpatch's requires_gpu, requires_multi_gpu, requires_bitsandbytes).
 GPU_SKIP_WORDS = ("CUDA", "bitsandbytes")
+#: Characters kept of each failure's first message line.
+MESSAGE_LENGTH = 150
 #: Distributions whose versions the report shows (besides those pinned in constraints.txt).
 REPORTED = ("torch", "syrupy", "pytest-mock", "pytest-env", "sentencepiece", "protobuf", "gradpatch")
 
@@ -165,7 +167,7 @@ def tally(report: ElementTree.Element) -> dict[str, dict[str, Any]]:
         if problem is not None:
             entry["failed"] += 1
             message = (problem.get("message") or problem.text or "").strip().splitlines()
-            entry["failures"][f"{file}::{name}"] = message[0][:200] if message else ""
+            entry["failures"][f"{file}::{name}"] = message[0][:MESSAGE_LENGTH] if message else ""
         elif skip_reason is not None:
             entry["skipped"] += 1
             entry["skips"][skip_reason] = entry["skips"].get(skip_reason, 0) + 1
@@ -218,7 +220,7 @@ def main() -> None:
                         help="graphpatch's repository: a checkout holding tests/, or a git directory (HEAD is used)")
     parser.add_argument("--python", default=sys.executable, help="the interpreter of the environment to test in")
     arguments = parser.parse_args()
-    print(json.dumps(run(arguments.graphpatch.resolve(), arguments.python), indent=2))
+    print(json.dumps(run(arguments.graphpatch.resolve(), arguments.python), indent=2, ensure_ascii=False))
 
 
 if __name__ == "__main__":
