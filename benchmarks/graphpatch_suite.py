@@ -2,11 +2,12 @@
 
 graphpatch's tests are the compatibility spec of gradpatch's public API. This script runs them from graphpatch's
 repository (a checkout, or a git directory whose HEAD it archives), with ``import graphpatch`` (and its submodules)
-resolved to gradpatch by the pytest plugin ``benchmarks/graphpatch_alias.py`` (which also adapts three fixtures to
-transformers 5 and pytest 9: see its docstring). No test is edited.
+resolved to gradpatch by the pytest plugin ``benchmarks/graphpatch_alias.py``, which also adapts three things of
+graphpatch's test set-up to transformers 5 and pytest ≥ 8.4 (see its docstring). No test is edited.
 
 Set-up: a virtualenv made from the project's pins (``constraints.txt``) with the ``graphpatch-suite`` extra, i.e.
-graphpatch's test libraries (syrupy, pytest-mock, pytest-env, sentencepiece) besides transformers and accelerate::
+graphpatch's test libraries (syrupy, pytest-mock, pytest-env, sentencepiece, protobuf) besides transformers and
+accelerate::
 
     python3 -m venv /work/venvs/graphpatch-suite
     /work/venvs/graphpatch-suite/bin/pip install torch==2.13.0
