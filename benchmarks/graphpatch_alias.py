@@ -1,14 +1,15 @@
 """pytest plugin: ``import graphpatch`` (and its submodules) resolves to gradpatch.
 
 This is the import plumbing for running graphpatch's own test suite against gradpatch
-(``benchmarks/graphpatch_suite.py``). It changes imports only: every test runs unchanged.
+(``benchmarks/graphpatch_suite.py``). It changes imports, and three details of graphpatch's test set-up (below):
+every test runs unchanged.
 
 graphpatch module paths map to the gradpatch module holding the same names (table below). A name that gradpatch
 does not have (graphpatch internals such as ``graphpatch.meta.GraphMeta`` or ``graphpatch.extraction.extract``)
 resolves to a stand-in class, so that the test modules importing it can be collected; using the stand-in raises
 ``NotImplementedError``, so a test that needs the internal fails rather than passes.
 
-Three adjustments let graphpatch's fixtures run on the library versions the project pins (``constraints.txt``); neither
+Three adjustments let graphpatch's fixtures run on the library versions the project pins (``constraints.txt``); none
 touches gradpatch or what a test asserts:
 
 - ``graphpatch.optional.transformers.PreTrainedModel`` is a subclass (``PostInitPreTrainedModel``): graphpatch's
@@ -19,7 +20,7 @@ touches gradpatch or what a test asserts:
   drops from model configs; the model subclass makes them the model's ``generation_config``, where transformers 5
   keeps them.
 - pytest 8.4 replaced ``FixtureManager._arg2fixturedefs``, which graphpatch's ``all_patchable_graphs`` fixture reads
-  (``test_patchable_graph_graph_repr``); :func:`_restore_arg2fixturedefs` gives it back as a read-only view.
+  (``test_patchable_graph_graph_repr``); :func:`_restore_arg2fixturedefs` gives it back, computed from its replacement.
 """
 
 from __future__ import annotations
