@@ -11,7 +11,7 @@ to the JSON file named by ``GRADPATCH_SNAPSHOT_REPORT``, one verdict per fixture
   torch.compile numbers nodes differently from gradpatch's tracer; see docs/engine.md);
 - ``differs: <first differing line pair>`` otherwise.
 
-The same verdict is given for ``pg.graph._code`` of the deeply nested output module against graphpatch's
+The same verdict is given for ``pg.graph._code`` (``pg.graph.code``) of the deeply nested output module against graphpatch's
 ``test_node_path_code`` snapshot (key ``..._code[compiled]``).
 
 It needs pytest and graphpatch's fixtures; it is not a test of gradpatch's own suite.
@@ -87,5 +87,5 @@ if pytest is not None and os.environ.get(REPORT_VARIABLE):
         nested = all_patchable_graphs.get("patchable_deeply_nested_output_module")
         code = amber_entry(folder.parent.parent / "test_node_path.ambr", "test_node_path_code[2_1]")
         if mode == "compiled" and nested is not None and code is not None:
-            verdicts[f"patchable_deeply_nested_output_module._code[{mode}]"] = compare(str(nested.graph._code), code)
+            verdicts[f"patchable_deeply_nested_output_module._code[{mode}]"] = compare(nested.graph.code, code)
         report.write_text(json.dumps(verdicts, indent=1))

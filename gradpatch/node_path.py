@@ -103,6 +103,12 @@ class NodeData:
         return self._gp_name
 
     @property
+    def code(self) -> str:
+        """What ``_code`` shows: a graph's generated code under its forward's own signature
+        (:mod:`gradpatch.graph_code`), or the line of generated code that computes a leaf."""
+        return self._code
+
+    @property
     def tensor_shape(self) -> torch.Size | None:
         """The example value's shape when this node holds a tensor (``[batch, seq, d_model]`` for a layer output);
         ``None`` for graphs, containers and values that are not tensors."""

@@ -59,7 +59,7 @@ def test_an_unannotated_tensor_input_is_shown_as_graphpatch_showed_it():
     x = torch.ones(2, 3)
     pg = PatchableGraph(Unannotated(), COMPILED, x)
     assert pg.graph._code.startswith("def forward(self, x : torch.Tensor):\n")  # no blank lines before it
-    assert not pg.graph._code.endswith(("\n", " "))
+    assert not pg.graph._code.endswith(("\n", " ")) and pg.graph.code == pg.graph._code
     assert _header(pg, "child") == "def forward(self, inputs : torch.Tensor, extra : torch.Tensor = None, scale = 2):"
 
 
