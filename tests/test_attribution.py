@@ -106,7 +106,8 @@ def test_atp_on_heads_tracks_the_exact_sweep(gpt2_graph):
     batch = _batch()
     exact = exact_sweep(gpt2_graph, batch, "heads", forward_kwargs=KW)
     estimate = atp(gpt2_graph, batch, "heads", forward_kwargs=KW)
-    assert [(s.node, s.position, s.head) for s in exact.scores] == [(s.node, s.position, s.head) for s in estimate.scores]
+    assert [(s.node, s.position, s.head) for s in exact.scores] == [
+        (s.node, s.position, s.head) for s in estimate.scores]
     x = torch.tensor([s.score for s in exact.scores])
     y = torch.tensor([s.score for s in estimate.scores])
     assert float(torch.corrcoef(torch.stack([x, y]))[0, 1]) > 0.8

@@ -59,7 +59,8 @@ def node_gradients(runner: Runner, ids: torch.Tensor, nodes: Sequence[Node],
     return {path: probe.activation for path, probe in probes.items()}, gradients, float(value.detach())
 
 
-def unit_scores(nodes: Sequence[Node], positions: Sequence[int], products: Mapping[str, torch.Tensor]) -> list[NodeScore]:
+def unit_scores(nodes: Sequence[Node], positions: Sequence[int],
+                products: Mapping[str, torch.Tensor]) -> list[NodeScore]:
     """Records from per-node products ``[batch, seq, width]`` (summed over the batch, the unit's features).
 
     Args:

@@ -70,7 +70,8 @@ def check_metric(metric: Metric, batch: PromptBatch, vocab: int | None) -> None:
         AttributionError: ``metric`` is not callable or does not return a one-element tensor or a number.
     """
     if not callable(metric):
-        raise AttributionError(f"metric must be a function metric(logits, batch) -> scalar, got {type(metric).__name__}")
+        raise AttributionError(f"metric must be a function metric(logits, batch) -> scalar, got "
+                               f"{type(metric).__name__}")
     if vocab is None:
         return
     value = metric(torch.zeros(batch.size, vocab), batch)

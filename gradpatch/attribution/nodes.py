@@ -14,8 +14,8 @@ from ..errors import NodePathError
 from ..patchable_graph import PatchableGraph
 from .errors import AttributionError
 
-__all__ = ["GPT2_FAMILY", "as_nodes", "KINDS", "LLAMA_FAMILY", "ModelFamily", "Node", "Unit", "detect_family", "resolve_nodes",
-           "units"]
+__all__ = ["GPT2_FAMILY", "KINDS", "LLAMA_FAMILY", "ModelFamily", "Node", "Unit", "as_nodes", "detect_family",
+           "resolve_nodes", "units"]
 
 #: The node kinds, in the order ``"all"`` expands to.
 KINDS = ("resid", "heads", "mlp")

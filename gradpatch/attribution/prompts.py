@@ -94,9 +94,9 @@ def prompt_batch(tokenizer: Any, records: Sequence[Mapping[str, str]]) -> Prompt
                                    f"activation patching pairs positions, so rephrase the corrupted prompt to "
                                    f"{len(a)} tokens (e.g. swap a name for another single-token name)")
         if clean and len(a) != len(clean[0]):
-            raise AttributionError(f"line {line} is {len(a)} tokens but line 1 is {len(clean[0])}: positions are shared "
-                                   f"across the file, so put prompts of one token length in one file (split the file "
-                                   f"by length)")
+            raise AttributionError(f"line {line} is {len(a)} tokens but line 1 is {len(clean[0])}: positions are "
+                                   f"shared across the file, so put prompts of one token length in one file (split the "
+                                   f"file by length)")
         clean.append(a)
         corrupted.append(b)
         answer.append(_one_token(tokenizer, record["answer"], "answer", line))

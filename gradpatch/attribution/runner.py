@@ -96,7 +96,8 @@ class Runner:
         if self.cut is not None:
             cut = CustomPatch(custom_op=_keep_last_position, requires_clone=False)
             existing = patch_map.get(self.cut)
-            patch_map[self.cut] = ([*existing] if isinstance(existing, list) else [existing] if existing else []) + [cut]
+            before = [*existing] if isinstance(existing, list) else [existing] if existing else []
+            patch_map[self.cut] = [*before, cut]
         with self.pg.patch(patch_map):
             output = self.pg(ids, **self.forward_kwargs)
         self.forwards += 1

@@ -1,0 +1,42 @@
+"""Every attribution method by its command-line name."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..patchable_graph import PatchableGraph
+from .atp import atp
+from .errors import AttributionError
+from .exact import exact_sweep
+from .metrics import Metric, logit_difference
+from .nodes import Node
+from .prompts import PromptBatch
+from .records import AttributionResult
+from .runner import Progress
+
+__all__ = ["METHODS", "run_method"]
+
+#: The methods :func:`run_method` runs.
+METHODS = ("exact", "atp")
+
+
+def run_method(method: str, pg: PatchableGraph, batch: PromptBatch, nodes: Sequence[Node] | str,
+               metric: Metric = logit_difference, *, direction: str = "noise", batch_size: int = 32, steps: int = 5,
+               forward_kwargs: Mapping[str, Any] | None = None, progress: Progress | None = None) -> AttributionResult:
+    """Run attribution method ``method`` (one of :data:`METHODS`).
+
+    Args:
+        batch_size: rows per forward pass of batched exact patching.
+        steps: interpolation steps of EAP-IG.
+        (the others): as for :func:`~gradpatch.attribution.exact.exact_sweep`.
+
+    Raises:
+        AttributionError: an unknown method, and what the method raises for bad input.
+    """
+    if method == "exact":
+        return exact_sweep(pg, batch, nodes, metric, direction=direction, batch_size=batch_size,
+                           forward_kwargs=forward_kwargs, progress=progress)
+    if method == "atp":
+        return atp(pg, batch, nodes, metric, direction=direction, forward_kwargs=forward_kwargs)
+    raise AttributionError(f"method {method!r} is not implemented; choose one of {', '.join(METHODS)}")
