@@ -32,7 +32,7 @@ def _prompts(tmp_path: Path, lines: list[dict]) -> Path:
     return path
 
 
-@pytest.mark.parametrize("method", ["exact", "atp"])
+@pytest.mark.parametrize("method", ["exact", "atp", "atp-star"])
 def test_attribute_writes_scores_heatmaps_and_tensorboard(model_dir, tmp_path, method, capsys):
     out = tmp_path / "run"
     status = cli.main(["attribute", "--prompts", str(_prompts(tmp_path, LINES)), "--method", method, "--nodes", "all",

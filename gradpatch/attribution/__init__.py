@@ -12,15 +12,17 @@ Results are records (node, position, head, score); files, heatmaps and TensorBoa
 """
 
 from .atp import atp
+from .atp_star import atp_star
 from .errors import AttributionError
 from .exact import exact_sweep
 from .metrics import Metric, answer_probability, kl_to_clean, logit_difference
-from .nodes import GPT2_FAMILY, KINDS, LLAMA_FAMILY, ModelFamily, Node, Unit, resolve_nodes
+from .methods import METHODS, run_method
+from .nodes import GPT2_FAMILY, KINDS, LLAMA_FAMILY, QK_KINDS, ModelFamily, Node, Unit, resolve_nodes
 from .prompts import PromptBatch, prompt_batch
 from .records import AttributionResult, EdgeScore, NodeScore
 
 __all__ = [
-    "GPT2_FAMILY", "KINDS", "LLAMA_FAMILY", "AttributionError", "AttributionResult", "EdgeScore", "Metric",
-    "ModelFamily", "Node", "NodeScore", "PromptBatch", "Unit", "answer_probability", "atp", "exact_sweep",
-    "kl_to_clean", "logit_difference", "prompt_batch", "resolve_nodes",
+    "GPT2_FAMILY", "KINDS", "LLAMA_FAMILY", "METHODS", "QK_KINDS", "AttributionError", "AttributionResult",
+    "EdgeScore", "Metric", "ModelFamily", "Node", "NodeScore", "PromptBatch", "Unit", "answer_probability", "atp",
+    "atp_star", "exact_sweep", "kl_to_clean", "logit_difference", "prompt_batch", "resolve_nodes", "run_method",
 ]

@@ -34,9 +34,10 @@ def variant_patches(chunk: Sequence[Unit], rows: int, source: Mapping[str, torch
     Args:
         chunk: one unit per variant.
         rows: prompts per variant (the base batch size).
-        source: NodePath -> source activation ``[rows, seq, width]``.
+        source: NodePath -> source activation ``[rows, seq, width]`` (:meth:`Node.flat`).
     """
     masks: dict[str, torch.Tensor] = {}
+    nodes = {unit.node.path: unit.node for unit in chunk}
     for v, unit in enumerate(chunk):
         value = source[unit.node.path]
         mask = masks.setdefault(unit.node.path, torch.zeros(len(chunk), 1, *value.shape[1:], dtype=torch.bool,
@@ -44,11 +45,13 @@ def variant_patches(chunk: Sequence[Unit], rows: int, source: Mapping[str, torch
         mask[v, 0, unit.position, unit.features()] = True
 
     def replace(path: str, mask: torch.Tensor) -> CustomPatch:
-        value = source[path]
+        value, node = source[path], nodes[path]
 
         def op(activation: torch.Tensor) -> torch.Tensor:
-            blocks = activation.reshape(mask.shape[0], rows, *activation.shape[1:])
-            return torch.where(mask, value.to(activation.dtype).unsqueeze(0), blocks).reshape(activation.shape)
+            flat = node.flat(activation)
+            blocks = flat.reshape(mask.shape[0], rows, *flat.shape[1:])
+            patched = torch.where(mask, value.to(activation.dtype).unsqueeze(0), blocks).reshape(flat.shape)
+            return node.unflat(patched)
 
         return CustomPatch(custom_op=op, requires_clone=False)
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..patchable_graph import PatchableGraph
 from .atp import atp
+from .atp_star import atp_star
 from .errors import AttributionError
 from .exact import exact_sweep
 from .metrics import Metric, logit_difference
@@ -18,17 +19,19 @@ from .runner import Progress
 __all__ = ["METHODS", "run_method"]
 
 #: The methods :func:`run_method` runs.
-METHODS = ("exact", "atp")
+METHODS = ("exact", "atp", "atp-star")
 
 
 def run_method(method: str, pg: PatchableGraph, batch: PromptBatch, nodes: Sequence[Node] | str,
                metric: Metric = logit_difference, *, direction: str = "noise", batch_size: int = 32, steps: int = 5,
-               forward_kwargs: Mapping[str, Any] | None = None, progress: Progress | None = None) -> AttributionResult:
+               grad_drop: bool = False, forward_kwargs: Mapping[str, Any] | None = None,
+               progress: Progress | None = None) -> AttributionResult:
     """Run attribution method ``method`` (one of :data:`METHODS`).
 
     Args:
         batch_size: rows per forward pass of batched exact patching.
         steps: interpolation steps of EAP-IG.
+        grad_drop: AtP* with GradDrop (magnitudes).
         (the others): as for :func:`~gradpatch.attribution.exact.exact_sweep`.
 
     Raises:
@@ -39,4 +42,7 @@ def run_method(method: str, pg: PatchableGraph, batch: PromptBatch, nodes: Seque
                            forward_kwargs=forward_kwargs, progress=progress)
     if method == "atp":
         return atp(pg, batch, nodes, metric, direction=direction, forward_kwargs=forward_kwargs)
+    if method == "atp-star":
+        return atp_star(pg, batch, nodes, metric, direction=direction, grad_drop=grad_drop,
+                        forward_kwargs=forward_kwargs)
     raise AttributionError(f"method {method!r} is not implemented; choose one of {', '.join(METHODS)}")

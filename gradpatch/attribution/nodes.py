@@ -2,7 +2,8 @@
 
 A :class:`Node` is one NodePath whose value is ``[batch, seq, width]``; for attention heads the width splits into
 ``[n_heads, head_dim]`` (the input of the output projection, ``o_proj`` / ``c_proj``, is the concatenation of the
-heads' outputs ``z``), so one unit is (node, position[, head]).
+heads' outputs ``z``), so one unit is (node, position[, head]). The attention's queries and keys (after rotary
+embeddings) are ``[batch, heads, seq, head_dim]`` values; :meth:`Node.flat` shows them as ``[batch, seq, width]`` too.
 """
 
 from __future__ import annotations
@@ -10,15 +11,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ..errors import NodePathError
 from ..patchable_graph import PatchableGraph
 from .errors import AttributionError
 
-__all__ = ["GPT2_FAMILY", "KINDS", "LLAMA_FAMILY", "ModelFamily", "Node", "Unit", "as_nodes", "detect_family",
-           "resolve_nodes", "units"]
+__all__ = ["GPT2_FAMILY", "KINDS", "LLAMA_FAMILY", "QK_KINDS", "ModelFamily", "Node", "Unit", "as_nodes",
+           "attention_nodes", "count_layers", "detect_family", "resolve_nodes", "units"]
 
 #: The node kinds, in the order ``"all"`` expands to.
 KINDS = ("resid", "heads", "mlp")
+#: Per-head queries and keys ``[batch, heads, seq, head_dim]`` (AtP*'s QK fix recomputes their softmax exactly).
+QK_KINDS = ("queries", "keys")
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,13 @@ class ModelFamily:
         resid: residual stream after the block ``[batch, seq, d_model]``, relative to ``layer``.
         heads: input of the attention output projection ``[batch, seq, n_heads * head_dim]``, relative to ``layer``.
         mlp: MLP output ``[batch, seq, d_model]``, relative to ``layer``.
+        queries: the attention's queries ``[batch, heads, seq, head_dim]`` as scaled dot-product attention receives
+            them (after rotary embeddings), relative to ``layer``.
+        keys: the keys ``[batch, kv_heads, seq, head_dim]``, likewise.
+        values: the values ``[batch, kv_heads, seq, head_dim]``, likewise.
+        pattern_output: the attention's output before heads are merged ``[batch, heads, seq, head_dim]``.
+        attn: the attention block's output as it is added to the residual stream ``[batch, seq, d_model]`` (GradDrop
+            stops the gradient there), relative to ``layer``.
         embed: the token embeddings ``[batch, seq, d_model]`` (an upstream node of edges).
         logits_input: the unembedding's input; only its last position is kept (the metrics read the last
             position), so the vocabulary projection runs once per row.
@@ -40,6 +52,11 @@ class ModelFamily:
     heads: str
     mlp: str
     embed: str
+    queries: str
+    keys: str
+    values: str
+    pattern_output: str
+    attn: str
     logits_input: str = "lm_head.input"
 
     def path(self, kind: str, layer: int) -> str:
@@ -49,10 +66,14 @@ class ModelFamily:
 
 #: Llama, Mistral, Qwen2, SmolLM2.
 LLAMA_FAMILY = ModelFamily(layer="model.layers_{}", resid="output", heads="self_attn.o_proj.input",
-                           mlp="mlp.output", embed="model.embed_tokens.output")
+                           mlp="mlp.output", embed="model.embed_tokens.output", queries="self_attn.q_embed",
+                           keys="self_attn.k_embed", values="self_attn.value_states",
+                           pattern_output="self_attn.attn_output", attn="self_attn.output|sub_0")
 #: GPT-2 (its ``Conv1D`` output projection names its input ``x``).
 GPT2_FAMILY = ModelFamily(layer="transformer.h_{}", resid="output", heads="attn.c_proj.x", mlp="mlp.output",
-                          embed="transformer.wte.output")
+                          embed="transformer.wte.output", queries="attn.query_states_1", keys="attn.key_states_1",
+                          values="attn.value_states_1", pattern_output="attn.attn_output",
+                          attn="attn.output|sub_0")
 
 
 @dataclass(frozen=True)
@@ -61,10 +82,12 @@ class Node:
 
     Attributes:
         path: its NodePath.
-        kind: ``"resid"``, ``"heads"``, ``"mlp"`` or ``"node"`` (a NodePath given directly).
+        kind: ``"resid"``, ``"heads"``, ``"mlp"``, ``"queries"``, ``"keys"`` or ``"node"`` (a NodePath given
+            directly).
         layer: the block index, ``None`` for a NodePath given directly.
-        n_heads: for ``"heads"``, the number of heads the width splits into; ``None`` otherwise.
-        width: the last dimension.
+        n_heads: for heads, queries and keys, the number of heads the width splits into; ``None`` otherwise.
+        width: the width of one position (``n_heads * head_dim`` for queries and keys).
+        heads_first: the value is ``[batch, heads, seq, head_dim]`` (queries, keys) instead of ``[batch, seq, width]``.
     """
 
     path: str
@@ -72,6 +95,21 @@ class Node:
     layer: int | None
     n_heads: int | None
     width: int
+    heads_first: bool = False
+
+    def flat(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` as ``[batch, seq, width]`` (heads-first values transposed and merged)."""
+        if not self.heads_first:
+            return value
+        batch, heads, seq, head_dim = value.shape
+        return value.transpose(1, 2).reshape(batch, seq, heads * head_dim)
+
+    def unflat(self, flat: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`flat`: ``[batch, seq, width]`` back to the node's own layout."""
+        if not self.heads_first:
+            return flat
+        batch, seq, _ = flat.shape
+        return flat.reshape(batch, seq, self.n_heads or 1, self.head_dim).transpose(1, 2)
 
     @property
     def head_dim(self) -> int:
@@ -115,7 +153,8 @@ def detect_family(pg: PatchableGraph) -> ModelFamily:
                            "graph; for this model pass NodePaths instead (print pg.graph to find them)")
 
 
-def _count_layers(pg: PatchableGraph, family: ModelFamily) -> int:
+def count_layers(pg: PatchableGraph, family: ModelFamily) -> int:
+    """The number of blocks: the first ``i`` whose block NodePath does not exist."""
     n = 0
     while _exists(pg, family.layer.format(n)):
         n += 1
@@ -131,12 +170,32 @@ def _n_heads(pg: PatchableGraph) -> int:
     return int(n)
 
 
+def attention_nodes(pg: PatchableGraph, family: ModelFamily, layer: int) -> dict[str, Node]:
+    """The queries, keys, values and pattern output of block ``layer``'s attention as heads-first nodes.
+
+    Raises:
+        AttributionError: one of them is not a ``[batch, heads, seq, head_dim]`` node of the graph.
+    """
+    found = {}
+    for part in ("queries", "keys", "values", "pattern_output"):
+        path = f"{family.layer.format(layer)}.{getattr(family, part)}"
+        node = _node(pg, path, "queries", layer, None)
+        if not node.heads_first:
+            raise AttributionError(f"{path!r} is not a [batch, heads, seq, head_dim] value: the QK fix needs the "
+                                   f"attention's queries, keys and values as scaled dot-product attention receives them")
+        found[part] = Node(path=path, kind=part, layer=layer, n_heads=node.n_heads, width=node.width, heads_first=True)
+    return found
+
+
 def _node(pg: PatchableGraph, path: str, kind: str, layer: int | None, n_heads: int | None) -> Node:
     try:
         data = pg.node(path)
     except NodePathError as error:
         raise AttributionError(f"unknown node {path!r}: {error}") from error
     shape = data.tensor_shape
+    if kind in QK_KINDS and shape is not None and len(shape) == 4:
+        return Node(path=path, kind=kind, layer=layer, n_heads=int(shape[1]), width=int(shape[1] * shape[3]),
+                    heads_first=True)
     if shape is None or len(shape) != 3:
         raise AttributionError(f"node {path!r} is not a [batch, seq, width] tensor (shape {data._shape}); give a "
                                f"NodePath of one (dig into a tuple with '|sub_0')")
@@ -146,8 +205,8 @@ def _node(pg: PatchableGraph, path: str, kind: str, layer: int | None, n_heads: 
 
 
 def resolve_nodes(pg: PatchableGraph, nodes: str | Sequence[str]) -> list[Node]:
-    """The nodes that ``nodes`` names: a kind (``"resid"``, ``"heads"``, ``"mlp"``), ``"all"`` (the three), or a
-    sequence of kinds and NodePaths (each a ``[batch, seq, width]`` tensor).
+    """The nodes that ``nodes`` names: a kind (``"resid"``, ``"heads"``, ``"mlp"``, ``"queries"``, ``"keys"``),
+    ``"all"`` (resid, heads and mlp), or a sequence of kinds and NodePaths (each a ``[batch, seq, width]`` tensor).
 
     Raises:
         AttributionError: an unknown kind or NodePath (naming the kinds and the closest NodePaths), a node that is not
@@ -158,9 +217,9 @@ def resolve_nodes(pg: PatchableGraph, nodes: str | Sequence[str]) -> list[Node]:
         raise AttributionError(f"no nodes: give a kind ({', '.join(KINDS)}, all) or NodePaths")
     found: list[Node] = []
     for name in names:
-        if name in (*KINDS, "all"):
+        if name in (*KINDS, *QK_KINDS, "all"):
             family = detect_family(pg)
-            n_layers = _count_layers(pg, family)
+            n_layers = count_layers(pg, family)
             for kind in KINDS if name == "all" else (name,):
                 heads = _n_heads(pg) if kind == "heads" else None
                 found.extend(_node(pg, family.path(kind, layer), kind, layer, heads) for layer in range(n_layers))
@@ -170,7 +229,8 @@ def resolve_nodes(pg: PatchableGraph, nodes: str | Sequence[str]) -> list[Node]:
             try:
                 pg.node(name)
             except NodePathError as error:
-                raise AttributionError(f"unknown node kind or NodePath {name!r}: give one of {', '.join(KINDS)}, all, "
+                raise AttributionError(f"unknown node kind or NodePath {name!r}: give one of "
+                                       f"{', '.join((*KINDS, *QK_KINDS))}, all, "
                                        f"or a NodePath ({error})") from error
     unique: dict[str, Node] = {}
     for node in found:

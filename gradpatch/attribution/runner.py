@@ -113,10 +113,10 @@ class Runner:
         return check_scalar(self.metric(logits, self.batch))
 
     def record(self, ids: torch.Tensor, nodes: Sequence[Node]) -> tuple[dict[str, torch.Tensor], float]:
-        """Run ``ids`` without gradients, recording every node's value ``[batch, seq, width]``; returns them and the
-        metric."""
+        """Run ``ids`` without gradients, recording every node's value as ``[batch, seq, width]``
+        (:meth:`Node.flat`); returns them and the metric."""
         probes = {node.path: ProbePatch() for node in nodes}
         with torch.no_grad():
             logits = self.logits(ids, probes)
             value = float(self.value(logits))
-        return {path: probe.activation for path, probe in probes.items()}, value
+        return {node.path: node.flat(probes[node.path].activation) for node in nodes}, value

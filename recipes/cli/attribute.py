@@ -27,7 +27,7 @@ NAME = "attribute"
 #: The methods ``--method`` takes (node methods score units; edge methods score edges and a faithfulness curve).
 METHODS = ("exact", "atp", "atp-star", "eap", "eap-ig")
 #: ``--nodes`` choices besides NodePaths.
-NODE_KINDS = ("resid", "heads", "mlp", "all")
+NODE_KINDS = ("resid", "heads", "mlp", "queries", "keys", "all")
 
 
 def _read_prompts(path: str) -> list[dict[str, Any]]:
@@ -93,7 +93,8 @@ def _run(args: argparse.Namespace) -> int:
         nodes = resolve_nodes(pg, _nodes(args.nodes))
         with ProgressBar(f"attribute {args.method}", unit="unit", enabled=not args.quiet) as bar:
             result = run_method(args.method, pg, batch, nodes, direction=args.direction, batch_size=args.batch_size,
-                                steps=args.steps, forward_kwargs={"use_cache": False}, progress=bar)
+                                steps=args.steps, grad_drop=args.grad_drop, forward_kwargs={"use_cache": False},
+                                progress=bar)
     except (AttributionError, NonFiniteError) as error:
         return usage_error(NAME, error)
     model_name = Path(args.model).name if args.model else EMBEDDED_MODEL_NAME
@@ -131,6 +132,8 @@ def register(subparsers: Any) -> None:
                    help="noise: corrupted values into the clean run; denoise: the reverse (default: %(default)s)")
     p.add_argument("--steps", type=int, default=5, metavar="M",
                    help="EAP-IG interpolation steps (default: %(default)s)")
+    p.add_argument("--grad-drop", action="store_true",
+                   help="atp-star: GradDrop, one more backward pass per layer; scores become magnitudes")
     add_model_option(p)
     add_device_option(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
