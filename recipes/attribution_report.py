@@ -22,7 +22,7 @@ from gradpatch.attribution import AttributionResult
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
-__all__ = ["grid", "plot_grid", "publish_dir", "save_attribution"]
+__all__ = ["grid", "plot_faithfulness", "plot_grid", "publish_dir", "save_attribution"]
 
 
 def grid(result: AttributionResult, kind: str) -> tuple[np.ndarray, list[str], list[str]]:
@@ -87,6 +87,32 @@ def plot_grid(result: AttributionResult, kind: str, *, model_name: str = "") -> 
     return fig
 
 
+def plot_faithfulness(result: AttributionResult, *, model_name: str = "") -> "Figure":
+    """The faithfulness of the top-k-edge circuits against k (log scale), Hanna et al. 2024's curve.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install matplotlib``).
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError("Plotting a faithfulness curve needs matplotlib: pip install matplotlib") from error
+    fig = Figure(figsize=(5.0, 3.2), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ks = [max(k, 1) for k, _ in result.faithfulness]
+    ax.plot(ks, [f for _, f in result.faithfulness], marker="o")
+    ax.set_xscale("log")
+    ax.axhline(1.0, color="grey", linewidth=0.5)
+    ax.axhline(0.0, color="grey", linewidth=0.5)
+    ax.set_xlabel(f"edges in the circuit (of {len(result.edges)})", fontsize=8)
+    ax.set_ylabel("faithfulness", fontsize=8)
+    model = f" ({model_name})" if model_name else ""
+    ax.set_title(f"{result.method}: top-k edge circuits{model}", fontsize=9)
+    return fig
+
+
 def publish_dir(staging: Path, out: Path) -> None:
     """Move every entry of ``staging`` into ``out`` (created if missing) with renames, then remove ``staging``.
 
@@ -126,8 +152,9 @@ def _tensorboard(result: AttributionResult, logdir: Path, kinds: list[str], mode
 
 def save_attribution(result: AttributionResult, out_dir: str | Path, *, model_name: str = "",
                      extra: dict[str, Any] | None = None, tensorboard: bool = True) -> dict[str, Path]:
-    """Write ``scores.json``, ``heatmap_<kind>.png`` per node kind and a TensorBoard run ``tensorboard/`` to
-    ``out_dir``, all at once: nothing appears in ``out_dir`` unless every file was written.
+    """Write ``scores.json``, ``heatmap_<kind>.png`` per node kind (``faithfulness.png`` for edge methods) and a
+    TensorBoard run ``tensorboard/`` to ``out_dir``, all at once: nothing appears in ``out_dir`` unless every file was
+    written.
 
     Args:
         result: the run.
@@ -137,7 +164,7 @@ def save_attribution(result: AttributionResult, out_dir: str | Path, *, model_na
         tensorboard: also write the TensorBoard run.
 
     Returns:
-        ``{"json": path, "<kind>": png path, ..., "tensorboard": folder}`` (final paths).
+        ``{"json": path, "<kind>": png path, ..., "faithfulness": png path, "tensorboard": folder}`` (final paths).
 
     Raises:
         OSError: the folder cannot be written (``out_dir`` is left as it was).
@@ -156,6 +183,11 @@ def save_attribution(result: AttributionResult, out_dir: str | Path, *, model_na
             plot_grid(result, kind, model_name=model_name).savefig(buffer, format="png", bbox_inches="tight")
             (staging / f"heatmap_{kind}.png").write_bytes(buffer.getvalue())
             written[kind] = out / f"heatmap_{kind}.png"
+        if result.faithfulness:
+            buffer = io.BytesIO()
+            plot_faithfulness(result, model_name=model_name).savefig(buffer, format="png", bbox_inches="tight")
+            (staging / "faithfulness.png").write_bytes(buffer.getvalue())
+            written["faithfulness"] = out / "faithfulness.png"
         if tensorboard:
             _tensorboard(result, staging / "tensorboard", kinds, model_name)
             written["tensorboard"] = out / "tensorboard"

@@ -73,3 +73,27 @@ def test_attribute_usage_errors_write_nothing(model_dir, tmp_path, capsys):
     assert cli.main([*args, str(tmp_path / "bad.jsonl")]) == 2
     assert "line 1 is not JSON" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_attribute_eap_ig_writes_edges_and_the_faithfulness_curve(tmp_path, capsys):
+    from editors.testing import metaspace_tokenizer, tiny_llama
+
+    model_dir = tmp_path / "llama"
+    tok = metaspace_tokenizer()
+    tiny_llama(len(tok), init_std=0.3).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    lines = [{"clean": "The capital of France is", "corrupted": "The capital of Spain is", "answer": " France",
+              "foil": " Spain"}]
+    ids = [tok(line[key]).input_ids for line in lines for key in ("clean", "corrupted")]
+    assert len(ids[0]) == len(ids[1]), ids
+    out = tmp_path / "run"
+    status = cli.main(["attribute", "--prompts", str(_prompts(tmp_path, lines)), "--method", "eap-ig", "--steps", "2",
+                       "--out", str(out), "--model", str(model_dir), "--quiet"])
+    assert status == 0, capsys.readouterr().err
+    scores = json.loads((out / "scores.json").read_text())
+    assert scores["method"] == "eap-ig" and scores["nodes"] == [] and scores["passes"]["backward"] == 2
+    assert {"upstream", "downstream", "score"} == set(scores["edges"][0]) and len(scores["edges"]) == 82
+    curve = scores["faithfulness"]
+    assert curve[0]["k"] == 0 and curve[0]["faithfulness"] == pytest.approx(0.0, abs=1e-3)
+    assert curve[-1]["k"] == 82 and curve[-1]["faithfulness"] == pytest.approx(1.0, abs=1e-3)
+    assert (out / "faithfulness.png").read_bytes()[:4] == b"\x89PNG"

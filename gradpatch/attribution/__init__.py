@@ -13,6 +13,8 @@ Results are records (node, position, head, score); files, heatmaps and TensorBoa
 
 from .atp import atp
 from .atp_star import atp_star
+from .edge_graph import EdgeGraph
+from .edges import eap, edge_patching
 from .errors import AttributionError
 from .exact import exact_sweep
 from .metrics import Metric, answer_probability, kl_to_clean, logit_difference
@@ -23,6 +25,7 @@ from .records import AttributionResult, EdgeScore, NodeScore
 
 __all__ = [
     "GPT2_FAMILY", "KINDS", "LLAMA_FAMILY", "METHODS", "QK_KINDS", "AttributionError", "AttributionResult",
-    "EdgeScore", "Metric", "ModelFamily", "Node", "NodeScore", "PromptBatch", "Unit", "answer_probability", "atp",
-    "atp_star", "exact_sweep", "kl_to_clean", "logit_difference", "prompt_batch", "resolve_nodes", "run_method",
+    "EdgeGraph", "EdgeScore", "Metric", "ModelFamily", "Node", "NodeScore", "PromptBatch", "Unit",
+    "answer_probability", "atp", "atp_star", "eap", "edge_patching", "exact_sweep", "kl_to_clean", "logit_difference",
+    "prompt_batch", "resolve_nodes", "run_method",
 ]

@@ -55,8 +55,8 @@ def node_gradients(runner: Runner, ids: torch.Tensor, nodes: Sequence[Node], ext
     for node, grad in zip(nodes, grads):
         grad = torch.zeros_like(zeros[node.path]) if grad is None else grad
         if not bool(torch.isfinite(grad).all()):
-            raise NonFiniteError(f"the gradient of the metric at node '{node.path}' holds NaN or ±inf; check the metric "
-                                 f"(a log of a zero probability?) and the model's dtype (run in float32)")
+            raise NonFiniteError(f"the gradient of the metric at node '{node.path}' holds NaN or ±inf; check the "
+                                 f"metric (a log of a zero probability?) and the model's dtype (run in float32)")
         gradients[node.path] = node.flat(grad)
     return ({node.path: node.flat(probes[node.path].activation) for node in nodes}, gradients,
             float(value.detach()))

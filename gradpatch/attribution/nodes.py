@@ -182,7 +182,8 @@ def attention_nodes(pg: PatchableGraph, family: ModelFamily, layer: int) -> dict
         node = _node(pg, path, "queries", layer, None)
         if not node.heads_first:
             raise AttributionError(f"{path!r} is not a [batch, heads, seq, head_dim] value: the QK fix needs the "
-                                   f"attention's queries, keys and values as scaled dot-product attention receives them")
+                                   f"attention's queries, keys and values as scaled dot-product attention receives "
+                                   f"them")
         found[part] = Node(path=path, kind=part, layer=layer, n_heads=node.n_heads, width=node.width, heads_first=True)
     return found
 

@@ -90,7 +90,7 @@ def _run(args: argparse.Namespace) -> int:
         pg = PatchableGraph(model, batch.clean[:1].expand(2, -1), use_cache=False)
     t1 = time.perf_counter()
     try:
-        nodes = resolve_nodes(pg, _nodes(args.nodes))
+        nodes = resolve_nodes(pg, _nodes(args.nodes)) if args.method not in ("eap", "eap-ig") else []
         with ProgressBar(f"attribute {args.method}", unit="unit", enabled=not args.quiet) as bar:
             result = run_method(args.method, pg, batch, nodes, direction=args.direction, batch_size=args.batch_size,
                                 steps=args.steps, grad_drop=args.grad_drop, forward_kwargs={"use_cache": False},
@@ -107,6 +107,8 @@ def _run(args: argparse.Namespace) -> int:
     for score in sorted(result.scores, key=lambda s: -abs(s.score))[:10]:
         head = "" if score.head is None else f" head {score.head}"
         print(f"  {score.score:+.4f}  {score.node} position {score.position}{head}")
+    if result.faithfulness:
+        print("faithfulness of the top-k edges: " + ", ".join(f"k={k}: {f:.3f}" for k, f in result.faithfulness))
     for path in written.values():
         print(f"wrote {path}")
     print(f"# model loaded and graph built in {t1 - t0:.1f} s", file=sys.stderr)
@@ -124,7 +126,8 @@ def register(subparsers: Any) -> None:
                    help='JSONL, one {"clean", "corrupted", "answer", "foil"} per line, all of one token length')
     p.add_argument("--method", choices=METHODS, default="atp", help="(default: %(default)s)")
     p.add_argument("--nodes", default="all", metavar="KIND|NODEPATHS",
-                   help=f"{'|'.join(NODE_KINDS)} or comma-separated kinds and NodePaths (default: %(default)s)")
+                   help=f"{'|'.join(NODE_KINDS)} or comma-separated kinds and NodePaths; edge methods score every "
+                        f"edge instead (default: %(default)s)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--batch-size", type=int, default=32, metavar="N",
                    help="rows per forward pass of the exact sweep (default: %(default)s)")
