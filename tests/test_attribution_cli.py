@@ -97,3 +97,13 @@ def test_attribute_eap_ig_writes_edges_and_the_faithfulness_curve(tmp_path, caps
     assert curve[0]["k"] == 0 and curve[0]["faithfulness"] == pytest.approx(0.0, abs=1e-3)
     assert curve[-1]["k"] == 82 and curve[-1]["faithfulness"] == pytest.approx(1.0, abs=1e-3)
     assert (out / "faithfulness.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_attribute_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["attribute", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--prompts", "--method", "--nodes", "--out", "--batch-size", "--model", "--direction", "--steps",
+                   "--grad-drop", "exact", "atp-star", "eap-ig"):
+        assert option in out, option

@@ -26,7 +26,7 @@ from ..patchable_graph import PatchableGraph
 from ..patches import CustomPatch
 from .errors import AttributionError
 
-__all__ = ["EdgeForward", "EdgeGraph"]
+__all__ = ["Deltas", "EdgeForward", "EdgeGraph"]
 
 #: Where a Llama-style model keeps what the edge forward patches (``{}``: the layer index).
 _EMBED = "model.embed_tokens.output"

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import NonFiniteError
 from ..patchable_graph import PatchableGraph
-from .edge_graph import EdgeForward, EdgeGraph
+from .edge_graph import Deltas, EdgeForward, EdgeGraph
 from .errors import AttributionError
 from .metrics import Metric, logit_difference
 from .prompts import PromptBatch
@@ -132,7 +132,7 @@ def eap(pg: PatchableGraph, batch: PromptBatch, metric: Metric = logit_differenc
                              faithfulness=curve)
 
 
-def _masked_deltas(graph: EdgeGraph, source: torch.Tensor, masks: torch.Tensor, rows: int) -> Any:
+def _masked_deltas(graph: EdgeGraph, source: torch.Tensor, masks: torch.Tensor, rows: int) -> Deltas:
     """The δ function of :class:`EdgeForward` for variant masks ``[variants, n_up, n_down]`` (True: the edge carries its
     source value) over ``rows`` prompts per variant."""
     def deltas(layer: int | None, part: str, upstream: list[torch.Tensor]) -> torch.Tensor | None:
