@@ -107,3 +107,28 @@ def test_attribute_help_lists_every_option(capsys):
     for option in ("--prompts", "--method", "--nodes", "--out", "--batch-size", "--model", "--direction", "--steps",
                    "--grad-drop", "exact", "atp-star", "eap-ig"):
         assert option in out, option
+
+
+def test_save_attribution_publishes_all_files_or_none(tmp_path, monkeypatch):
+    from gradpatch.attribution import AttributionResult, NodeScore
+    from recipes import attribution_report
+
+    result = AttributionResult("atp", "noise", 1.0, -1.0, forward=2, backward=1, scores=[
+        NodeScore("model.layers_0.mlp.output", p, None, 0.1 * p, "mlp", 0) for p in range(3)])
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "scores.json").write_text("old", encoding="utf-8")
+    (out / "notes.txt").write_text("kept", encoding="utf-8")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("plotting failed")
+
+    monkeypatch.setattr(attribution_report, "plot_grid", broken)
+    with pytest.raises(RuntimeError, match="plotting failed"):
+        attribution_report.save_attribution(result, out, tensorboard=False)
+    assert (out / "scores.json").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    monkeypatch.undo()
+    written = attribution_report.save_attribution(result, out, tensorboard=False)
+    assert json.loads((out / "scores.json").read_text())["nodes"][2]["score"] == pytest.approx(0.2)
+    assert (out / "notes.txt").read_text() == "kept" and written["mlp"] == out / "heatmap_mlp.png"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
