@@ -56,11 +56,12 @@ def _gradients(runner: Runner, graph: EdgeGraph, ids: torch.Tensor,
         NonFiniteError: a non-finite gradient (naming the downstream input).
     """
     batch, seq = ids.shape
-    params = {(layer, part): nn.Parameter(torch.zeros(batch, seq, _columns(graph, layer, part).stop
-                                                      - _columns(graph, layer, part).start, graph.d_model,
-                                                      device=ids.device))
-              for layer in [*range(graph.layers), None] for part in (("attn", "mlp") if layer is not None
-                                                                     else ("logits",))}
+    parts = [(layer, part) for layer in range(graph.layers) for part in ("attn", "mlp")] + [(None, "logits")]
+    params = {}
+    for layer, part in parts:
+        columns = _columns(graph, layer, part)
+        params[(layer, part)] = nn.Parameter(torch.zeros(batch, seq, columns.stop - columns.start, graph.d_model,
+                                                         device=ids.device))
     forward = EdgeForward(runner.pg, graph, lambda layer, part, upstream: params[(layer, part)], embeddings)
     with torch.enable_grad():
         value = runner.value(runner.logits(ids, forward.patches()))
