@@ -73,6 +73,10 @@ def test_the_batched_sweep_equals_one_at_a_time_patching(gpt2_graph, direction):
     torch.testing.assert_close(torch.tensor([s.score for s in result.scores]), torch.tensor(expected),
                                atol=1e-5, rtol=1e-4)
     assert max(abs(e) for e in expected) > 1e-4  # the patches do change the metric
+    whole = exact_sweep(gpt2_graph, batch, ["heads", "mlp"], positions=[2, 5], direction=direction, batch_size=15,
+                        forward_kwargs=KW, share_prefix=False)  # every variant runs all blocks: the same scores
+    torch.testing.assert_close(torch.tensor([s.score for s in whole.scores]), torch.tensor(expected),
+                               atol=1e-5, rtol=1e-4)
 
 
 def test_the_sweep_on_llama_residual_stream_matches_one_at_a_time(llama_graph):

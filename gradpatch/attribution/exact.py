@@ -2,7 +2,8 @@
 
 Each patched variant is one copy of the base prompts along the batch dimension, so one forward pass of
 ``variants * batch`` rows scores ``variants`` units (Meng et al. 2022 batch their causal-tracing restorations the
-same way). The score of a unit is ``M(base with the unit's source value) − M(base)``: noising (the default) runs the
+same way). Blocks before the earliest patched block compute the same values in every variant, so for Llama-style and
+GPT-2 models the pass runs them on the base prompts once and repeats the rows at that block's input. The score of a unit is ``M(base with the unit's source value) − M(base)``: noising (the default) runs the
 clean prompts with one corrupted activation; denoising runs the corrupted prompts with one clean activation (Heimersheim
 & Nanda 2024, "How to use and interpret activation patching").
 """
@@ -15,16 +16,40 @@ from typing import Any
 
 import torch
 
+from ..errors import NodePathError
 from ..patchable_graph import PatchableGraph
 from ..patches import CustomPatch
 from .errors import AttributionError
 from .metrics import Metric, logit_difference
-from .nodes import Node, Unit, as_nodes, units
+from .nodes import Node, Unit, as_nodes, detect_family, units
 from .prompts import PromptBatch
 from .records import AttributionResult, NodeScore
 from .runner import Progress, Runner, check_positions
 
-__all__ = ["exact_sweep", "variant_patches"]
+__all__ = ["block_inputs", "exact_sweep", "variant_patches"]
+
+
+def block_inputs(pg: PatchableGraph, nodes: Sequence[Node]) -> dict[int, str] | None:
+    """Block index -> NodePath of the block's input (``model.layers_N.hidden_states``), for the blocks of
+    ``nodes``; ``None`` when a node has no block or the graph is not a known family (no rows are then shared)."""
+    layers = {node.layer for node in nodes}
+    if None in layers or any(node.kind == "node" for node in nodes):
+        return None
+    try:
+        family = detect_family(pg)
+        paths = {layer: f"{family.layer.format(layer)}.hidden_states" for layer in layers}
+        for path in paths.values():
+            pg.node(path)
+    except (AttributionError, NodePathError):
+        return None
+    return paths  # type: ignore[return-value]
+
+
+def _repeat_rows(copies: int) -> CustomPatch:
+    def op(value: torch.Tensor) -> torch.Tensor:
+        return value.repeat(copies, *([1] * (value.dim() - 1)))
+
+    return CustomPatch(custom_op=op, requires_clone=False)
 
 
 def variant_patches(chunk: Sequence[Unit], rows: int, source: Mapping[str, torch.Tensor]) -> dict[str, CustomPatch]:
@@ -61,7 +86,7 @@ def variant_patches(chunk: Sequence[Unit], rows: int, source: Mapping[str, torch
 def exact_sweep(pg: PatchableGraph, batch: PromptBatch, nodes: str | Sequence[str] | Sequence[Node] = "all",
                 metric: Metric = logit_difference, *, positions: Sequence[int] | None = None,
                 direction: str = "noise", batch_size: int = 32, forward_kwargs: Mapping[str, Any] | None = None,
-                progress: Progress | None = None) -> AttributionResult:
+                progress: Progress | None = None, share_prefix: bool = True) -> AttributionResult:
     """Activation patching at every unit (node, position[, head]): the exact effect every estimate is checked against.
 
     Args:
@@ -74,6 +99,8 @@ def exact_sweep(pg: PatchableGraph, batch: PromptBatch, nodes: str | Sequence[st
         batch_size: rows per forward pass; ``max(1, batch_size // batch.size)`` variants run at once.
         forward_kwargs: keyword arguments of every call of ``pg`` (those it was built with).
         progress: ``progress(done, total)`` over units.
+        share_prefix: run the blocks before a pass's first patched block once, on the base rows (Llama-style and
+            GPT-2 kinds); ``False`` runs every variant's whole forward (the same scores, for comparisons).
 
     Returns:
         An :class:`AttributionResult` with one :class:`NodeScore` per unit; passes = 2 + ceil(units / variants).
@@ -93,12 +120,18 @@ def exact_sweep(pg: PatchableGraph, batch: PromptBatch, nodes: str | Sequence[st
     del clean_acts, corrupted_acts
     todo = units(resolved, chosen)
     per_pass = max(1, batch_size // batch.size)
+    starts = block_inputs(pg, resolved) if share_prefix else None
     scores: list[NodeScore] = []
     with torch.no_grad():
         for first in range(0, len(todo), per_pass):
             chunk = todo[first:first + per_pass]
-            ids = runner.base_ids.repeat(len(chunk), 1)
-            logits = runner.logits(ids, variant_patches(chunk, batch.size, source))
+            patches: dict[str, Any] = dict(variant_patches(chunk, batch.size, source))
+            if starts is None:
+                ids = runner.base_ids.repeat(len(chunk), 1)
+            else:  # the blocks before the first patched one run once, on the base rows
+                ids = runner.base_ids
+                patches[starts[min(unit.node.layer for unit in chunk)]] = _repeat_rows(len(chunk))  # type: ignore
+            logits = runner.logits(ids, patches)
             for v, unit in enumerate(chunk):
                 value = float(runner.value(logits[v * batch.size:(v + 1) * batch.size]))
                 scores.append(NodeScore(unit.node.path, unit.position, unit.head, value - base_value, unit.node.kind,
