@@ -97,7 +97,9 @@ def node_kind(pg: PatchableGraph, batch: PromptBatch, kind: str, positions: list
     """Exact sweep and the three estimates for one node kind."""
     exact = exact_sweep(pg, batch, kind, positions=positions, batch_size=rows, forward_kwargs=KW)
     reference = scores(exact)
-    out: dict[str, Any] = {"units": len(reference), "exact": {"seconds": round(exact.seconds, 2),
+    out: dict[str, Any] = {"units": len(reference), "metric": {"clean": round(exact.metric_clean, 4),
+                                                                "corrupted": round(exact.metric_corrupted, 4)},
+                           "exact": {"seconds": round(exact.seconds, 2),
                                                                "passes": {"forward": exact.forward, "backward": 0}}}
     runs: dict[str, Callable[[], AttributionResult]] = {
         "atp": lambda: atp(pg, batch, kind, positions=positions, forward_kwargs=KW),
