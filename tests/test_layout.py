@@ -145,7 +145,7 @@ def test_no_package_reads_another_packages_underscore_names(package: str) -> Non
 
 def test_the_command_line_builds_its_help_without_importing_torch() -> None:
     code = ("import sys\nfrom recipes.cli import build_parser\nparser = build_parser()\n"
-            "for command in ('graph', 'rome', 'eval-rome', 'eval-edit', 'trace'):\n"
+            "for command in ('graph', 'rome', 'eval-rome', 'eval-edit', 'trace', 'attribute'):\n"
             "    try:\n        parser.parse_args([command, '--help'])\n    except SystemExit:\n        pass\n"
             "print(sorted(m for m in ('torch', 'transformers', 'lightning') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

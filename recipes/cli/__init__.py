@@ -8,6 +8,7 @@ command        module                      does
 ``eval-rome``  :mod:`recipes.cli.eval_rome` ROME on every case of a CounterFact file, scores to JSON
 ``eval-edit``  :mod:`recipes.cli.eval_edit` ROME, MEMIT or AlphaEdit on CounterFact cases in (sequential) batches
 ``trace``      :mod:`recipes.cli.trace`     causal tracing of one fact, heatmaps and JSON
+``attribute``  :mod:`recipes.cli.attribute` activation patching, AtP, AtP*, EAP, EAP-IG: scores.json, heatmaps
 ``fit``        :mod:`recipes.cli.fit`       train an intervention from a YAML config (LightningCLI)
 =============  ==========================  =============================================================
 
@@ -21,12 +22,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import eval_edit, eval_rome, fit, graph, rome, trace
+from . import attribute, eval_edit, eval_rome, fit, graph, rome, trace
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: The commands in the order ``--help`` lists them; each module has ``NAME`` and ``register(subparsers)``.
-COMMANDS = (graph, rome, eval_rome, eval_edit, trace, fit)
+COMMANDS = (graph, rome, eval_rome, eval_edit, trace, attribute, fit)
 
 
 def build_parser() -> argparse.ArgumentParser:
