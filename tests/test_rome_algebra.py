@@ -86,7 +86,7 @@ def test_conv1d_orientation_on_tiny_gpt2() -> None:
     from gradpatch import PatchableGraph
     from transformers.pytorch_utils import Conv1D
 
-    from editors.testing import tiny_gpt2
+    from gradpatch.testing import tiny_gpt2
 
     model = tiny_gpt2(vocab_size=50)
     pg = PatchableGraph(model, torch.randint(0, 50, (2, 5)), use_cache=False)

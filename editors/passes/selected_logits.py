@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from gradpatch import CustomPatch
+from gradpatch.model_io import logits_of, model_device, wrapped_model
 
-from .errors import LayerKindError
-from .layers import model_device, resolve_layer, wrapped_model
-from .scoring import logits_of, mean_target_logprobs
+from ..errors import LayerKindError
+from ..layers import resolve_layer
+from .scoring import mean_target_logprobs
 
 __all__ = ["logits_at", "output_embedding_input_node", "target_logprobs_at"]
 
@@ -58,7 +59,7 @@ def logits_at(pg: nn.Module, input_ids: torch.Tensor, rows: torch.Tensor, cols: 
         head_node: :func:`output_embedding_input_node` of ``pg`` (looked up when ``None``; pass it to save the look-up
             in a loop). Without such a node the full logits are computed and indexed.
         model_kwargs: more arguments of the forward pass (``attention_mask``, ``position_ids``, ``past_key_values``:
-            :class:`editors.prefix_cache.PrefixCache`); default ``use_cache=False``.
+            :class:`editors.passes.prefix_cache.PrefixCache`); default ``use_cache=False``.
 
     Returns:
         ``[n, vocab]`` logits, in the model's dtype (differentiable with respect to the patch values).
@@ -78,7 +79,7 @@ def logits_at(pg: nn.Module, input_ids: torch.Tensor, rows: torch.Tensor, cols: 
 
 def target_logprobs_at(pg: nn.Module, tokenizer: Any, prompts: Sequence[str], targets: Sequence[str],
                        batch_size: int = 64) -> torch.Tensor:
-    """:func:`editors.scoring.mean_target_logprobs` on ``pg`` with the output embedding and the softmax run at the
+    """:func:`editors.passes.scoring.mean_target_logprobs` on ``pg`` with the output embedding and the softmax run at the
     target tokens' positions only (:func:`logits_at`).
 
     Args:

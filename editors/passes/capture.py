@@ -16,7 +16,7 @@ from torch import nn
 
 from gradpatch import CustomPatch
 
-from .layers import LinearLayer
+from ..layers import LinearLayer
 
 __all__ = ["layer_inputs", "node_activations"]
 

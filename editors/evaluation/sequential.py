@@ -4,7 +4,7 @@ The cases are split into batches of ``batch_size`` facts and the batches into gr
 group, each batch is edited on the model as the earlier batches of the group left it (the sequential setting); once
 the whole group is applied, every case of the group is scored, then the group's edits are restored (bit-identical
 weights) and the next group starts from the original model. ``sequential = 1`` scores each batch on its own;
-``batch_size = 1, sequential = 1`` is ``eval-rome``'s one fact at a time. Scores as :mod:`editors.evaluate`:
+``batch_size = 1, sequential = 1`` is ``eval-rome``'s one fact at a time. Scores as :mod:`editors.evaluation.scores`:
 efficacy, paraphrase and neighbourhood scores, means over cases, with the same scores on the unedited model (``pre``).
 
 A neighbourhood prompt that names a subject edited in the same group ("The city of Benoni is located in" when Benoni
@@ -23,11 +23,13 @@ from typing import Any
 
 from torch import nn
 
-from .counterfact import CounterFactCase, EditRequest
-from .edit import Edit, restore_edits
-from .edit_batch import BatchEdit
-from .evaluate import EDIT_INFO_KEYS, case_row, mentions_subject, score_cases, score_summary
-from .progress import ProgressBar
+from gradpatch.progress import ProgressBar
+
+from ..edits.batch import BatchEdit
+from ..edits.edit import Edit, restore_edits
+from ..requests import EditRequest
+from .counterfact import CounterFactCase
+from .scores import EDIT_INFO_KEYS, case_row, mentions_subject, score_cases, score_summary
 
 __all__ = ["AppliedBatch", "BatchApplier", "evaluate_sequential", "batch_applier", "rome_applier"]
 

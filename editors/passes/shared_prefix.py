@@ -3,7 +3,7 @@
 The key passes of ROME and MEMIT (Meng et al. 2022, §3.1, eq. 3; Meng et al. 2023, §4.3, eq. 15) read each fact's
 subject behind the same few context prefixes: behind one prefix, every fact's row begins with that prefix's tokens.
 In a causal model the keys and values of those tokens are the same in every row, so :func:`row_activations` computes
-them once (:class:`editors.prefix_cache.PrefixCache`, one row) and runs each row's own tokens on that cache. On the
+them once (:class:`editors.passes.prefix_cache.PrefixCache`, one row) and runs each row's own tokens on that cache. On the
 fact bank's first 1,000 facts behind MEMIT's six key prefixes the shared tokens are 43 % of all tokens (the empty
 prefix shares none), and a pass over them reading three nodes up to block 6 of SmolLM2-135M took 16.1 s instead of
 22.7 s on two CPU cores (the first such pass in a process, which also extracts the graphs of the cached calls on its
@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradpatch.model_io import model_device, right_pad
+
 from .capture import node_activations
-from .layers import model_device
 from .prefix_cache import FIRST_PASS_ROWS, MIN_SHARED_TOKENS, PrefixCache, quiet_extraction, supports_prefix_cache
-from .tokens import common_prefix_length, right_pad, sorted_chunks
+from .tokens import common_prefix_length, sorted_chunks
 
 __all__ = ["row_activations"]
 
@@ -37,9 +38,9 @@ def row_activations(pg: nn.Module, nodes: Sequence[str], rows: Sequence[Sequence
     most ``max_tokens`` tokens (rows × width), sorted by length, each pass stopping once every node was recorded.
 
     With ``share_prefix``, when at least two rows begin with the same :data:`MIN_SHARED_TOKENS` or more tokens before
-    the earliest read position and the model takes a cache (:func:`editors.prefix_cache.supports_prefix_cache`),
+    the earliest read position and the model takes a cache (:func:`editors.passes.prefix_cache.supports_prefix_cache`),
     those tokens run once and every pass runs only the rows' remaining tokens on their keys and values; the first of
-    those passes has :data:`~editors.prefix_cache.FIRST_PASS_ROWS` rows (it may extract the graphs of cached calls).
+    those passes has :data:`~editors.passes.prefix_cache.FIRST_PASS_ROWS` rows (it may extract the graphs of cached calls).
 
     Args:
         pg: the model's PatchableGraph.

@@ -25,22 +25,22 @@ import torch
 from torch import nn
 
 from gradpatch.files import atomic_write_text
+from gradpatch.model_io import logits_of, model_device, pad_token_id, right_pad
 
-from .defaults import LENGTH_PARAMS
-from .errors import CacheRecomputedWarning, SubjectNotFoundError
-from .layers import LinearLayer, model_device
-from .scoring import logits_of
-from .shared_prefix import row_activations
-from .tokens import EncodedPrompt, encode_subject_prompt, format_with_span, pad_token_id, right_pad
+from ..defaults import LENGTH_PARAMS
+from ..errors import CacheRecomputedWarning, SubjectNotFoundError
+from ..layers import LinearLayer
+from ..passes.shared_prefix import row_activations
+from ..passes.tokens import EncodedPrompt, encode_subject_prompt, format_with_span
 
-__all__ = ["ContextTemplates", "compute_key", "context_activations", "generate_context_prefixes",
+__all__ = ["ContextPrefixes", "compute_key", "context_activations", "generate_context_prefixes",
            "load_or_generate_prefixes"]
 
 STARTERS: tuple[str, ...] = ("The", "Therefore", "Because", "I", "You")
 
 
 @dataclass(frozen=True)
-class ContextTemplates:
+class ContextPrefixes:
     """Context prefixes placed before the prompt (the empty prefix first).
 
     Attributes:
@@ -52,7 +52,7 @@ class ContextTemplates:
     def __len__(self) -> int:
         return len(self.prefixes)
 
-    def subset(self, n: int | None) -> "ContextTemplates":
+    def subset(self, n: int | None) -> "ContextPrefixes":
         """``n`` prefixes: the first (empty) one and ``n - 1`` spread evenly over the others (all if ``None``)."""
         if n is None or n >= len(self.prefixes):
             return self
@@ -60,7 +60,7 @@ class ContextTemplates:
             raise ValueError(f"Need at least one context prefix, got n={n}")
         rest = len(self.prefixes) - 1
         picks = sorted({1 + round(i * (rest - 1) / max(n - 2, 1)) for i in range(n - 1)}) if n > 1 else []
-        return ContextTemplates(prefixes=(self.prefixes[0],) + tuple(self.prefixes[i] for i in picks))
+        return ContextPrefixes(prefixes=(self.prefixes[0],) + tuple(self.prefixes[i] for i in picks))
 
 
 @torch.no_grad()
@@ -95,7 +95,7 @@ def generate_context_prefixes(
     length_params: Sequence[tuple[int, int]] = LENGTH_PARAMS,
     starters: Sequence[str] = STARTERS,
     seed: int = 0,
-) -> ContextTemplates:
+) -> ContextPrefixes:
     """Sample the context prefixes from the model (deterministic for a given model, seed and parameters).
 
     Args:
@@ -106,7 +106,7 @@ def generate_context_prefixes(
         seed: seed of a private ``torch.Generator`` (global RNG untouched).
 
     Returns:
-        ``ContextTemplates`` with ``""`` first, then ``"<continuation>. "`` for each sample.
+        ``ContextPrefixes`` with ``""`` first, then ``"<continuation>. "`` for each sample.
     """
     generator = torch.Generator().manual_seed(seed)
     device = model_device(pg)
@@ -115,7 +115,7 @@ def generate_context_prefixes(
     for n_tokens, count in length_params:
         chosen = [starters[i % len(starters)] for i in range(count)]
         prefixes += [text + ". " for text in _sample(forward, tokenizer, chosen, n_tokens, generator, device)]
-    return ContextTemplates(prefixes=tuple(prefixes))
+    return ContextPrefixes(prefixes=tuple(prefixes))
 
 
 def load_or_generate_prefixes(
@@ -125,7 +125,7 @@ def load_or_generate_prefixes(
     fingerprint: str,
     length_params: Sequence[tuple[int, int]] = LENGTH_PARAMS,
     seed: int = 0,
-) -> ContextTemplates:
+) -> ContextPrefixes:
     """Context prefixes from ``cache_dir/<fingerprint>/context_templates_*.json``, generated and saved if absent.
 
     A cache file that is unreadable, not JSON, or not ``{"prefixes": [...]}`` with the empty prefix first and one
@@ -133,7 +133,7 @@ def load_or_generate_prefixes(
     :class:`~editors.errors.CacheRecomputedWarning` naming the file.
 
     Args:
-        fingerprint: identifies the model (see :func:`editors.stats.statistics_fingerprint`).
+        fingerprint: identifies the model (see :func:`editors.statistics.second_moment.statistics_fingerprint`).
         cache_dir: folder of the cache, or ``None`` to skip the disk cache.
     """
     tag = "_".join(f"{n}x{c}" for n, c in length_params)
@@ -148,7 +148,7 @@ def load_or_generate_prefixes(
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
             valid, problem = False, f"is unreadable ({type(error).__name__}: {error})"
         if valid:
-            return ContextTemplates(prefixes=tuple(prefixes))
+            return ContextPrefixes(prefixes=tuple(prefixes))
         warnings.warn(f"context template cache {path} {problem}; generating the templates again and replacing it",
                       CacheRecomputedWarning, stacklevel=2)
     templates = generate_context_prefixes(pg, tokenizer, length_params=length_params, seed=seed)
@@ -162,7 +162,7 @@ def context_activations(
     tokenizer: Any,
     nodes: Sequence[str],
     facts: Sequence[tuple[str, str]],
-    templates: ContextTemplates,
+    templates: ContextPrefixes,
     patches: Mapping[str, Any] | None = None,
     max_tokens: int = 8192,
     share_prefix: bool = True,
@@ -170,7 +170,7 @@ def context_activations(
     """Activations at the subject's last token of every fact behind every context prefix, for several nodes at once.
 
     Each fact's prompt is filled with its subject behind each prefix. The rows behind one prefix run together
-    (:func:`editors.shared_prefix.row_activations`): sorted by length, in right-padded batches of at most
+    (:func:`editors.passes.shared_prefix.row_activations`): sorted by length, in right-padded batches of at most
     ``max_tokens`` tokens (rows × width), each forward pass stopping once every node was recorded, and the tokens all
     of them begin with (the prefix's) computed once. (The first 1,000 facts of the fact bank behind six prefixes are
     121,276 tokens; in fact-major order the batches held 178,364 positions, sorted 123,969; 43 % of the tokens are
@@ -183,7 +183,7 @@ def context_activations(
         facts: ``F`` pairs ``(prompt template with "{}", subject)``.
         templates: the ``P`` context prefixes.
         patches: more patches for every pass (e.g. earlier layers' updates, applied as patches); with ``share_prefix``
-            they must not pick positions (see :func:`editors.shared_prefix.row_activations`).
+            they must not pick positions (see :func:`editors.passes.shared_prefix.row_activations`).
         max_tokens: tokens per forward pass.
         share_prefix: compute the tokens shared by the rows behind a prefix once (off: every row runs whole; the
             activations agree up to float rounding).
@@ -218,7 +218,7 @@ def compute_key(
     layer: LinearLayer,
     prompt: str,
     subject: str,
-    templates: ContextTemplates,
+    templates: ContextPrefixes,
 ) -> torch.Tensor:
     """``k*``: the layer input at the subject's last token, averaged over the context prefixes (eq. 3).
 

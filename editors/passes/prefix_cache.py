@@ -33,8 +33,8 @@ from torch import nn
 
 from gradpatch import CustomPatch
 from gradpatch.generation import cache_argument
+from gradpatch.model_io import model_device, wrapped_model
 
-from .layers import model_device, wrapped_model
 from .selected_logits import output_embedding_input_node
 from .tokens import common_prefix_length, sorted_chunks
 
@@ -46,7 +46,7 @@ StatePart = tuple[torch.Tensor, torch.Tensor]
 #: Fewest tokens that rows must begin with for those tokens to run once for all of them.
 MIN_SHARED_TOKENS = 4
 #: Rows of the first pass over a cache: the first cached call of a PatchableGraph extracts its graphs by running the
-#: whole model on it once more (see :func:`editors.tokens.sorted_chunks`): on 372 rows of SmolLM2-135M, 4 GB more.
+#: whole model on it once more (see :func:`editors.passes.tokens.sorted_chunks`): on 372 rows of SmolLM2-135M, 4 GB more.
 FIRST_PASS_ROWS = 2
 _ARGUMENTS = ("position_ids", "attention_mask")  # besides the cache (gradpatch.generation.cache_argument)
 
@@ -258,7 +258,7 @@ class PrefixCache:
 
 def _chunks(items: list[tuple[Hashable, list[int]]], max_tokens: int, offset: int
             ) -> list[list[tuple[Hashable, list[int]]]]:
-    """:func:`editors.tokens.sorted_chunks` of ``items`` (sorted by length) whose rows are ``offset`` tokens longer."""
+    """:func:`editors.passes.tokens.sorted_chunks` of ``items`` (sorted by length) whose rows are ``offset`` tokens longer."""
     widths = [offset + len(t) for _, t in items]
     return [[items[i] for i in group] for group in sorted_chunks(widths, max_tokens, FIRST_PASS_ROWS)]
 

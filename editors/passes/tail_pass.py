@@ -2,7 +2,7 @@
 
 ROME's and MEMIT's value objective (Meng et al. 2022, §3.1, eq. 4; Meng et al. 2023, §4.3, eq. 16) adds ``δ`` to the
 output of the edited layer ``L`` (an MLP's output projection) at the subject's last token ``s``. With the prefix cache
-(:mod:`editors.prefix_cache`) a step runs each row's tokens from ``s`` on; at those tokens, too, nothing up to the
+(:mod:`editors.passes.prefix_cache`) a step runs each row's tokens from ``s`` on; at those tokens, too, nothing up to the
 residual stream after block ``L`` depends on ``δ`` except that stream at ``s`` itself, which is ``h_L[s] + δ``: the MLP's
 output is added to the residual stream (MEMIT's eq. 7), and attention in blocks ``≤ L`` reads the stream before
 ``δ`` is added. :class:`TailPass` keeps ``h_L`` at each row's tokens from ``s`` on (computed once, with the engine, at
@@ -13,7 +13,7 @@ forward pass of seven blocks for those tokens (the backward pass never ran throu
 
 It runs the model's own decoder (transformers' ``get_decoder()``, with ``inputs_embeds`` and the prefix cache) with
 its ``layers`` list cut to the blocks after ``L`` for the call, so it is only for a model nobody else runs meanwhile:
-the value search's own copy (:class:`editors.search_copy.SearchCopy`). Whether adding ``δ`` to the residual stream is
+the value search's own copy (:class:`editors.value.search_copy.SearchCopy`). Whether adding ``δ`` to the residual stream is
 what the patch at ``L``'s output does depends on the architecture (a norm after the MLP, as in Gemma 2, breaks it):
 the value search compares the two on its first rows (:func:`logits_match`, :meth:`TailPass.adds_to_stream`) before
 it relies on it.
@@ -30,9 +30,10 @@ import torch
 from torch import nn
 
 from gradpatch import AddPatch
+from gradpatch.model_io import wrapped_model
 
+from ..layers import resolve_module
 from .capture import node_activations
-from .layers import resolve_module, wrapped_model
 from .prefix_cache import quiet_extraction
 
 __all__ = ["TailPass", "logits_match", "tail_pass_for"]
@@ -90,7 +91,7 @@ class TailPass:
 
         Args:
             keys: the rows' keys; lengths: their suffix lengths (tokens from ``s`` on).
-            model_inputs: a pass of the rows (:meth:`editors.prefix_cache.PrefixCache.inputs`; its cache is used up).
+            model_inputs: a pass of the rows (:meth:`editors.passes.prefix_cache.PrefixCache.inputs`; its cache is used up).
         """
         inputs = dict(model_inputs)
         with quiet_extraction():
@@ -111,7 +112,7 @@ class TailPass:
             keys: the ``R`` rows' keys (filled by :meth:`fill`).
             delta: ``[R, d_model]`` (differentiable).
             rows, cols: ``[n]`` positions in the rows' suffixes.
-            model_inputs: the rows' pass (:meth:`editors.prefix_cache.PrefixCache.inputs`; ``input_ids`` is ignored).
+            model_inputs: the rows' pass (:meth:`editors.passes.prefix_cache.PrefixCache.inputs`; ``input_ids`` is ignored).
 
         Returns:
             ``[n, vocab]`` logits in the model's dtype.
@@ -134,7 +135,7 @@ class TailPass:
         as the stream there (a smaller one drowns in the rounding of the stream's large coordinates).
 
         Args:
-            model_inputs: a pass of the rows (:meth:`editors.prefix_cache.PrefixCache.inputs`; its cache is used up).
+            model_inputs: a pass of the rows (:meth:`editors.passes.prefix_cache.PrefixCache.inputs`; its cache is used up).
             output_node: the edited layer's output node; keys: the rows (filled by :meth:`fill`).
         """
         unpatched = torch.stack([self._hidden[key][0] for key in keys]).float()  # [R, d_model]

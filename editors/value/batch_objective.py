@@ -9,19 +9,19 @@ layer's output adds row ``δ[fact of row]`` at that row's subject position. The 
 fact's own loss, so a fact's gradient is exactly the gradient of its own objective, and Adam (elementwise) moves each
 row as it would move that fact's delta alone. Each fact stops when its loss is below ``early_stop_loss`` (its row is
 frozen and its prompts leave the batch), as the one-fact search stops, so
-:func:`editors.batch_search.optimize_values` returns the deltas one-at-a-time searches would return, up to float
+:func:`editors.value.batch_search.optimize_values` returns the deltas one-at-a-time searches would return, up to float
 rounding (``tests/test_batch_value.py``).
 
-Logits are computed only where the terms read them (:func:`editors.selected_logits.logits_at`), the target tokens'
-log-probabilities without a float32 log-softmax of every logit (:func:`editors.token_log_probs.token_log_probs`), and
+Logits are computed only where the terms read them (:func:`editors.passes.selected_logits.logits_at`), the target tokens'
+log-probabilities without a float32 log-softmax of every logit (:func:`editors.passes.token_log_probs.token_log_probs`), and
 a step whose rows exceed ``max_tokens`` tokens runs as several forward/backward passes whose gradients add up before
 the one optimizer step (memory: SmolLM2-135M keeps ~40 kB of activations per token and layer for the backward pass).
 A model in bfloat16/float16 on CPU runs its attention with PyTorch's math backend (matrix products) during the search:
 the fused CPU kernel's reduced-precision backward took 43 % of a bfloat16 step (docs/memit.md); the search in a
-bfloat16 copy of a float32 model is :mod:`editors.search_copy` (its copy uses transformers' eager attention on the CPU,
+bfloat16 copy of a float32 model is :mod:`editors.value.search_copy` (its copy uses transformers' eager attention on the CPU,
 faster still). With the prefix cache, a step runs each row's tokens from the subject's last one on; on a graph nobody
 else runs (the search's copy) it runs them from the residual stream after the edited block
-(:mod:`editors.tail_pass`), the blocks up to it having run once per row.
+(:mod:`editors.passes.tail_pass`), the blocks up to it having run once per row.
 """
 
 from __future__ import annotations
@@ -36,22 +36,21 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gradpatch import AddPatch
+from gradpatch.model_io import model_device, model_dtype, pad_token_id, right_pad
 
-from .counterfact import EditRequest
-from .keys import ContextTemplates
-from .layers import LinearLayer, model_device, model_dtype
-from .prefix_cache import PrefixCache, quiet_extraction, supports_prefix_cache
-from .selected_logits import logits_at, output_embedding_input_node
-from .tail_pass import TailPass, logits_match
-from .token_log_probs import token_log_probs
-from .tokens import pad_token_id, right_pad
+from ..defaults import DEFAULT_MAX_TOKENS
+from ..layers import LinearLayer
+from ..passes.prefix_cache import PrefixCache, quiet_extraction, supports_prefix_cache
+from ..passes.selected_logits import logits_at, output_embedding_input_node
+from ..passes.tail_pass import TailPass, logits_match
+from ..passes.token_log_probs import token_log_probs
+from ..requests import EditRequest
+from ..statistics.keys import ContextPrefixes
+from .search import KL_PROMPT, ValuePrompts, encode_value_prompts, value_terms
 from .true_answer import TrueAnswerTerm
-from .value import KL_PROMPT, ValuePrompts, encode_value_prompts, value_terms
 
 __all__ = ["BatchValueObjective", "math_attention", "search_attention"]
 
-#: Tokens (rows × padded width) per group of facts evaluated together in the batched value search.
-DEFAULT_MAX_TOKENS = 4096
 #: Passes of rows of similar length a group of facts runs in (less padding than one batch).
 LENGTH_BUCKETS = 3
 #: Fewest rows per such pass: a pass has a fixed cost whatever its rows (graph dispatch, cache assembly), so a few
@@ -85,16 +84,16 @@ class BatchValueObjective:
         max_tokens: tokens (rows × padded width) per forward/backward pass; a step runs as several passes when
             the active facts' rows need more (one fact's rows always share a pass).
         prefix_cache: compute each row's tokens before the subject's last one once, as a KV cache
-            (:class:`editors.prefix_cache.PrefixCache`: they do not depend on ``δ``), and run only the rest at each
-            step; used when the model takes a cache (:func:`editors.prefix_cache.supports_prefix_cache`), full passes
+            (:class:`editors.passes.prefix_cache.PrefixCache`: they do not depend on ``δ``), and run only the rest at each
+            step; used when the model takes a cache (:func:`editors.passes.prefix_cache.supports_prefix_cache`), full passes
             otherwise. Same losses up to float rounding.
         tail: with the prefix cache, run each step from the residual stream after the layer's block
-            (:class:`editors.tail_pass.TailPass`: the blocks up to it run once per row) if, on the first rows it runs,
+            (:class:`editors.passes.tail_pass.TailPass`: the blocks up to it run once per row) if, on the first rows it runs,
             it gives the patched pass's logits and the patch adds to that stream what it adds to the layer's output
             (a warning and full passes if not). Only for a graph nobody else runs during the search (the search's
             own copy). Same losses up to float rounding.
         true_logit_weight: ``λ_true`` of the term that keeps each fact's true-answer logit
-            (:class:`editors.true_answer.TrueAnswerTerm`; not in the papers); 0 (the default) leaves it out.
+            (:class:`editors.value.true_answer.TrueAnswerTerm`; not in the papers); 0 (the default) leaves it out.
 
     Raises:
         ValueError: ``v_init`` is not ``[F, d_out]``, ``max_tokens`` is not positive, ``true_logit_weight`` is
@@ -103,7 +102,7 @@ class BatchValueObjective:
     """
 
     def __init__(self, pg: nn.Module, tokenizer: Any, layer: LinearLayer, requests: Sequence[EditRequest],
-                 templates: ContextTemplates, v_init: torch.Tensor, kl_factor: float = 0.0625,
+                 templates: ContextPrefixes, v_init: torch.Tensor, kl_factor: float = 0.0625,
                  weight_decay: float = 1e-3, clamp_factor: float = 4.0, kl_prompts: tuple[str, ...] = (KL_PROMPT,),
                  max_tokens: int = DEFAULT_MAX_TOKENS, prefix_cache: bool = True, tail: TailPass | None = None,
                  true_logit_weight: float = 0.0) -> None:

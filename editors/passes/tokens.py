@@ -1,4 +1,5 @@
-"""Token bookkeeping for editing: subject positions, prompt/target boundaries and right-padded batches.
+"""Token bookkeeping for editing: subject positions and prompt/target boundaries (right-padded batches:
+:func:`gradpatch.model_io.right_pad`).
 
 Tokenizers differ in how they treat leading spaces and BOS tokens (GPT-2's BPE adds no BOS and folds the space
 into the next token; Llama-style tokenizers add a BOS token and may mark spaces with ``▁``). Everything here
@@ -12,9 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from .errors import SubjectNotFoundError, TokenizationError
+from ..errors import SubjectNotFoundError, TokenizationError
 
 __all__ = [
     "EncodedPrompt",
@@ -23,9 +22,7 @@ __all__ = [
     "encode_prompt_target",
     "encode_subject_prompt",
     "format_with_span",
-    "pad_token_id",
     "prompt_and_span",
-    "right_pad",
     "sorted_chunks",
     "subject_char_span",
     "subject_token_range",
@@ -242,32 +239,6 @@ def encode_prompt_target(
     return EncodedPrompt(ids=ids, subject_last=subject_last, target_start=target_start)
 
 
-def right_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token id lists into one batch.
-
-    With right padding a causal model needs no attention mask: real tokens never attend to the pads that
-    follow them and their position ids are unchanged, so logits at real positions equal the unpadded ones.
-
-    Args:
-        sequences: ``batch`` lists of token ids.
-        pad_id: id written in the padding.
-
-    Returns:
-        ``(input_ids [batch, seq], lengths [batch])``.
-
-    Raises:
-        ValueError: ``sequences`` is empty or holds an empty sequence.
-    """
-    if not sequences or any(len(s) == 0 for s in sequences):
-        raise ValueError("right_pad needs at least one non-empty sequence")
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        ids[i, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
-    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
-    return ids, lengths
-
-
 def format_with_span(template: str, subject: str, prefix: str = "") -> tuple[str, tuple[int, int]]:
     """Fill a ``"{}"`` template with the subject, behind an optional context prefix.
 
@@ -308,10 +279,3 @@ def prompt_and_span(prompt: str, subject: str) -> tuple[str, tuple[int, int]]:
     return prompt, subject_char_span(prompt, subject)
 
 
-def pad_token_id(tokenizer: Any) -> int:
-    """The id used for right padding: the pad token, else EOS, else 0 (pads are never read)."""
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, int):
-            return value
-    return 0

@@ -30,14 +30,14 @@ from torch import nn
 
 from gradpatch import model_fingerprint
 from gradpatch.files import atomic_write_bytes
+from gradpatch.model_io import model_device, pad_token_id, right_pad, wrapped_model
+from gradpatch.progress import ProgressBar
 
-from .capture import node_activations
+from ..defaults import DEFAULT_MAX_LENGTH, DEFAULT_N_SAMPLES
+from ..errors import CacheRecomputedWarning, StatisticsError
+from ..layers import LinearLayer, resolve_layer
+from ..passes.capture import node_activations
 from .corpus import Corpus, open_corpus
-from .defaults import DEFAULT_MAX_LENGTH, DEFAULT_N_SAMPLES
-from .errors import CacheRecomputedWarning, StatisticsError
-from .layers import LinearLayer, model_device, resolve_layer, wrapped_model
-from .progress import ProgressBar
-from .tokens import pad_token_id, right_pad
 
 __all__ = [
     "SecondMoment",
@@ -128,7 +128,7 @@ def compute_second_moments(
         max_length: truncation length in tokens.
         batch_size: documents per forward pass.
         accumulate_dtype: float64 (default) or float32.
-        progress: show a progress bar (:class:`editors.progress.ProgressBar`).
+        progress: show a progress bar (:class:`gradpatch.progress.ProgressBar`).
 
     Returns:
         ``([C [d_in, d_in] float64 per layer], n_tokens, n_documents)``.

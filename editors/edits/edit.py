@@ -3,12 +3,12 @@ reversible bit for bit.
 
 An :class:`Edit` keeps the layer's NodePath and the factors: ``u`` ``[d_in]`` and ``v`` ``[d_out]`` for ROME's rank-one
 edit ``v uᵀ``, or ``U`` ``[d_in, r]`` and ``V`` ``[d_out, r]`` for a rank-r one ``V Uᵀ`` (stored in the same fields;
-:mod:`editors.edit_batch` groups the per-layer edits of a many-fact edit). ``apply``
+:mod:`editors.edits.batch` groups the per-layer edits of a many-fact edit). ``apply``
 writes the new weight in place (one ``copy_`` after everything was computed and checked, so a failure leaves
 the weight untouched) and keeps a copy of the original tensor; ``restore`` writes that copy back, so the
 weights are bit-identical to those before ``apply``. Several edits can be stacked; restore them in reverse
 order (:func:`restore_edits`). ``apply(pg, mode="patch")`` instead adds ``v uᵀ k`` to the layer's output as a patch
-(:mod:`editors.edit_patch`) until ``restore``: the way to edit quantized or offloaded weights; ``as_patches``
+(:mod:`editors.edits.patches`) until ``restore``: the way to edit quantized or offloaded weights; ``as_patches``
 gives the same patches for a ``with pg.patch(...)`` block.
 
 ``apply`` refuses, leaving the weights as they were: a model whose fingerprint differs from the one the edit was
@@ -17,7 +17,7 @@ computed on (unless ``check_fingerprint=False``), an edit whose value search did
 would otherwise add ``v uᵀ`` twice).
 
 Saved as ``edit.safetensors`` (the factors) plus ``edit.json`` (NodePaths, layout, request, fingerprints,
-hyperparameters, the SHA-256 of the tensors file; :mod:`editors.edit_files`) — never pickled; both files are written atomically, the JSON last,
+hyperparameters, the SHA-256 of the tensors file; :mod:`editors.edits.files`) — never pickled; both files are written atomically, the JSON last,
 and loading checks every field, the factors' shapes and the digest, raising :class:`EditLoadError` naming the file.
 """
 
@@ -33,11 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .counterfact import EditRequest
-from .edit_files import factor_shapes, read_edit_files, write_edit_files
-from .edit_patch import low_rank_patches
-from .errors import EditError, EditFingerprintError, EditLoadError, EditNotConvergedError
-from .layers import LinearLayer, resolve_layer, wrapped_model
+from gradpatch.model_io import wrapped_model
+
+from ..errors import EditError, EditFingerprintError, EditLoadError, EditNotConvergedError
+from ..layers import LinearLayer, resolve_layer
+from ..requests import EditRequest
+from .files import factor_shapes, read_edit_files, write_edit_files
+from .patches import low_rank_patches
 
 __all__ = ["Edit", "apply_edits", "load_edits", "read_edit_folder", "restore_edits", "save_edits"]
 
@@ -277,13 +279,13 @@ def _live_records(module: nn.Module, weight: torch.Tensor) -> list[Edit]:
 
 def save_edits(edits: Sequence[Edit], path: str | os.PathLike[str], batch: dict[str, Any] | None = None) -> Path:
     """Save edits (applied in list order) to directory ``path``: ``edit.safetensors``, then ``edit.json``
-    (:func:`editors.edit_files.write_edit_files`: atomic writes, the JSON last with the tensors file's SHA-256).
+    (:func:`editors.edits.files.write_edit_files`: atomic writes, the JSON last with the tensors file's SHA-256).
 
     Args:
         edits: the edits.
         path: the directory.
         batch: JSON-able record of the many-fact edit these per-layer edits form (``"batch"`` in ``edit.json``;
-            see :class:`editors.edit_batch.BatchEdit`).
+            see :class:`editors.edits.batch.BatchEdit`).
 
     Returns:
         The directory.
@@ -307,7 +309,7 @@ def read_edit_folder(path: str | os.PathLike[str]) -> tuple[list[Edit], dict[str
     """The edits saved in a folder with :func:`save_edits` (not applied), its ``edit.json`` content and path.
 
     Raises:
-        EditLoadError: as :func:`editors.edit_files.read_edit_files` (naming the file and the field).
+        EditLoadError: as :func:`editors.edits.files.read_edit_files` (naming the file and the field).
     """
     records, meta, meta_path = read_edit_files(path)
     return [Edit(**record) for record in records], meta, meta_path

@@ -17,7 +17,7 @@ import torch
 
 from gradpatch import Patch, ReplacePatch
 
-from .layers import LinearLayer
+from ..layers import LinearLayer
 
 __all__ = ["KeyCapture", "LowRankAdd", "low_rank_patches", "updated_weight_patches"]
 

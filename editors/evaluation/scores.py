@@ -21,13 +21,14 @@ from typing import Any
 from torch import nn
 
 from gradpatch import PatchableGraph
+from gradpatch.model_io import model_device
+from gradpatch.progress import ProgressBar
 
-from .counterfact import CounterFactCase, EditRequest
-from .edit import Edit
-from .layers import model_device
-from .progress import ProgressBar
-from .scoring import mean_target_logprobs
-from .selected_logits import target_logprobs_at
+from ..edits.edit import Edit
+from ..passes.scoring import mean_target_logprobs
+from ..passes.selected_logits import target_logprobs_at
+from ..requests import EditRequest
+from .counterfact import CounterFactCase
 
 __all__ = ["EDIT_INFO_KEYS", "case_row", "evaluate_cases", "mentions_subject", "neighborhood_fraction", "score_case",
            "score_cases", "score_summary"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import StatisticsError
+from ..errors import StatisticsError
 
 __all__ = ["added", "alphaedit_factors", "memit_factors", "null_space_projector"]
 

@@ -1,6 +1,6 @@
 """The batched value search's optimiser loop: Adam on every fact's ``δ`` at once, each fact stopping on its own.
 
-:class:`editors.batch_value.BatchValueObjective` gives each fact's loss (ROME's eq. 4, Meng et al. 2022, §3.1) for a
+:class:`editors.value.batch_objective.BatchValueObjective` gives each fact's loss (ROME's eq. 4, Meng et al. 2022, §3.1) for a
 batch in shared forward/backward passes; :func:`optimize_values` runs MEMIT's value search (Meng et al. 2023, §4.3,
 eq. 16) on it with the stop rule and clamp of the one-fact search (:func:`editors.value.optimize_value`).
 """
@@ -15,8 +15,8 @@ from torch import nn
 
 from gradpatch.finite import StepGuard
 
-from .batch_value import BatchValueObjective
-from .value import ValueResult, frozen_parameters
+from .batch_objective import BatchValueObjective
+from .search import ValueResult, frozen_parameters
 
 __all__ = ["BatchStepCallback", "optimize_values"]
 

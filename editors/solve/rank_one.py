@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import StatisticsError
+from ..errors import StatisticsError
 
 __all__ = ["rank_one_factors", "rank_one_update", "solve_second_moment", "update_direction"]
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from .counterfact import EditRequest
-from .errors import TokenizationError
-from .tokens import encode_prompt_target, format_with_span
+from ..errors import TokenizationError
+from ..passes.tokens import encode_prompt_target, format_with_span
+from ..requests import EditRequest
 
 __all__ = ["TrueAnswerTerm"]
 
@@ -72,7 +72,7 @@ class TrueAnswerTerm:
              prompt_fact: torch.Tensor) -> torch.Tensor:
         """Each fact's mean hinged drop of its true-answer logit over its rewriting prompts, ``[len(facts)]``
         (differentiable). A fact's first evaluation sets its reference; the caller makes it one at ``δ = 0``
-        (:class:`editors.batch_value.BatchValueObjective` refuses any other, as it does for the KL reference).
+        (:class:`editors.value.batch_objective.BatchValueObjective` refuses any other, as it does for the KL reference).
 
         Args:
             facts: the facts evaluated, in slot order.

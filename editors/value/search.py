@@ -18,7 +18,7 @@ non-finite loss term, gradient or updated ``δ`` with a :class:`gradpatch.errors
 
 The prompts of one fact (:func:`encode_value_prompts`) and the terms computed from log-probabilities
 (:func:`value_terms`, vectorised over facts) are shared with the batched search of many facts
-(:mod:`editors.batch_value`), so both minimise the same objective.
+(:mod:`editors.value.batch_objective`), so both minimise the same objective.
 """
 
 from __future__ import annotations
@@ -34,16 +34,17 @@ from torch import nn
 
 from gradpatch import AddPatch
 from gradpatch.finite import StepGuard
+from gradpatch.model_io import model_device, pad_token_id, right_pad, wrapped_model
 
-from .counterfact import EditRequest
-from .keys import ContextTemplates
-from .layers import LinearLayer, model_device, wrapped_model
-from .selected_logits import logits_at, output_embedding_input_node
-from .token_log_probs import token_log_probs
-from .tokens import EncodedPrompt, encode_prompt_target, encode_subject_prompt, format_with_span, pad_token_id, right_pad
+from ..layers import LinearLayer
+from ..passes.selected_logits import logits_at, output_embedding_input_node
+from ..passes.token_log_probs import token_log_probs
+from ..passes.tokens import EncodedPrompt, encode_prompt_target, encode_subject_prompt, format_with_span
+from ..requests import EditRequest
+from ..statistics.keys import ContextPrefixes
 
-__all__ = ["ValueObjective", "ValuePrompts", "ValueResult", "ValueRunner", "encode_value_prompts", "frozen_parameters",
-           "optimize_value", "value_step_guard", "value_terms"]
+__all__ = ["StepCallback", "ValueObjective", "ValuePrompts", "ValueResult", "ValueRunner", "encode_value_prompts",
+           "frozen_parameters", "optimize_value", "value_step_guard", "value_terms"]
 
 KL_PROMPT = "{} is a"
 
@@ -85,7 +86,7 @@ class ValuePrompts:
         return len(self.sequences) - len(self.rewrite)
 
 
-def encode_value_prompts(tokenizer: Any, request: EditRequest, templates: ContextTemplates,
+def encode_value_prompts(tokenizer: Any, request: EditRequest, templates: ContextPrefixes,
                          kl_prompts: tuple[str, ...] = (KL_PROMPT,)) -> ValuePrompts:
     """Tokenize one fact's rewriting prompts (one per context prefix) and KL prompts (eq. 4).
 
@@ -144,7 +145,7 @@ class ValueObjective:
     One right-padded batch holds the ``N`` rewriting prompts (context prefix + prompt + target tokens but the
     last) followed by the KL prompt ``"{subject} is a"``; one forward pass gives every term, with the output
     embedding run only at the positions the terms read (the target tokens, the KL prompt's last token) and the
-    target log-probabilities taken without a float32 log-softmax of every logit (:mod:`editors.token_log_probs`).
+    target log-probabilities taken without a float32 log-softmax of every logit (:mod:`editors.passes.token_log_probs`).
 
     Args:
         pg: the model's PatchableGraph.
@@ -165,7 +166,7 @@ class ValueObjective:
         tokenizer: Any,
         layer: LinearLayer,
         request: EditRequest,
-        templates: ContextTemplates,
+        templates: ContextPrefixes,
         v_init: torch.Tensor,
         kl_factor: float = 0.0625,
         weight_decay: float = 1e-3,
@@ -205,7 +206,7 @@ class ValueObjective:
 
     def _logits(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits at the target tokens' positions ``[n_target_tokens, vocab]`` and at the KL prompts' last positions
-        ``[n_kl, vocab]`` (the output embedding runs there only: :func:`editors.selected_logits.logits_at`)."""
+        ``[n_kl, vocab]`` (the output embedding runs there only: :func:`editors.passes.selected_logits.logits_at`)."""
         patch = AddPatch(value=delta, slice=self.patch_index)
         logits = logits_at(self.pg, self.input_ids, self.read_rows, self.read_cols, {self.layer.output_node: patch},
                            head_node=self.head_node)
@@ -260,12 +261,16 @@ class ValueResult:
         v_star: ``v₀ + δ`` ``[d_out]``.
         steps: optimiser steps taken.
         history: per-step loss terms (floats).
+        log_dir: the folder the runner logged the search to (a TensorBoard run of
+            ``recipes.rome_value.LightningValueRunner``), so a caller can add its own records there; ``None``: not
+            logged.
     """
 
     delta: torch.Tensor
     v_star: torch.Tensor
     steps: int
     history: list[dict[str, float]] = field(default_factory=list)
+    log_dir: str | None = None
 
     def converged(self, early_stop_loss: float) -> bool:
         """Whether the search converged: its last evaluated loss is finite and below ``early_stop_loss`` or below

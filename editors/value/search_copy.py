@@ -1,6 +1,6 @@
 """The value search on a copy of the model in a lower precision (bfloat16), kept equal to the model's weights.
 
-MEMIT's batched value search (:mod:`editors.batch_value`) is most of an edit's time on a CPU: ~20 forward and backward
+MEMIT's batched value search (:mod:`editors.value.batch_objective`) is most of an edit's time on a CPU: ~20 forward and backward
 passes over every fact's prompts. On CPUs with AMX a bfloat16 matrix product is several times faster than a float32
 one, but ``torch.autocast`` gains little there: it casts every frozen weight again at every call (autocast caches
 only the casts of weights that require gradients) and its scaled-dot-product attention runs a bfloat16 backward that
@@ -23,8 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import EditError
-from .layers import editable_graph, wrapped_model
+from gradpatch.model_io import wrapped_model
+
+from ..errors import EditError
+from ..layers import editable_graph
 
 __all__ = ["SEARCH_DTYPES", "SearchCopy", "search_dtype"]
 

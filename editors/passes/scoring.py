@@ -12,29 +12,17 @@ from typing import Any
 
 import torch
 
-from .tokens import EncodedPrompt, encode_prompt_target, pad_token_id, right_pad
+from gradpatch.model_io import logits_of, pad_token_id, right_pad
 
-__all__ = ["Forward", "SelectedForward", "logits_of", "mean_target_logprobs", "target_logprobs_batch"]
+from .tokens import EncodedPrompt, encode_prompt_target
+
+__all__ = ["Forward", "SelectedForward", "mean_target_logprobs", "target_logprobs_batch"]
 
 #: ``input_ids [batch, seq] -> logits [batch, seq, vocab]`` (or a model output holding ``.logits``).
 Forward = Callable[[torch.Tensor], Any]
 #: ``(input_ids [batch, seq], rows [n], cols [n]) -> logits [n, vocab]`` at those positions only
-#: (:func:`editors.selected_logits.logits_at`).
+#: (:func:`editors.passes.selected_logits.logits_at`).
 SelectedForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def logits_of(output: Any) -> torch.Tensor:
-    """Extract logits ``[batch, seq, vocab]`` from a model output (``.logits``, ``["logits"]``, tuple or tensor)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    logits = getattr(output, "logits", None)
-    if logits is None and isinstance(output, dict):
-        logits = output.get("logits")
-    if logits is None and isinstance(output, (tuple, list)) and output:
-        logits = output[0]
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"Cannot find logits in a {type(output).__name__}: the forward must return logits or .logits")
-    return logits
 
 
 def target_logprobs_batch(logits: torch.Tensor, encoded: Sequence[EncodedPrompt]) -> torch.Tensor:

@@ -3,7 +3,7 @@ one.
 
 MEMIT (arXiv 2210.07229, eq. 14) writes ``F`` facts into each of its layers with ``ΔW = R Kᵀ (λC + K Kᵀ)⁻¹``, a
 matrix of rank at most ``F``; it is kept as the factors ``V = R`` ``[d_out, F]`` and ``U = (λC + K Kᵀ)⁻¹ K``
-``[d_in, F]`` (``ΔW = V Uᵀ``), one :class:`editors.edit.Edit` of rank ``F`` per layer. Factors rather than the dense
+``[d_in, F]`` (``ΔW = V Uᵀ``), one :class:`editors.edits.edit.Edit` of rank ``F`` per layer. Factors rather than the dense
 ``ΔW`` because they are what the algorithm computes (nothing is re-derived), they are ROME's ``u``/``v`` with a second
 dimension (a rank-one edit is the ``F = 1`` case; the same file format, loader checks and patches serve both), the
 patch form costs ``(d_in + d_out) · F`` per token instead of reading a dense matrix, and for the batch sizes edits
@@ -29,11 +29,11 @@ from typing import Any
 from torch import nn
 
 from gradpatch import model_fingerprint
+from gradpatch.model_io import wrapped_model
 
-from .counterfact import EditRequest
+from ..errors import EditError, EditFingerprintError, EditLoadError, EditNotConvergedError
+from ..requests import EditRequest
 from .edit import Edit, apply_edits, read_edit_folder, restore_edits, save_edits
-from .errors import EditError, EditFingerprintError, EditLoadError, EditNotConvergedError
-from .layers import wrapped_model
 
 __all__ = ["BatchEdit"]
 
@@ -79,7 +79,7 @@ class BatchEdit:
             target: the PatchableGraph (or plain model, weight mode only).
             check_fingerprint: refuse a model whose fingerprint differs from :attr:`model_fingerprint`.
             allow_unconverged: apply even if a fact's value search did not converge.
-            mode: ``"weight"`` or ``"patch"`` (see :meth:`editors.edit.Edit.apply`).
+            mode: ``"weight"`` or ``"patch"`` (see :meth:`editors.edits.edit.Edit.apply`).
 
         Returns:
             ``self``.

@@ -2,8 +2,8 @@
 hyperparameters, the tensors file's SHA-256) — never pickled.
 
 Both files are written atomically (:mod:`gradpatch.files`), the JSON last, and every field, factor shape and the digest
-are checked on reading, raising :class:`~editors.errors.EditLoadError` naming the file. :mod:`editors.edit` turns the
-records into :class:`~editors.edit.Edit` objects.
+are checked on reading, raising :class:`~editors.errors.EditLoadError` naming the file. :mod:`editors.edits.edit` turns the
+records into :class:`~editors.edits.edit.Edit` objects.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from safetensors.torch import save as save_safetensors
 from gradpatch.files import atomic_write_bytes, atomic_write_text, read_json, read_tensors, sha256_hex
 from gradpatch.finite import check_finite
 
-from .counterfact import EditRequest
-from .errors import EditLoadError
+from ..errors import EditLoadError
+from ..requests import EditRequest
 
 __all__ = ["FORMAT", "VERSION", "factor_shapes", "read_edit_files", "write_edit_files"]
 
@@ -39,7 +39,7 @@ def write_edit_files(path: str | os.PathLike[str], records: Sequence[dict[str, A
 
     Args:
         path: the directory (created if missing).
-        records: one JSON record per edit (:meth:`editors.edit.Edit.to_json`).
+        records: one JSON record per edit (:meth:`editors.edits.edit.Edit.to_json`).
         factors: ``(u, v)`` per edit: ``u`` ``[d_in]`` or ``[d_in, r]``, ``v`` ``[d_out]`` or ``[d_out, r]``.
         batch: JSON-able record of the many-fact edit the per-layer edits form (``"batch"`` in ``edit.json``).
 
@@ -68,7 +68,7 @@ def read_edit_files(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]],
 
     Returns:
         ``(records, meta, meta_path)``: each record holds ``node``, ``u``, ``v``, ``request``
-        (:class:`~editors.counterfact.EditRequest` or ``None``), ``model_fingerprint`` and ``info``.
+        (:class:`~editors.requests.EditRequest` or ``None``), ``model_fingerprint`` and ``info``.
 
     Raises:
         EditLoadError: missing files; an unreadable, garbled or incomplete ``edit.json`` (a missing ``d_in``, say);
@@ -100,7 +100,7 @@ def factor_shapes(d_in: int, d_out: int, dims: int, rank: int) -> tuple[tuple[in
 
 def _checked_record(i: int, record: Any, tensors: dict[str, torch.Tensor], meta_path: Path,
                     tensor_path: Path) -> dict[str, Any]:
-    """Edit ``i`` of a loaded file as the fields of an :class:`~editors.edit.Edit`, every field and both factors
+    """Edit ``i`` of a loaded file as the fields of an :class:`~editors.edits.edit.Edit`, every field and both factors
     checked.
 
     Raises:
