@@ -41,7 +41,7 @@ from torch import nn
 if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 
-from editors.testing import tiny_llama
+from gradpatch.testing import tiny_llama
 from gradpatch import AddPatch, PatchableGraph, ProbePatch
 from gradpatch.models import WEIGHT_DTYPES as DTYPES, embedded_or_random_model
 

@@ -5,7 +5,7 @@ Measured in one run, on the same facts' objective (ROME's eq. 4: target NLL over
 
 - ``one_at_a_time``: ``--single`` facts, each searched alone with :class:`editors.ValueObjective` and
   :func:`editors.optimize_value` (ROME's path: one forward and backward over that fact's prompts per step);
-- ``batch_of_one``: the same facts, each alone through the batched code (:func:`editors.batch_search.optimize_values`
+- ``batch_of_one``: the same facts, each alone through the batched code (:func:`editors.value.batch_search.optimize_values`
   with one fact): separates what batching gains from what the batched code's other savings gain (logits read only
   where the terms need them; the prefix KV cache: each step runs only the tokens from the subject's last one on);
 - ``batched``: ``--batch`` facts searched together (one forward and backward per step carries every fact's rows,
@@ -19,9 +19,9 @@ Run: ``.venv/bin/python benchmarks/memit_edit.py [--cases FILE] [--batch 100] [-
 [--value-dtype bfloat16] [--device cuda]``. Without ``--cases`` it reads ``demos/rome/facts.json`` (the fact bank)
 and cycles ``demos/rome/cases.json`` if that is missing. ``--tiny`` uses a random tiny Llama and made-up facts
 (seconds). ``--value-dtype bfloat16`` runs all three parts on a bfloat16 copy of the model
-(:mod:`editors.search_copy`; keys and ``v₀`` still from the float32 model), the batched code from the residual stream
-after the layer's block as MEMIT runs it there (:mod:`editors.tail_pass`). ``--device cuda`` runs on a GPU (the
-≥ 10× target is for the CPU; docs/memit.md gives both).
+(:mod:`editors.value.search_copy`; keys and ``v₀`` still from the float32 model), the batched code from the residual
+stream after the layer's block as MEMIT runs it there (:mod:`editors.passes.tail_pass`). ``--device cuda`` runs on a GPU
+(the ≥ 10× target is for the CPU; docs/memit.md gives both).
 """
 
 from __future__ import annotations
@@ -39,14 +39,15 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from editors import EditRequest, ValueObjective, load_cases, optimize_value, resolve_layer
-from editors.batch_search import optimize_values
-from editors.batch_value import BatchValueObjective, search_attention
-from editors.keys import context_activations, load_or_generate_prefixes
-from editors.memit import DEFAULT_SMOLLM2_NODES, MEMITConfig, residual_node_of
-from editors.search_copy import SearchCopy, search_dtype
-from editors.stats import default_cache_dir, statistics_fingerprint
-from editors.tail_pass import tail_pass_for
-from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
+from editors.value.batch_search import optimize_values
+from editors.value.batch_objective import BatchValueObjective, search_attention
+from editors.statistics.keys import context_activations, load_or_generate_prefixes
+from editors.memit import DEFAULT_SMOLLM2_NODES, residual_node_of
+from editors.config import MEMITConfig
+from editors.value.search_copy import SearchCopy, search_dtype
+from editors.statistics.second_moment import default_cache_dir, statistics_fingerprint
+from editors.passes.tail_pass import tail_pass_for
+from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
 from gradpatch import PatchableGraph
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a random tiny Llama instead of SmolLM2-135M")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu; the target is for CPU)")
     parser.add_argument("--value-dtype", default=None, choices=("bfloat16",),
-                        help="search on a copy of the model in this dtype (all three alike; editors.search_copy)")
+                        help="search on a copy of the model in this dtype (all three alike; editors.value.search_copy)")
     args = parser.parse_args(argv)
 
     config = MEMITConfig(progress=False)

@@ -1,7 +1,7 @@
 """How much of the edited subjects' and of their neighbourhood subjects' keys AlphaEdit's null space holds; prints JSON.
 
 AlphaEdit (Fang et al. 2025, arXiv 2410.02355, §3) projects each layer's update onto the null space of the preserved
-keys' second moment ``C`` (:func:`editors.multi_update.null_space_projector`): the update acts on a key ``k`` only
+keys' second moment ``C`` (:func:`editors.solve.multi_update.null_space_projector`): the update acts on a key ``k`` only
 through ``P k``. A neighbourhood prompt ("The city of Benoni is located in the country of", next to the edited
 "Vryheid") is protected only if its key has less of itself in that null space than the edited keys have. Per layer
 of ``DEFAULT_SMOLLM2_NODES`` and threshold, over the first ``--n-cases`` facts of the bank:
@@ -27,9 +27,9 @@ import torch
 
 from editors import editable_graph, resolve_layer
 from editors.defaults import DEFAULT_SMOLLM2_NODES
-from editors.keys import ContextTemplates, context_activations
-from editors.multi_update import null_space_projector
-from editors.stats import layer_second_moments
+from editors.solve.multi_update import null_space_projector
+from editors.statistics.keys import ContextPrefixes, context_activations
+from editors.statistics.second_moment import layer_second_moments
 from gradpatch.models import load_model
 
 THRESHOLDS = (2e-2, 1e-2)  # AlphaEditConfig's default, and the value of docs/memit.md's evaluation-set runs
@@ -79,7 +79,7 @@ def main() -> None:
     pg = editable_graph(model, tokenizer)
     layers = [resolve_layer(pg, node) for node in DEFAULT_SMOLLM2_NODES]
     statistics = layer_second_moments(pg, tokenizer, layers)
-    bare = ContextTemplates(prefixes=("",))
+    bare = ContextPrefixes(prefixes=("",))
     nodes = [layer.input_node for layer in layers]
     edit_keys = context_activations(pg, tokenizer, nodes, edited, bare)  # per node [F, 1, d_in]
     neighbour_keys = context_activations(pg, tokenizer, nodes, neighbours, bare)

@@ -38,11 +38,11 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from gradpatch import PatchableGraph
 
 from editors import ROME, EditRequest, ROMEConfig, ValueObjective, compute_key, optimize_value
-from editors.corpus import Corpus
-from editors.layers import wrapped_model
+from editors.statistics.corpus import Corpus
+from gradpatch.model_io import wrapped_model
 from editors.rome import DEFAULT_SMOLLM2_NODE
-from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
-from editors.value import frozen_parameters
+from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
+from editors.value.search import frozen_parameters
 from recipes.rome_value import LightningValueRunner
 
 REQUEST = EditRequest(prompt="The {} is located in the city of", subject="Eiffel Tower", target_new="Rome",

@@ -16,8 +16,15 @@ layers with MEMIT (arXiv 2210.07229) and AlphaEdit (arXiv 2410.02355)::
     batch = memit.edit(requests)     # a BatchEdit: one low-rank edit per layer
     batch.restore(pg)
 
-See docs/rome.md and docs/memit.md. Names are imported on first use (:func:`editors.lazy.lazy_exports`), so
-``import editors`` does not import torch.
+The algorithms' front doors are the modules at the top (:mod:`.rome`, :mod:`.memit`, :mod:`.alphaedit`); their parts
+live in sub-packages by concern: :mod:`.edits` (edit objects, files), :mod:`.statistics` (second moment, corpus,
+keys), :mod:`.value` (the value search), :mod:`.solve` (the closed forms), :mod:`.passes` (forward passes, tokens,
+scores), :mod:`.evaluation` (CounterFact) and :mod:`.causal_trace`. See docs/architecture.md, docs/rome.md and
+docs/memit.md.
+
+Names are imported on first use (:func:`editors.lazy.lazy_exports`), so ``import editors`` does not import torch.
+The internal algebra (``solve_second_moment``, ``update_direction``, ``BatchValueObjective``, ...) is reached from its
+sub-package; importing it from here still works for one release, with a :class:`DeprecationWarning`.
 """
 
 from __future__ import annotations
@@ -28,60 +35,77 @@ from .lazy import lazy_exports
 _EXPORTS: dict[str, str] = {
     "AlphaEdit": "alphaedit",
     "AlphaEditConfig": "alphaedit",
-    "BatchValueObjective": "batch_value",
-    "optimize_values": "batch_search",
-    "Corpus": "corpus",
-    "open_corpus": "corpus",
-    "wiki_summaries": "corpus",
-    "wiki_summaries_path": "corpus",
-    "CounterFactCase": "counterfact",
-    "EditRequest": "counterfact",
-    "load_cases": "counterfact",
-    "save_cases": "counterfact",
-    "Edit": "edit",
-    "apply_edits": "edit",
-    "load_edits": "edit",
-    "restore_edits": "edit",
-    "save_edits": "edit",
-    "BatchEdit": "edit_batch",
+    "MEMITConfig": "config",
+    "ROMEConfig": "config",
+    "DEFAULT_N_SAMPLES": "defaults",
+    "DEFAULT_SMOLLM2_MOM2_UPDATE_WEIGHT": "defaults",
+    "DEFAULT_SMOLLM2_NODE": "defaults",
+    "DEFAULT_SMOLLM2_NODES": "defaults",
+    "METHODS": "defaults",
+    "BatchEdit": "edits.batch",
+    "Editor": "editor",
+    "Edit": "edits.edit",
+    "apply_edits": "edits.edit",
+    "load_edits": "edits.edit",
+    "restore_edits": "edits.edit",
+    "save_edits": "edits.edit",
     "ConflictingRequestsError": "errors",
     "EditError": "errors",
+    "EditFingerprintError": "errors",
     "EditLoadError": "errors",
+    "EditNotConvergedError": "errors",
     "LayerKindError": "errors",
     "StatisticsError": "errors",
     "SubjectNotFoundError": "errors",
     "TokenizationError": "errors",
-    "evaluate_cases": "evaluate",
-    "score_case": "evaluate",
-    "ContextTemplates": "keys",
-    "compute_key": "keys",
-    "context_activations": "keys",
-    "generate_context_prefixes": "keys",
+    "TraceError": "errors",
+    "CounterFactCase": "evaluation.counterfact",
+    "load_cases": "evaluation.counterfact",
+    "save_cases": "evaluation.counterfact",
+    "evaluate_cases": "evaluation.scores",
+    "score_case": "evaluation.scores",
+    "evaluate_sequential": "evaluation.sequential",
     "LinearLayer": "layers",
     "editable_graph": "layers",
     "resolve_layer": "layers",
-    "DEFAULT_SMOLLM2_NODES": "defaults",
     "MEMIT": "memit",
-    "MEMITConfig": "memit",
-    "rank_one_factors": "rank_one",
-    "rank_one_update": "rank_one",
-    "solve_second_moment": "rank_one",
-    "update_direction": "rank_one",
-    "DEFAULT_SMOLLM2_NODE": "defaults",
+    "config_for": "methods",
+    "editor_for": "methods",
+    "lazy_exports": "lazy",
+    "EditRequest": "requests",
     "ROME": "rome",
-    "ROMEConfig": "rome_config",
-    "SecondMoment": "stats",
-    "compute_second_moment": "stats",
-    "compute_second_moments": "stats",
-    "default_cache_dir": "stats",
-    "layer_second_moment": "stats",
-    "layer_second_moments": "stats",
-    "statistics_fingerprint": "stats",
-    "ValueObjective": "value",
-    "ValueResult": "value",
-    "ValueRunner": "value",
-    "optimize_value": "value",
+    "Corpus": "statistics.corpus",
+    "open_corpus": "statistics.corpus",
+    "wiki_summaries": "statistics.corpus",
+    "wiki_summaries_path": "statistics.corpus",
+    "ContextPrefixes": "statistics.keys",
+    "compute_key": "statistics.keys",
+    "context_activations": "statistics.keys",
+    "generate_context_prefixes": "statistics.keys",
+    "SecondMoment": "statistics.second_moment",
+    "compute_second_moment": "statistics.second_moment",
+    "compute_second_moments": "statistics.second_moment",
+    "default_cache_dir": "statistics.second_moment",
+    "layer_second_moment": "statistics.second_moment",
+    "layer_second_moments": "statistics.second_moment",
+    "statistics_fingerprint": "statistics.second_moment",
+    "ValueObjective": "value.search",
+    "ValueResult": "value.search",
+    "ValueRunner": "value.search",
+    "optimize_value": "value.search",
+}
+
+#: Names the front page exported before the sub-packages, for one release (with a DeprecationWarning): the internal
+#: algebra, now in its sub-package, and renamed classes -> what they are now.
+_MOVED: dict[str, str] = {
+    "BatchValueObjective": "editors.value.BatchValueObjective",
+    "optimize_values": "editors.value.optimize_values",
+    "rank_one_factors": "editors.solve.rank_one_factors",
+    "rank_one_update": "editors.solve.rank_one_update",
+    "solve_second_moment": "editors.solve.solve_second_moment",
+    "update_direction": "editors.solve.update_direction",
+    "ContextTemplates": "editors.statistics.ContextPrefixes",
 }
 
 __all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, deprecated=_MOVED)

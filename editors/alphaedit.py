@@ -25,18 +25,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch_search import BatchStepCallback
-from .counterfact import EditRequest
-from .edit_batch import BatchEdit
-from .memit import MEMIT, MEMITConfig
-from .multi_update import added, alphaedit_factors, null_space_projector
+from .config import MEMITConfig
+from .edits.batch import BatchEdit
+from .memit import MEMIT
+from .requests import EditRequest
+from .solve.multi_update import added, alphaedit_factors, null_space_projector
+from .value.batch_search import BatchStepCallback
 
 __all__ = ["AlphaEdit", "AlphaEditConfig"]
 
 
 @dataclass
 class AlphaEditConfig(MEMITConfig):
-    """AlphaEdit's hyperparameters: MEMIT's (:class:`editors.memit.MEMITConfig`; ``mom2_update_weight`` is unused),
+    """AlphaEdit's hyperparameters: MEMIT's (:class:`editors.config.MEMITConfig`; ``mom2_update_weight`` is unused),
     plus:
 
     Attributes:

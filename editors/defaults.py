@@ -6,9 +6,12 @@ The ``gradpatch`` command reads them to build its ``--help`` without importing t
 from __future__ import annotations
 
 __all__ = [
-    "DEFAULT_MAX_LENGTH", "DEFAULT_N_SAMPLES", "DEFAULT_SMOLLM2_MOM2_UPDATE_WEIGHT", "DEFAULT_SMOLLM2_NODE",
-    "DEFAULT_SMOLLM2_NODES", "LENGTH_PARAMS",
+    "DEFAULT_MAX_LENGTH", "DEFAULT_MAX_TOKENS", "DEFAULT_N_SAMPLES", "DEFAULT_SMOLLM2_MOM2_UPDATE_WEIGHT",
+    "DEFAULT_SMOLLM2_NODE", "DEFAULT_SMOLLM2_NODES", "LENGTH_PARAMS", "METHODS",
 ]
+
+#: The editing methods by name (:func:`editors.editor_for`, ``gradpatch eval-edit --method``).
+METHODS: tuple[str, ...] = ("rome", "memit", "alphaedit")
 
 #: ROME's default edited layer for SmolLM2-135M (30 layers), chosen by measurement (docs/rome.md).
 DEFAULT_SMOLLM2_NODE = "model.layers_3.mlp.down_proj"
@@ -29,3 +32,6 @@ DEFAULT_MAX_LENGTH = 256
 
 #: ``(tokens, count)`` of the sampled context prefixes (ROME paper, section 3.1: 10 of 5 tokens, 10 of 10 tokens).
 LENGTH_PARAMS: tuple[tuple[int, int], ...] = ((5, 10), (10, 10))
+
+#: Tokens per forward pass of MEMIT's batched value search and key passes.
+DEFAULT_MAX_TOKENS = 4096

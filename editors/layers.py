@@ -7,7 +7,7 @@ the weight orientation: the algebra always sees ``W`` as ``[d_out, d_in]`` (the 
 
 A layer whose weight cannot be written in place — a bitsandbytes 8-bit/4-bit layer (quantized storage) or one
 that accelerate offloaded (meta placeholders until its hook loads the weights) — is still computed on (its output
-comes from running the layer itself) and edited as a patch on its output (:mod:`editors.edit_patch`).
+comes from running the layer itself) and edited as a patch on its output (:mod:`editors.edits.patches`).
 """
 
 from __future__ import annotations
@@ -22,26 +22,12 @@ import torch
 from torch import nn
 
 from gradpatch import PatchableGraph
+from gradpatch.dispatch import execution_device
+from gradpatch.model_io import model_device, pad_token_id, right_pad
 
 from .errors import LayerKindError
-from .tokens import pad_token_id, right_pad
 
-__all__ = [
-    "LinearLayer", "editable_graph", "model_device", "model_dtype", "resolve_layer", "resolve_module", "wrapped_model",
-]
-
-
-def wrapped_model(target: nn.Module) -> nn.Module:
-    """The model behind a :class:`gradpatch.PatchableGraph` (its parameters are shared), or ``target`` itself."""
-    inner = getattr(target, "wrapped_model", None)
-    return inner if isinstance(inner, nn.Module) else target
-
-
-def model_device(target: nn.Module) -> torch.device:
-    """Where ``target``'s model (a PatchableGraph or a plain model) takes its inputs: the device of its first
-    parameter that is not an offloaded (meta) placeholder; CPU if it has none."""
-    parameter = next((p for p in wrapped_model(target).parameters() if not p.is_meta), None)
-    return torch.device("cpu") if parameter is None else parameter.device
+__all__ = ["LinearLayer", "editable_graph", "resolve_layer", "resolve_module"]
 
 
 def editable_graph(model: nn.Module, tokenizer: Any) -> PatchableGraph:
@@ -52,13 +38,6 @@ def editable_graph(model: nn.Module, tokenizer: Any) -> PatchableGraph:
     with torch.no_grad():
         pg = PatchableGraph(model, ids.to(model_device(model)), use_cache=False)
     return pg.eval()
-
-
-def model_dtype(target: nn.Module) -> torch.dtype:
-    """The dtype of ``target``'s first floating-point parameter (a PatchableGraph's or a plain model's); float32 if it
-    has none."""
-    parameter = next((p for p in wrapped_model(target).parameters() if p.is_floating_point()), None)
-    return torch.float32 if parameter is None else parameter.dtype
 
 
 def resolve_module(target: nn.Module, node_path: str) -> nn.Module:
@@ -155,8 +134,8 @@ class LinearLayer:
     def device(self) -> torch.device:
         """Where the layer computes: its weight's device, or accelerate's execution device for an offloaded one."""
         if self.weight.is_meta:
-            device = getattr(self.module.__dict__.get("_hf_hook"), "execution_device", None)
-            return torch.device("cpu" if device is None else device)
+            device = execution_device(self.module)
+            return torch.device("cpu") if device is None else device
         return self.weight.device
 
     @property
@@ -206,7 +185,7 @@ class LinearLayer:
         if not self.offloaded:
             yield
             return
-        from accelerate.utils import align_module_device
+        from gradpatch.optional.accelerate import align_module_device
 
         with align_module_device(self.module):
             yield

@@ -6,16 +6,16 @@ and Algorithm 1 of the paper:
 
 1. **Target residuals** (eqs. 15–16): ``z_i = h_i^L + δ_i``, ``h^L`` the residual stream after the last edited layer's
    block at the subject's last token, ``δ_i`` found by ROME's value objective at that layer's output (the output is
-   added to the residual stream there), all facts in one batched search (:mod:`editors.batch_value`).
+   added to the residual stream there), all facts in one batched search (:mod:`editors.value.batch_objective`).
 2. **Spread over the layers**: for each layer ``l_j`` in order, with the updates of the earlier layers in place (as
-   patches holding the weights the edit will write, :func:`editors.edit_patch.updated_weight_patches`: no weight is
+   patches holding the weights the edit will write, :func:`editors.edits.patches.updated_weight_patches`: no weight is
    written while computing), measure each fact's key ``k_i`` at ``l_j`` (the layer input at the subject's last token,
    averaged over the context prefixes, eq. 3 of ROME) and its current ``h_i^L``; the layer takes the share
    ``r_i = (z_i − h_i^L) / (m − j + 1)`` of what is left.
 3. **Update** (eq. 14): ``ΔW = R Kᵀ (λ C + K Kᵀ)⁻¹`` per layer, ``C = E[k kᵀ]`` from the statistics cache
-   (:mod:`editors.stats`; all layers' statistics in one pass over the corpus), ``λ`` = ``mom2_update_weight``.
+   (:mod:`editors.statistics.second_moment`; all layers' statistics in one pass over the corpus), ``λ`` = ``mom2_update_weight``.
 
-The result is a :class:`editors.edit_batch.BatchEdit`: one rank-``F`` edit per layer, applied and restored as one.
+The result is a :class:`editors.edits.batch.BatchEdit`: one rank-``F`` edit per layer, applied and restored as one.
 AlphaEdit (:mod:`editors.alphaedit`) is this pipeline with another update (step 3).
 
 Usage::
@@ -37,24 +37,27 @@ import torch
 from torch import nn
 
 from gradpatch import CustomPatch, model_fingerprint
+from gradpatch.model_io import model_device, model_dtype, wrapped_model
 
-from .batch_search import BatchStepCallback, optimize_values
-from .batch_value import BatchValueObjective
-from .corpus import Corpus
-from .counterfact import EditRequest
+from .config import MEMITConfig
 from .defaults import DEFAULT_SMOLLM2_NODES
-from .edit import Edit
-from .edit_batch import BatchEdit
-from .edit_patch import updated_weight_patches
+from .editor import Editor, value_record
+from .edits.batch import BatchEdit
+from .edits.edit import Edit
+from .edits.patches import updated_weight_patches
 from .errors import ConflictingRequestsError, EditError, LayerKindError
-from .keys import ContextTemplates, context_activations, load_or_generate_prefixes
-from .layers import LinearLayer, model_device, model_dtype, resolve_layer, wrapped_model
-from .memit_config import MEMITConfig
-from .multi_update import added, memit_factors
-from .search_copy import SearchCopy, search_dtype
-from .stats import SecondMoment, default_cache_dir, layer_second_moments, statistics_fingerprint
-from .tail_pass import tail_pass_for
-from .value import ValueResult
+from .evaluation.sequential import BatchApplier, batch_applier
+from .layers import LinearLayer, resolve_layer
+from .passes.tail_pass import tail_pass_for
+from .requests import EditRequest
+from .solve.multi_update import added, memit_factors
+from .statistics.corpus import Corpus
+from .statistics.keys import ContextPrefixes, context_activations
+from .statistics.second_moment import SecondMoment
+from .value.batch_objective import BatchValueObjective
+from .value.batch_search import BatchStepCallback, optimize_values
+from .value.search import ValueResult
+from .value.search_copy import SearchCopy, search_dtype
 
 __all__ = ["DEFAULT_SMOLLM2_NODES", "MEMIT", "MEMITConfig", "check_requests"]
 
@@ -109,7 +112,7 @@ def residual_node_of(layer: LinearLayer) -> str:
                          f"the residual stream after it (e.g. 'model.layers_6.output')")
 
 
-class MEMIT:
+class MEMIT(Editor):
     """Compute and apply MEMIT edits of many facts at several linear layers of a PatchableGraph.
 
     Statistics and context prefixes are computed once per instance (statistics cached on disk, all layers in one
@@ -143,61 +146,34 @@ class MEMIT:
             raise ValueError("MEMIT needs at least one NodePath of a linear layer to edit")
         if len(set(nodes)) != len(nodes):
             raise ValueError(f"A NodePath is given twice in {list(nodes)}; give each layer once")
-        self.pg, self.tokenizer = pg, tokenizer
-        self.config: MEMITConfig = config or MEMITConfig()
         given = [resolve_layer(pg, node) for node in nodes]
-        self.layers: list[LinearLayer] = forward_order(pg, tokenizer, given)
-        widths = {layer.path: layer.d_out for layer in self.layers}
+        layers = forward_order(pg, tokenizer, given)
+        widths = {layer.path: layer.d_out for layer in layers}
         if len(set(widths.values())) != 1:
             raise ValueError(f"The edited layers' outputs differ in width ({widths}); MEMIT spreads one residual "
                              f"over them: pick layers that write to the residual stream (e.g. MLP down_proj)")
-        self.residual_node = residual_node or residual_node_of(self.layers[-1])
-        self.corpus = corpus
-        self._statistics: list[SecondMoment] | None = None
         if statistics is not None:
             if len(statistics) != len(nodes):
                 raise ValueError(f"{len(statistics)} statistics for {len(nodes)} layers; give one per node")
             by_node = dict(zip([layer.path for layer in given], statistics))
-            self._statistics = [self._as_moment(by_node[layer.path], layer) for layer in self.layers]
-        self._templates: ContextTemplates | None = None
+            statistics = [by_node[layer.path] for layer in layers]
+        super().__init__(pg, tokenizer, layers, config or MEMITConfig(), corpus=corpus, statistics=statistics)
+        self.config: MEMITConfig
+        self.residual_node = residual_node or residual_node_of(self.layers[-1])
         search_dtype(self.config.value_dtype)  # a bad name fails here, not after the statistics
         self._search_copy: SearchCopy | None = None
         self.last_values: list[ValueResult] = []
         self.preserved: list[torch.Tensor] = []  # K_n K_nᵀ per layer from preserve(), [d_in, d_in] float64
         self.n_preserved = 0  # facts given to preserve()
 
-    @staticmethod
-    def _as_moment(statistic: SecondMoment | torch.Tensor, layer: LinearLayer) -> SecondMoment:
-        if isinstance(statistic, SecondMoment):
-            return statistic
-        return SecondMoment(matrix=statistic.to(torch.float64), n_tokens=0, n_samples=0, node=layer.input_node,
-                            fingerprint="", corpus=None)
-
-    @property
-    def nodes(self) -> list[str]:
-        """NodePaths of the edited layers, in forward order."""
-        return [layer.path for layer in self.layers]
-
     def statistics(self) -> list[SecondMoment]:
-        """``C`` at every layer's input (memoised; from the disk cache, the missing ones in one pass)."""
-        if self._statistics is None:
-            c = self.config
-            self._statistics = layer_second_moments(
-                self.pg, self.tokenizer, self.layers, corpus=self.corpus, n_samples=c.n_samples,
-                max_length=c.max_length, batch_size=c.stats_batch_size, cache_dir=c.cache_dir, use_cache=c.use_cache,
-                progress=c.progress)
-        return self._statistics
+        """``C`` at every layer's input, in forward order (memoised; from the disk cache, the missing ones in one
+        pass)."""
+        return self.layer_statistics()
 
-    def templates(self) -> ContextTemplates:
-        """The context prefixes (memoised; the cache of :class:`editors.ROME`, keyed by the model without the
-        edited layers)."""
-        if self._templates is None:
-            c = self.config
-            cache = None if not c.use_cache else str(c.cache_dir or default_cache_dir())
-            fingerprint = statistics_fingerprint(self.pg, skip=tuple(self.nodes))
-            self._templates = load_or_generate_prefixes(self.pg, self.tokenizer, cache, fingerprint,
-                                                        length_params=c.context_length_params, seed=c.template_seed)
-        return self._templates
+    def applier(self) -> BatchApplier:
+        """A batch's facts edited at once (:func:`~editors.evaluation.batch_applier` over :meth:`edit`)."""
+        return batch_applier(self.pg, self.edit)
 
     def _search_graph(self) -> nn.Module:
         """The graph the value search runs on: ``pg``, or its copy in ``config.value_dtype`` (made on first use, its
@@ -215,7 +191,7 @@ class MEMIT:
         Each ``(prompt, subject)``'s key at each edited layer (the layer input at the subject's last token, averaged
         over the key prefixes as an edited fact's key, measured on the model as it is now) is added, times
         ``weight``, to the preserved term of the update: ``K_n K_nᵀ`` in MEMIT's ``λC + K_n K_nᵀ + KKᵀ``
-        (:func:`editors.multi_update.memit_factors`: more columns of eq. 14's preserved keys ``K_0``), and in
+        (:func:`editors.solve.multi_update.memit_factors`: more columns of eq. 14's preserved keys ``K_0``), and in
         AlphaEdit's ``K_p K_pᵀ`` (the term that keeps earlier batches' keys). ``C`` comes from generic text, so it
         cannot tell an edited subject from others that share its relation and old object (other cities of its
         country: docs/memit.md, "Why the null space does not protect them"); preserving such subjects (never the
@@ -240,7 +216,7 @@ class MEMIT:
     def _key_moments(self, facts: Sequence[tuple[str, str]], per_context: bool) -> list[torch.Tensor]:
         """``Σ k kᵀ`` ``[d_in, d_in]`` (float64, CPU) per edited layer over the facts' keys on the model as it is (all
         layers in one pass): each fact's key averaged over the key prefixes, or every context's (``per_context``).
-        Raises what :func:`editors.keys.context_activations` raises for a fact that cannot be encoded."""
+        Raises what :func:`editors.statistics.keys.context_activations` raises for a fact that cannot be encoded."""
         c = self.config
         keys = context_activations(self.pg, self.tokenizer, [layer.input_node for layer in self.layers], list(facts),
                                    self.templates().subset(c.key_prefixes), max_tokens=c.max_tokens)  # [F, P, d_in]
@@ -274,8 +250,7 @@ class MEMIT:
             StatisticsError: a layer's system is singular (named).
             NonFiniteError: the value search went non-finite (the fact is named).
         """
-        if getattr(self.pg, "training", False):
-            raise EditError("The PatchableGraph is in training mode (dropout would randomise the edit): call pg.eval()")
+        self.check_eval()
         requests = check_requests(requests)
         c, layers, last = self.config, self.layers, self.layers[-1]
         statistics = self.statistics()
@@ -330,17 +305,11 @@ class MEMIT:
         return BatchEdit(edits=edits, requests=requests, model_fingerprint=fingerprint, info=info)
 
     def _info(self, requests: list[EditRequest], results: list[ValueResult], statistics: list[SecondMoment],
-              layers: list[dict[str, Any]], key_templates: ContextTemplates, value_templates: ContextTemplates,
+              layers: list[dict[str, Any]], key_templates: ContextPrefixes, value_templates: ContextPrefixes,
               timings: dict[str, float]) -> dict[str, Any]:
         c = self.config
-        facts = []
-        for request, result in zip(requests, results):
-            last = result.history[-1] if result.history else {}
-            facts.append({"subject": request.subject, "steps": result.steps,
-                          "converged": result.converged(c.early_stop_loss),
-                          "first_loss": result.history[0]["loss"] if result.history else None,
-                          "loss": last.get("loss"), "target_prob": last.get("target_prob"),
-                          "delta_norm": float(result.delta.norm())})
+        facts = [{"subject": request.subject} | value_record(result, c.early_stop_loss, ("loss", "target_prob"))
+                 for request, result in zip(requests, results)]
         return {
             "method": self.method,
             "nodes": self.nodes,

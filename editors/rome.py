@@ -28,22 +28,25 @@ import torch
 from torch import nn
 
 from gradpatch import model_fingerprint
+from gradpatch.model_io import wrapped_model
 
-from .corpus import Corpus
-from .counterfact import EditRequest
+from .config import ROMEConfig
 from .defaults import DEFAULT_SMOLLM2_NODE
-from .edit import Edit
-from .errors import EditError, StatisticsError
-from .keys import ContextTemplates, context_activations, load_or_generate_prefixes
-from .layers import LinearLayer, resolve_layer, wrapped_model
-from .rank_one import update_direction
-from .rome_config import ROMEConfig
-from .stats import SecondMoment, default_cache_dir, layer_second_moment, statistics_fingerprint
-from .value import StepCallback, ValueObjective, ValueResult, ValueRunner, optimize_value
+from .editor import Editor, value_record
+from .edits.edit import Edit
+from .errors import StatisticsError
+from .evaluation.sequential import BatchApplier, rome_applier
+from .layers import LinearLayer, resolve_layer
+from .requests import EditRequest
+from .solve.rank_one import update_direction
+from .statistics.corpus import Corpus
+from .statistics.keys import ContextPrefixes, context_activations
+from .statistics.second_moment import SecondMoment
+from .value.search import StepCallback, ValueObjective, ValueResult, ValueRunner, optimize_value
 
 __all__ = ["DEFAULT_SMOLLM2_NODE", "ROME", "ROMEConfig"]
 
-class ROME:
+class ROME(Editor):
     """Compute and apply ROME edits at one linear layer of a PatchableGraph.
 
     The statistics and the context prefixes are computed once per instance (and cached on disk), so a series of
@@ -56,7 +59,7 @@ class ROME:
             ``"model.layers_3.mlp.down_proj"`` or ``"transformer.h_5.mlp.c_proj"``.
         config: hyperparameters.
         corpus: corpus of the statistics (``None``: the built-in Wikipedia summaries; a path; a list of strings;
-            a :class:`editors.corpus.Corpus`).
+            a :class:`editors.statistics.Corpus`).
         statistics: precomputed ``C`` to use instead of computing / loading it.
         value_runner: minimises the value objective (default :func:`editors.value.optimize_value`, the plain-torch
             loop; ``recipes.rome_value.LightningValueRunner`` runs it under ``Trainer.fit`` with TensorBoard logs).
@@ -64,6 +67,8 @@ class ROME:
     Raises:
         KeyError, LayerKindError: ``node`` is not a linear layer of the graph.
     """
+
+    method = "rome"
 
     def __init__(
         self,
@@ -75,15 +80,9 @@ class ROME:
         statistics: SecondMoment | torch.Tensor | None = None,
         value_runner: ValueRunner = optimize_value,
     ) -> None:
-        self.pg, self.tokenizer = pg, tokenizer
-        self.config = config or ROMEConfig()
         self.layer: LinearLayer = resolve_layer(pg, node)
-        self.corpus = corpus
-        if isinstance(statistics, torch.Tensor):
-            statistics = SecondMoment(matrix=statistics.to(torch.float64), n_tokens=0, n_samples=0,
-                                      node=self.layer.input_node, fingerprint="", corpus=None)
-        self._statistics: SecondMoment | None = statistics
-        self._templates: ContextTemplates | None = None
+        super().__init__(pg, tokenizer, [self.layer], config or ROMEConfig(), corpus=corpus,
+                         statistics=None if statistics is None else [statistics])
         self.value_runner = value_runner
         self.last_value: ValueResult | None = None
 
@@ -92,32 +91,13 @@ class ROME:
         """NodePath of the edited layer."""
         return self.layer.path
 
-    def _cache_dir(self) -> str | None:
-        if not self.config.use_cache:
-            return None
-        return str(self.config.cache_dir) if self.config.cache_dir is not None else str(default_cache_dir())
-
     def statistics(self) -> SecondMoment:
         """``C`` at the layer input (memoised; read from / written to the disk cache)."""
-        if self._statistics is None:
-            c = self.config
-            self._statistics = layer_second_moment(
-                self.pg, self.tokenizer, self.layer, corpus=self.corpus, n_samples=c.n_samples,
-                max_length=c.max_length, batch_size=c.stats_batch_size, cache_dir=c.cache_dir,
-                use_cache=c.use_cache, progress=c.progress,
-            )
-        return self._statistics
+        return self.layer_statistics()[0]
 
-    def templates(self) -> ContextTemplates:
-        """The context prefixes (memoised; read from / written to the disk cache)."""
-        if self._templates is None:
-            c = self.config
-            fingerprint = statistics_fingerprint(self.pg, skip=(self.layer.path,))
-            self._templates = load_or_generate_prefixes(
-                self.pg, self.tokenizer, self._cache_dir(), fingerprint,
-                length_params=c.context_length_params, seed=c.template_seed,
-            )
-        return self._templates
+    def applier(self) -> BatchApplier:
+        """A batch's facts edited one after another (:func:`~editors.evaluation.rome_applier` over :meth:`compute`)."""
+        return rome_applier(self.pg, self.compute)
 
     def compute(self, request: EditRequest, callback: StepCallback | None = None) -> Edit:
         """Compute the edit for one fact without touching the weights.
@@ -136,8 +116,7 @@ class ROME:
                 node and the subject).
             NonFiniteError: the value search met a non-finite loss term, gradient or value (named with its step).
         """
-        if getattr(self.pg, "training", False):
-            raise EditError("The PatchableGraph is in training mode (dropout would randomise the edit): call pg.eval()")
+        self.check_eval()
         c, layer = self.config, self.layer
         templates = self.templates()
         stats = self.statistics()
@@ -149,7 +128,7 @@ class ROME:
         # already has that key behind the empty prefix: adding it again would count it twice in k*
         if c.subject_first_key and not (request.prompt.startswith("{}") and "" in templates.prefixes):
             first = context_activations(self.pg, self.tokenizer, [layer.input_node], [("{}", request.subject)],
-                                        ContextTemplates(prefixes=("",)))[0][0]
+                                        ContextPrefixes(prefixes=("",)))[0][0]
             contexts = torch.cat([contexts, first])
         key = contexts.mean(dim=0)  # k* (eq. 3), [d_in]
         t1 = time.perf_counter()
@@ -171,16 +150,7 @@ class ROME:
         t2 = time.perf_counter()
         # v* = W k* + δ, so v = v* - W k* = δ (eq. 2): no weight is read, so quantized layers are edited too
         v = result.delta.detach().to(device=u.device, dtype=torch.float64)
-        last = result.history[-1] if result.history else {}
-        info = {
-            "steps": result.steps,
-            "converged": result.converged(c.early_stop_loss),
-            "first_loss": result.history[0]["loss"] if result.history else None,
-            "loss": last.get("loss"),
-            "nll": last.get("nll"),
-            "kl": last.get("kl"),
-            "target_prob": last.get("target_prob"),
-            "delta_norm": float(result.delta.norm()),
+        info = value_record(result, c.early_stop_loss, ("loss", "nll", "kl", "target_prob")) | {
             "v_init_norm": float(v_init.norm()),
             "key_norm": float(key.norm()),
             "n_key_prompts": len(contexts),

@@ -24,6 +24,13 @@ def accelerate_hook(module: nn.Module) -> Any:
     return module.__dict__.get("_hf_hook")
 
 
+def execution_device(module: nn.Module) -> torch.device | None:
+    """The device accelerate runs ``module`` on (its hook's ``execution_device``: where an offloaded module's weights
+    are loaded for a call), or ``None`` if it has no hook or the hook names none."""
+    device = getattr(accelerate_hook(module), "execution_device", None)
+    return None if device is None else torch.device(device)
+
+
 def run_hooked(module: nn.Module, hook: Any, args: tuple, kwargs: dict,
                forward: Callable[[tuple, dict], Any]) -> Any:
     """Run ``forward(args, kwargs)`` between ``hook.pre_forward`` and ``hook.post_forward`` on ``module``, as

@@ -15,7 +15,7 @@ command) works without Lightning and without importing torch for ``--help``; the
 
 from __future__ import annotations
 
-from editors.lazy import lazy_exports
+from editors import lazy_exports
 
 #: Public name -> submodule that defines it.
 _EXPORTS: dict[str, str] = {

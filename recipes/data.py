@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from editors.tokens import pad_token_id
+from gradpatch.model_io import pad_token_id
 
 from .errors import RecipeConfigError
 from .specs import Objective

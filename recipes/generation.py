@@ -15,8 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from editors.layers import model_device
-from editors.scoring import logits_of
+from gradpatch.model_io import logits_of, model_device
 
 from .data import encode, left_pad, pad_token_id
 

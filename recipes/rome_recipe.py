@@ -23,15 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from editors import ROME, CounterFactCase, Edit, EditRequest, evaluate_cases
-from editors.defaults import DEFAULT_SMOLLM2_NODE
-from editors.layers import model_device
-from editors.scoring import mean_target_logprobs
+from editors import DEFAULT_SMOLLM2_NODE, ROME, CounterFactCase, Edit, EditRequest, evaluate_cases
+from editors.passes import mean_target_logprobs
+from gradpatch.model_io import model_device
 
 from .errors import RecipeConfigError
 from .generation import greedy_generate
 from .logger import generations_table
-from .rome_value import LightningValueRunner
 
 __all__ = ["ROMERun", "edit_node", "evaluate_rome", "rewrite_probabilities", "run_rome"]
 
@@ -96,8 +94,9 @@ def run_rome(rome: ROME, request: EditRequest, prompts: Sequence[str] = (), max_
     """Edit one fact with ROME and record its effect.
 
     Args:
-        rome: the editor (its graph in ``eval()``; its ``value_runner`` a :class:`LightningValueRunner` for
-            TensorBoard records, any :class:`editors.value.ValueRunner` otherwise).
+        rome: the editor (its graph in ``eval()``; its ``value_runner`` a
+            :class:`~recipes.rome_value.LightningValueRunner` for TensorBoard records, any
+            :class:`editors.value.ValueRunner` otherwise).
         request: the fact.
         prompts: more prompts to generate from (paraphrases, neighbours); the rewrite prompt comes first.
         max_new_tokens: tokens per greedy generation.
@@ -123,14 +122,15 @@ def run_rome(rome: ROME, request: EditRequest, prompts: Sequence[str] = (), max_
     after = greedy_generate(pg, tokenizer, all_prompts, max_new_tokens, batch_size=1)
     p_after = rewrite_probabilities(pg, tokenizer, request)
     t4 = time.perf_counter()
-    runner = rome.value_runner
-    logger = runner.last_logger if isinstance(runner, LightningValueRunner) else None
+    log_dir = rome.last_value.log_dir if rome.last_value is not None else None
     result = ROMERun(edit=edit, prompts=all_prompts, before=before, after=after,
-                     probabilities={"before": p_before, "after": p_after},
-                     log_dir=None if logger is None else logger.log_dir,
+                     probabilities={"before": p_before, "after": p_after}, log_dir=log_dir,
                      seconds={"statistics": t1 - t0, "edit": t3 - t2, "generate": (t2 - t1) + (t4 - t3)})
-    if logger is not None:
-        _log_edit(logger.experiment, result, step=int(edit.info.get("steps") or 0))
+    if log_dir is not None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        with SummaryWriter(log_dir=log_dir) as writer:
+            _log_edit(writer, result, step=int(edit.info.get("steps") or 0))
     return result
 
 

@@ -31,12 +31,12 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
-from editors.layers import model_device
 from editors.value import StepCallback, ValueObjective, ValueResult, frozen_parameters, value_step_guard
 from gradpatch.finite import StepGuard
+from gradpatch.model_io import model_device
 
-from .logger import InterventionLogger
 from .frozen import GRAPH_ATTRIBUTE
+from .logger import InterventionLogger
 from .objective_module import ObjectiveModule
 
 __all__ = ["LightningValueRunner", "ROMEValueModule", "trainer_device_args"]
@@ -164,28 +164,24 @@ class LightningValueRunner:
         name: run name under ``logdir``.
         progress: show Lightning's progress bar.
         trainer_kwargs: more ``Trainer`` arguments (they override the runner's).
-
-    Attributes:
-        last_logger: the TensorBoardLogger of the latest call (``None`` without ``logdir``), so a recipe can add
-            its own records (generations before and after the edit) to the same run.
     """
 
     logdir: str | Path | None = None
     name: str = "rome"
     progress: bool = False
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
-    last_logger: TensorBoardLogger | None = field(default=None, init=False)
 
     def __call__(self, objective: ValueObjective, *, steps: int, lr: float, early_stop_loss: float,
                  callback: StepCallback | None = None) -> ValueResult:
         """Run the optimisation (at most ``steps`` Adam steps) and return ``δ``.
 
         Returns:
-            :class:`editors.value.ValueResult` with ``steps`` = optimizer steps taken and the per-evaluation history.
+            :class:`editors.value.ValueResult` with ``steps`` = optimizer steps taken, the per-evaluation history and
+            ``log_dir``, the TensorBoard run (``None`` without ``logdir``), so a recipe can add its own records
+            (generations before and after the edit) to the same run.
         """
         logger = None if self.logdir is None else TensorBoardLogger(str(self.logdir), name=self.name,
                                                                     default_hp_metric=False)
-        self.last_logger = logger
         kwargs: dict[str, Any] = {
             "max_steps": steps,
             "logger": logger if logger is not None else False,
@@ -211,4 +207,5 @@ class LightningValueRunner:
         # Every loss evaluation but an early-stopping one was followed by an optimizer step (Lightning's global_step
         # also counts the skipped one).
         steps = len(module.history) - int(module.stopped_early)
-        return ValueResult(delta=delta, v_star=objective.v_init + delta, steps=steps, history=module.history)
+        return ValueResult(delta=delta, v_star=objective.v_init + delta, steps=steps, history=module.history,
+                           log_dir=None if logger is None else logger.log_dir)

@@ -1,7 +1,7 @@
 """Tiny random causal LMs with a word-level tokenizer, for tests, benchmarks and smoke runs of the recipes.
 
 Nothing is downloaded: the tokenizer is built in memory from :data:`WORDS` and the model is a randomly initialised
-2-layer Llama (hidden size 64, :func:`editors.testing.tiny_llama`) seeded for reproducibility.
+2-layer Llama (hidden size 64, :func:`gradpatch.testing.tiny_llama`) seeded for reproducibility.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from editors.testing import tiny_llama
+from gradpatch.testing import tiny_llama
 
 __all__ = ["WORDS", "save_tiny_backbone", "tiny_backbone", "tiny_tokenizer"]
 

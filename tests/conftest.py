@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from editors import testing
+from gradpatch import testing
 
 
 class TupleOutputModule(nn.Module):

@@ -5,20 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-import editors.batch_value as batch_value
-from editors import ContextTemplates, EditRequest, ValueObjective, compute_key, optimize_value, resolve_layer
-from editors.batch_search import optimize_values
-from editors.batch_value import BatchValueObjective
-from editors.capture import node_activations
-from editors.keys import context_activations
-from editors.scoring import logits_of
-from editors.scoring import mean_target_logprobs
-from editors.selected_logits import logits_at, output_embedding_input_node, target_logprobs_at
-from editors.testing import byte_level_tokenizer, tiny_gpt2, tiny_llama
+import editors.value.batch_objective as batch_value
+from editors import ContextPrefixes, EditRequest, ValueObjective, compute_key, optimize_value, resolve_layer
+from editors.passes.capture import node_activations
+from editors.passes.scoring import mean_target_logprobs
+from editors.passes.selected_logits import logits_at, output_embedding_input_node, target_logprobs_at
+from editors.statistics.keys import context_activations
+from editors.value.batch_objective import BatchValueObjective
+from editors.value.batch_search import optimize_values
 from gradpatch import AddPatch, PatchableGraph
 from gradpatch.errors import NonFiniteError
+from gradpatch.model_io import logits_of
+from gradpatch.testing import byte_level_tokenizer, tiny_gpt2, tiny_llama
 
-TEMPLATES = ContextTemplates(prefixes=("", "The river flows. ", "I think you know. "))
+TEMPLATES = ContextPrefixes(prefixes=("", "The river flows. ", "I think you know. "))
 REQUESTS = [
     EditRequest("The river flows into the sea near {}", "the old town", "Rome"),
     EditRequest("I think the answer is {}", "the bridge", "Paris"),
@@ -137,7 +137,7 @@ def test_context_activations_put_each_fact_and_prefix_in_its_place():
     keys = context_activations(pg, tok, [layer.input_node], facts, TEMPLATES, max_tokens=50)[0]
     for i, fact in enumerate(facts):
         for j, prefix in enumerate(TEMPLATES.prefixes):
-            alone = context_activations(pg, tok, [layer.input_node], [fact], ContextTemplates(prefixes=(prefix,)))[0]
+            alone = context_activations(pg, tok, [layer.input_node], [fact], ContextPrefixes(prefixes=(prefix,)))[0]
             torch.testing.assert_close(keys[i, j], alone[0, 0])
 
 

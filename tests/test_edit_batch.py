@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from editors import Edit, EditRequest, load_edits, resolve_layer
-from editors.edit_batch import BatchEdit
+from editors.edits.batch import BatchEdit
 from editors.errors import EditError, EditFingerprintError, EditLoadError, EditNotConvergedError
-from editors.testing import tiny_gpt2, tiny_llama
 from gradpatch import PatchableGraph, model_fingerprint
+from gradpatch.testing import tiny_gpt2, tiny_llama
 
 NODES = {"llama": ["model.layers_0.mlp.down_proj", "model.layers_1.mlp.down_proj"],
          "gpt2": ["transformer.h_0.mlp.c_proj", "transformer.h_1.mlp.c_proj"]}

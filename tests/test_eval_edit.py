@@ -1,4 +1,4 @@
-"""Batched and sequential evaluation (``editors.evaluate_batches``) and the ``gradpatch eval-edit`` command."""
+"""Batched and sequential evaluation (``editors.evaluation.sequential``) and the ``gradpatch eval-edit`` command."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-import editors.evaluate_batches as evaluate_batches
+import editors.evaluation.sequential as evaluate_batches
 from editors import load_cases, resolve_layer
-from editors.evaluate import mentions_subject, neighborhood_fraction, score_case, score_cases
-from editors.evaluate_batches import AppliedBatch, evaluate_sequential
-from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_gpt2
+from editors.evaluation.scores import mentions_subject, neighborhood_fraction, score_case, score_cases
+from editors.evaluation.sequential import AppliedBatch, evaluate_sequential
 from gradpatch import PatchableGraph
+from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_gpt2
 
 NODE = "transformer.h_0.mlp.c_proj"
 

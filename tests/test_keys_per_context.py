@@ -9,11 +9,11 @@ import torch
 
 from editors import ROME, Corpus, Edit, EditRequest, ROMEConfig
 from editors.errors import StatisticsError
-from editors.keys import ContextTemplates, context_activations
-from editors.multi_update import alphaedit_factors, memit_factors
-from editors.rank_one import rank_one_update
-from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
+from editors.solve.multi_update import alphaedit_factors, memit_factors
+from editors.solve.rank_one import rank_one_update
+from editors.statistics.keys import ContextPrefixes, context_activations
 from gradpatch import PatchableGraph
+from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
 
 GEN = torch.Generator().manual_seed(0)
 SAMPLES = torch.randn(400, 12, generator=GEN, dtype=torch.float64)
@@ -95,7 +95,7 @@ def test_rome_subject_first_key_moves_the_subject_at_the_start_of_the_text():
     for first in (False, True):
         rome = _per_context_rome(pg, tok, subject_first_key=first)
         start = context_activations(pg, tok, [rome.layer.input_node], [("{}", request.subject)],
-                                    ContextTemplates(prefixes=("",)))[0][0]  # [1, d_in]: the text begins with it
+                                    ContextPrefixes(prefixes=("",)))[0][0]  # [1, d_in]: the text begins with it
         edit, gain, delta = _edit_and_gain(rome, request, start)
         gains[first] = (gain - delta).norm() / delta.norm()
         assert edit.info["n_key_prompts"] == len(rome.templates()) + first
@@ -112,7 +112,7 @@ def test_rome_subject_first_key_on_a_prompt_that_starts_with_the_subject():
     node = rome.layer.input_node
     keys = torch.cat([context_activations(pg, tok, [node], [(prompt, request.subject)], templates)[0][0]
                       for prompt, templates in ((request.prompt, rome.templates()),
-                                                ("{}", ContextTemplates(prefixes=("",))))])  # [P + 1, d_in]
+                                                ("{}", ContextPrefixes(prefixes=("",))))])  # [P + 1, d_in]
     edit, gain, delta = _edit_and_gain(rome, request, keys)
     torch.testing.assert_close(gain, delta.expand_as(gain), rtol=1e-3, atol=1e-3 * float(delta.norm()))
     edit.restore(pg)

@@ -64,8 +64,8 @@ def test_no_module_is_longer_than_400_lines() -> None:
     assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
 
 
-def test_no_import_cycles() -> None:
-    """Tarjan's strongly connected components of the import graph: none larger than one module."""
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of ``graph`` larger than one node, each sorted."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -74,7 +74,7 @@ def test_no_import_cycles() -> None:
     def visit(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
-        for w in GRAPH[v]:
+        for w in graph[v]:
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -87,9 +87,32 @@ def test_no_import_cycles() -> None:
             if len(component) > 1:
                 cycles.append(sorted(component))
 
-    for name in GRAPH:
+    for name in graph:
         if name not in index:
             visit(name)
+    return cycles
+
+
+def _collapsed(depth: int) -> dict[str, set[str]]:
+    """The import graph with every module named by its first ``depth`` dotted parts (``editors.value.search`` is
+    ``editors.value`` at depth 2): the graph of the packages at that level, self-imports dropped."""
+    graph: dict[str, set[str]] = {}
+    for name, targets in GRAPH.items():
+        node = ".".join(name.split(".")[:depth])
+        edges = graph.setdefault(node, set())
+        edges.update(t for target in targets if (t := ".".join(target.split(".")[:depth])) != node)
+    for targets in list(graph.values()):
+        for target in targets:
+            graph.setdefault(target, set())
+    return graph
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, None])
+def test_no_import_cycles(depth: int | None) -> None:
+    """No cycle among modules (``None``), nor among the packages and modules at each level of nesting (a module of
+    ``editors.value`` importing ``editors.passes`` while one of ``editors.passes`` imports ``editors.value`` is a
+    cycle at depth 2)."""
+    cycles = _cycles(GRAPH if depth is None else _collapsed(depth))
     assert not cycles, f"import cycles: {cycles}"
 
 
@@ -173,3 +196,63 @@ def test_one_error_family_defined_in_the_errors_modules() -> None:
                     ast.unparse(base).endswith(("Error", "Exception")) for base in node.bases):
                 elsewhere.append(f"{name}.{node.name}")
     assert not elsewhere, f"exception classes outside the errors modules: {elsewhere}"
+
+
+#: At most this many modules directly under editors/ (the algorithms' front doors and what every room shares); the
+#: rest lives in sub-packages by concern.
+MAX_EDITORS_TOP_MODULES = 12
+
+
+def test_editors_is_a_house_with_rooms() -> None:
+    top = sorted(p.name for p in (ROOT / "editors").glob("*.py"))
+    rooms = sorted(p.parent.name for p in (ROOT / "editors").glob("*/__init__.py"))
+    assert len(top) <= MAX_EDITORS_TOP_MODULES, f"{len(top)} modules directly under editors/ (move some into a " \
+                                                f"sub-package): {top}"
+    assert len(rooms) >= 4, f"editors/ has {len(rooms)} sub-packages: {rooms}"
+
+
+def _front_door_all(package: str) -> set[str]:
+    """The ``__all__`` of a package front door, read from its ``__init__`` without importing it (a literal list, or
+    ``sorted(_EXPORTS)`` over a literal dict)."""
+    tree = ast.parse((ROOT / package.replace(".", "/") / "__init__.py").read_text(encoding="utf-8"))
+    values: dict[str, ast.expr] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            values[node.targets[0].id] = node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            values[node.target.id] = node.value
+    names = values["__all__"]
+    if isinstance(names, ast.Call) and isinstance(names.args[0], ast.Name):  # sorted(_EXPORTS)
+        names = values[names.args[0].id]
+    return set(ast.literal_eval(names))
+
+
+def test_recipes_import_editors_only_through_front_doors() -> None:
+    """``recipes/`` reads ``editors`` only through ``editors`` or ``editors.<sub-package>`` and only names in their
+    ``__all__``, so the rooms can be rearranged without touching the recipes."""
+    doors = {"editors"} | {f"editors.{p.parent.name}" for p in (ROOT / "editors").glob("*/__init__.py")}
+    wrong = []
+    for name, (path, _) in MODULES.items():
+        if not name.startswith("recipes"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                wrong += [f"{name}: import {a.name}" for a in node.names
+                          if a.name.split(".")[0] == "editors" and a.name not in doors]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("editors"):
+                if node.module not in doors:
+                    wrong.append(f"{name}: from {node.module} import ... (not a front door: {sorted(doors)})")
+                    continue
+                public = _front_door_all(node.module)
+                wrong += [f"{name}: from {node.module} import {a.name} (not in its __all__)" for a in node.names
+                          if a.name not in public]
+    assert not wrong, wrong
+
+
+def test_editors_front_doors_import_no_torch() -> None:
+    """``import editors`` and ``import editors.<sub-package>`` stay cheap: their names load on first use."""
+    rooms = sorted(p.parent.name for p in (ROOT / "editors").glob("*/__init__.py"))
+    code = ("import sys\nimport editors\n" + "".join(f"import editors.{room}\n" for room in rooms)
+            + "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "False"

@@ -6,19 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-import editors.stats as stats_module
+import editors.statistics.second_moment as stats_module
 from editors import Corpus, EditRequest, layer_second_moment, load_cases, resolve_layer
 from editors.alphaedit import AlphaEdit, AlphaEditConfig
-from editors.edit import Edit
-from editors.edit_patch import updated_weight_patches
+from editors.config import MEMITConfig
+from editors.edits.edit import Edit
+from editors.edits.patches import updated_weight_patches
 from editors.errors import ConflictingRequestsError, LayerKindError, StatisticsError, SubjectNotFoundError
-from editors.keys import context_activations
-from editors.memit import MEMIT, MEMITConfig
-from editors.multi_update import alphaedit_factors, memit_factors, null_space_projector
-from editors.scoring import mean_target_logprobs
-from editors.stats import layer_second_moments
-from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
+from editors.memit import MEMIT
+from editors.passes.scoring import mean_target_logprobs
+from editors.solve.multi_update import alphaedit_factors, memit_factors, null_space_projector
+from editors.statistics.keys import context_activations
+from editors.statistics.second_moment import layer_second_moments
 from gradpatch import PatchableGraph
+from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
 
 NODES = [f"model.layers_{i}.mlp.down_proj" for i in range(2)]
 # Random tiny models barely move information between positions, so the toy facts end with their subject.

@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from editors import ContextTemplates, EditRequest, compute_key, resolve_layer
-from editors.batch_value import BatchValueObjective
-from editors.prefix_cache import PrefixCache, supports_prefix_cache
-from editors.testing import byte_level_tokenizer, tiny_gpt2, tiny_llama
+from editors import ContextPrefixes, EditRequest, compute_key, resolve_layer
+from editors.passes.prefix_cache import PrefixCache, supports_prefix_cache
+from editors.value.batch_objective import BatchValueObjective
 from gradpatch import AddPatch, PatchableGraph
+from gradpatch.testing import byte_level_tokenizer, tiny_gpt2, tiny_llama
 
 NODES = {"llama": "model.layers_0.mlp.down_proj", "gpt2": "transformer.h_0.mlp.c_proj"}
-TEMPLATES = ContextTemplates(prefixes=("", "The river flows. ", "I think you know. "))
+TEMPLATES = ContextPrefixes(prefixes=("", "The river flows. ", "I think you know. "))
 REQUESTS = [
     EditRequest("The river flows into the sea near {}", "the old town", "Rome"),
     EditRequest("{} is where we stay", "Madrid", "Berlin"),  # subject at position 0 in the empty-prefix prompt

@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from editors.layers import resolve_module
-from editors.testing import tiny_gpt2, tiny_llama
 from gradpatch import AddPatch, CustomPatch, Patch, PatchableGraph, PatchShapeError, ReplacePatch, ZeroPatch
+from gradpatch.testing import tiny_gpt2, tiny_llama
 
 PROFILES = {
     "ci": settings(max_examples=60, derandomize=True, database=None, deadline=None,

@@ -121,7 +121,7 @@ def test_graph_command_draws_a_subtree_and_names_unknown_nodes(tmp_path, capsys)
 
 
 def test_rome_command_exits_1_on_an_unconverged_edit_and_saves_nothing(tmp_path, capsys):
-    from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_gpt2
+    from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_gpt2
 
     tok = byte_level_tokenizer()
     model_dir = tmp_path / "model"

@@ -8,7 +8,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from editors import ROME, Corpus, EditRequest, ROMEConfig, ValueObjective, compute_key, load_edits, optimize_value
-from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
+from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
 from recipes.rome_recipe import run_rome
 from recipes.rome_value import LightningValueRunner
 

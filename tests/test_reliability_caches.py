@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 
 from editors import Corpus, layer_second_moment
 from editors.errors import CacheRecomputedWarning
-from editors.keys import load_or_generate_prefixes
-from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
+from editors.statistics.keys import load_or_generate_prefixes
+from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
 
 NODE = "model.layers_1.mlp.down_proj"
 CORPUS = Corpus(name="toy", texts=list(TOY_SENTENCES) * 2)

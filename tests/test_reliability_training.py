@@ -12,8 +12,8 @@ from torch import nn
 
 from editors import ROME, Corpus, EditRequest, ROMEConfig, ValueResult, optimize_value
 from editors.errors import EditNotConvergedError
-from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
 from gradpatch.errors import NonFiniteError
+from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
 from recipes import DeltaModule, DeltaSpec, Objective, ObjectiveModule, RecipeConfigError, TargetSpec
 from recipes.rome_value import LightningValueRunner
 from recipes.testing import save_tiny_backbone, tiny_backbone

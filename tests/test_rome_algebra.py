@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from editors import Edit, rank_one_factors, resolve_layer, solve_second_moment
+from editors import Edit, resolve_layer
 from editors.errors import LayerKindError, StatisticsError
+from editors.solve import rank_one_factors, solve_second_moment
 
 
 def _spd(d: int, seed: int) -> torch.Tensor:
@@ -86,7 +87,7 @@ def test_conv1d_orientation_on_tiny_gpt2() -> None:
     from gradpatch import PatchableGraph
     from transformers.pytorch_utils import Conv1D
 
-    from editors.testing import tiny_gpt2
+    from gradpatch.testing import tiny_gpt2
 
     model = tiny_gpt2(vocab_size=50)
     pg = PatchableGraph(model, torch.randint(0, 50, (2, 5)), use_cache=False)

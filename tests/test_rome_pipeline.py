@@ -21,9 +21,9 @@ from editors import (
     restore_edits,
 )
 from editors.errors import EditError, StatisticsError, SubjectNotFoundError
-from editors.evaluate import score_case
-from editors.scoring import mean_target_logprobs
-from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_gpt2, tiny_llama
+from editors.evaluation.scores import score_case
+from editors.passes.scoring import mean_target_logprobs
+from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_gpt2, tiny_llama
 
 # Random tiny models barely move information between positions, so the toy fact ends with its subject: the
 # edited value then reaches the next-token logits directly (real models need no such help).

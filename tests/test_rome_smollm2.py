@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from editors import ROME, EditRequest, ROMEConfig, load_edits, score_case
-from editors.counterfact import CounterFactCase
+from editors.evaluation.counterfact import CounterFactCase
 from editors.rome import DEFAULT_SMOLLM2_NODE
 from gradpatch import ProbePatch
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from editors import Corpus, layer_second_moment, open_corpus, resolve_layer, statistics_fingerprint
-from editors.capture import layer_inputs
-from editors.corpus import wiki_summaries, wiki_summaries_path
 from editors.errors import StatisticsError
-from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
+from editors.passes.capture import layer_inputs
+from editors.statistics.corpus import wiki_summaries, wiki_summaries_path
+from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
 
 NODE = "model.layers_1.mlp.down_proj"
 

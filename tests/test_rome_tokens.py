@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from editors.errors import SubjectNotFoundError, TokenizationError
-from editors.tokens import encode_prompt_target, encode_subject_prompt, format_with_span, right_pad
-from editors.testing import byte_level_tokenizer, metaspace_tokenizer
+from editors.passes.tokens import encode_prompt_target, encode_subject_prompt, format_with_span
+from gradpatch.model_io import right_pad
+from gradpatch.testing import byte_level_tokenizer, metaspace_tokenizer
 
 
 @pytest.fixture(scope="module", params=["byte_level", "metaspace"])

@@ -8,18 +8,19 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from editors import ContextTemplates, Corpus, EditRequest, compute_key, resolve_layer
+from editors import ContextPrefixes, Corpus, EditRequest, compute_key, resolve_layer
 from editors.alphaedit import AlphaEdit, AlphaEditConfig
-from editors.batch_search import optimize_values
-from editors.batch_value import BatchValueObjective
+from editors.config import MEMITConfig
 from editors.errors import EditError
-from editors.layers import model_dtype, wrapped_model
-from editors.memit import MEMIT, MEMITConfig
-from editors.search_copy import SearchCopy, search_dtype
-from editors.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
+from editors.memit import MEMIT
+from editors.value.batch_objective import BatchValueObjective
+from editors.value.batch_search import optimize_values
+from editors.value.search_copy import SearchCopy, search_dtype
 from gradpatch import PatchableGraph
+from gradpatch.model_io import model_dtype, wrapped_model
+from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
 
-TEMPLATES = ContextTemplates(prefixes=("", "The river flows. ", "I think you know. "))
+TEMPLATES = ContextPrefixes(prefixes=("", "The river flows. ", "I think you know. "))
 REQUESTS = [EditRequest("The river flows into the sea near {}", "the old town", "Rome"),
             EditRequest("I think the answer is {}", "the bridge", "Paris"),
             EditRequest("Because it rains, we stay home in {}", "Madrid", "Berlin")]

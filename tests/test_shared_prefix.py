@@ -1,4 +1,4 @@
-"""Rows that begin with the same tokens run those tokens once (editors.shared_prefix): the activations of whole rows,
+"""Rows that begin with the same tokens run those tokens once (editors.passes.shared_prefix): the activations of whole rows,
 with the caller's patches on the shared tokens too, and the keys of MEMIT's passes unchanged."""
 
 from __future__ import annotations
@@ -6,19 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-import editors.shared_prefix as shared_prefix
-from editors import ContextTemplates, resolve_layer
-from editors.keys import context_activations
-from editors.prefix_cache import FIRST_PASS_ROWS, MIN_SHARED_TOKENS
-from editors.shared_prefix import row_activations
-from editors.tokens import common_prefix_length as shared_length
-from editors.tokens import sorted_chunks
-from editors.testing import byte_level_tokenizer, tiny_gpt2, tiny_llama
+import editors.passes.shared_prefix as shared_prefix
+from editors import ContextPrefixes, resolve_layer
+from editors.passes.prefix_cache import FIRST_PASS_ROWS, MIN_SHARED_TOKENS
+from editors.passes.shared_prefix import row_activations
+from editors.passes.tokens import common_prefix_length as shared_length, sorted_chunks
+from editors.statistics.keys import context_activations
 from gradpatch import AddPatch, PatchableGraph
+from gradpatch.testing import byte_level_tokenizer, tiny_gpt2, tiny_llama
 
 NODES = {"llama": ("model.layers_1.mlp.down_proj.input", "model.layers_1.output"),
          "gpt2": ("transformer.h_1.mlp.c_proj.x", "transformer.h_1.output")}
-TEMPLATES = ContextTemplates(prefixes=("", "The river flows. ", "I think you know. "))
+TEMPLATES = ContextPrefixes(prefixes=("", "The river flows. ", "I think you know. "))
 FACTS = [("{} is the capital of", "Madrid"), ("The river flows into the sea near {}", "the old town"),
          ("People in {} speak", "Lyon"), ("{} was founded by", "Apple")]
 

@@ -1,4 +1,4 @@
-"""The value search from the residual stream after the edited block (editors.tail_pass): the same losses and
+"""The value search from the residual stream after the edited block (editors.passes.tail_pass): the same losses and
 gradients as the patched full passes, the decoder's layers left as they were, and full passes where adding δ to the
 stream is not what the patch does or the model has no such decoder."""
 
@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from editors import ContextTemplates, EditRequest, resolve_layer
-from editors.batch_value import BatchValueObjective
-from editors.layers import wrapped_model
-from editors.tail_pass import TailPass, tail_pass_for
-from editors.testing import byte_level_tokenizer, tiny_gpt2, tiny_llama
-from editors.value import frozen_parameters
+from editors import ContextPrefixes, EditRequest, resolve_layer
+from editors.passes.tail_pass import TailPass, tail_pass_for
+from editors.value.batch_objective import BatchValueObjective
+from editors.value.search import frozen_parameters
 from gradpatch import PatchableGraph
+from gradpatch.model_io import wrapped_model
+from gradpatch.testing import byte_level_tokenizer, tiny_gpt2, tiny_llama
 
-TEMPLATES = ContextTemplates(prefixes=("", "The river flows. ", "I think you know. "))
+TEMPLATES = ContextPrefixes(prefixes=("", "The river flows. ", "I think you know. "))
 REQUESTS = [EditRequest("The river flows into the sea near {}", "the old town", "Rome"),
             EditRequest("{} is the capital of", "Madrid", "Berlin")]
 NODE = "model.layers_1.mlp.down_proj"

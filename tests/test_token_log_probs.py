@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import editors.token_log_probs as module
-from editors.token_log_probs import token_log_probs
+import editors.passes.token_log_probs as module
+from editors.passes.token_log_probs import token_log_probs
 
 
 def _reference(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

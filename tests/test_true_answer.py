@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from editors import ContextTemplates, EditRequest, MEMITConfig, compute_key, resolve_layer
-from editors.batch_value import BatchValueObjective
-from editors.testing import byte_level_tokenizer, tiny_llama
-from editors.tokens import encode_prompt_target, format_with_span
+from editors import ContextPrefixes, EditRequest, MEMITConfig, compute_key, resolve_layer
+from editors.passes.tokens import encode_prompt_target, format_with_span
+from editors.value.batch_objective import BatchValueObjective
 from gradpatch import AddPatch, PatchableGraph
+from gradpatch.testing import byte_level_tokenizer, tiny_llama
 
-TEMPLATES = ContextTemplates(prefixes=("", "The river flows. "))
+TEMPLATES = ContextPrefixes(prefixes=("", "The river flows. "))
 # Prompts ending in a space: the byte-level tokenizer's first target token is then the target's first letter, so the
 # true answer's token ("P", "O") differs from the new one's ("L", "R").
 REQUESTS = [EditRequest("The capital of {} is ", "France", "London", target_true="Paris"),

@@ -46,7 +46,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from demos.rome.verify_cases import verify_case
-from editors.counterfact import CounterFactCase
+from editors.evaluation.counterfact import CounterFactCase
 from gradpatch.files import atomic_write_text
 from recipes.generation import greedy_generate
 

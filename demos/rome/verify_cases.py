@@ -29,8 +29,8 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from editors.counterfact import CounterFactCase, load_cases
-from editors.scoring import mean_target_logprobs
+from editors.evaluation.counterfact import CounterFactCase, load_cases
+from editors.passes.scoring import mean_target_logprobs
 from recipes.generation import greedy_generate
 
 DEFAULT_CASES = Path(__file__).resolve().parent / "cases.json"

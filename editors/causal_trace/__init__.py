@@ -68,7 +68,7 @@ _EXPORTS: dict[str, str] = {
     "plot_trace": "plot",
     "save_trace": "files",
     "TraceError": ".errors",
-    "subject_token_range": ".tokens",
+    "subject_token_range": ".passes.tokens",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from gradpatch import NodePathError, PatchableGraph
+from gradpatch.model_io import model_device
 
 from ..errors import TraceError
-from ..layers import model_device
 from .paths import ModelPaths, detect_model_paths
 
 __all__ = ["corpus_embedding_std", "embedding_matrix_std"]

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from gradpatch import AddPatch, CustomPatch, PatchableGraph, ProbePatch, ReplacePatch
+from gradpatch.model_io import logits_of
 
 from ..errors import TokenizationError, TraceError
-from ..scoring import logits_of
-from ..tokens import encode_prompt_target, prompt_and_span, subject_token_range
+from ..passes.tokens import encode_prompt_target, prompt_and_span, subject_token_range
 from .config import KINDS, TraceConfig
 from .noise import embedding_matrix_std
 from .paths import ModelPaths, count_layers, detect_model_paths, has_node, layer_window, tensor_width

@@ -10,7 +10,7 @@ Usage::
 
 The first ``--n-cases`` cases are cut into batches of ``--batch-size`` facts; ``--sequential K`` batches are applied one
 after another (each computed on the model the earlier ones left) before the group's cases are scored and the weights
-restored (:func:`editors.evaluate_batches.evaluate_sequential`). ROME edits a batch's facts one by one (rank-one
+restored (:func:`editors.evaluation.sequential.evaluate_sequential`). ROME edits a batch's facts one by one (rank-one
 edits, the plain-torch value runner); MEMIT and AlphaEdit a batch at once. The JSON has ``eval-rome``'s fields
 (``efficacy_score``, ``paraphrase_score``, ``neighborhood_score``, ``n_cases``, ``pre``, ``cases``) plus ``batches``,
 ``seconds_per_batch`` and ``neighborhood_prompts_left_out`` (neighbourhood prompts naming a subject edited in the same
@@ -25,15 +25,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from editors.defaults import DEFAULT_SMOLLM2_MOM2_UPDATE_WEIGHT, DEFAULT_SMOLLM2_NODE, DEFAULT_SMOLLM2_NODES
+from editors import DEFAULT_SMOLLM2_MOM2_UPDATE_WEIGHT, DEFAULT_SMOLLM2_NODE, DEFAULT_SMOLLM2_NODES, METHODS
 
 from .options import add_edit_options, usage_error
 
 __all__ = ["NAME", "register", "run_eval_edit"]
 
 NAME = "eval-edit"
-
-METHODS = ("rome", "memit", "alphaedit")
 
 
 def _nodes(args: argparse.Namespace) -> list[str] | None:
@@ -55,8 +53,7 @@ def _nodes(args: argparse.Namespace) -> list[str] | None:
 
 def run_eval_edit(args: argparse.Namespace) -> int:
     """Run ``eval-edit`` (see the module docstring); returns the exit status."""
-    from editors import AlphaEdit, AlphaEditConfig, MEMIT, MEMITConfig, ROME, ROMEConfig, editable_graph, load_cases
-    from editors.evaluate_batches import batch_applier, evaluate_sequential, rome_applier
+    from editors import config_for, editable_graph, editor_for, evaluate_sequential, load_cases
     from gradpatch.files import atomic_write_text
     from gradpatch.models import default_device, load_model
 
@@ -77,6 +74,7 @@ def run_eval_edit(args: argparse.Namespace) -> int:
     if not args.preserve_weight > 0:
         return usage_error(NAME, f"--preserve-weight must be positive, got {args.preserve_weight:g}")
     try:
+        config = config_for(args.method, **_settings(args))
         cases = load_cases(args.cases)
         preserved = _preserved_facts(args.preserve) if args.preserve is not None else []
     except (OSError, ValueError) as error:
@@ -86,37 +84,14 @@ def run_eval_edit(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device or default_device())
     pg = editable_graph(model, tokenizer)
-    common: dict[str, Any] = {"n_samples": args.n_samples, "steps": args.steps, "cache_dir": args.cache_dir,
-                              "progress": not args.quiet, "allow_unconverged": True,
-                              "keys_per_context": args.keys_per_context}
-    after_group = None
-    if args.method == "rome":
-        config = ROMEConfig(**common, subject_first_key=args.subject_first_key)
-        editor: Any = ROME(pg, tokenizer, nodes[0], config=config, corpus=args.corpus)
-        apply_batch = rome_applier(pg, editor.compute)
-        statistics = [editor.statistics()]
-    else:
-        if args.mom2_update_weight is not None:
-            common["mom2_update_weight"] = args.mom2_update_weight
-        elif args.model is None:  # the embedded SmolLM2: its development-split λ
-            common["mom2_update_weight"] = DEFAULT_SMOLLM2_MOM2_UPDATE_WEIGHT
-        common["value_dtype"] = args.value_dtype
-        common["true_logit_weight"] = args.true_logit_weight
-        if args.method == "memit":
-            editor = MEMIT(pg, tokenizer, nodes, config=MEMITConfig(**common), corpus=args.corpus)
-        else:
-            if args.nullspace_threshold is not None:
-                common["nullspace_threshold"] = args.nullspace_threshold
-            editor = AlphaEdit(pg, tokenizer, nodes, config=AlphaEditConfig(**common), corpus=args.corpus)
-            after_group = editor.forget
-        apply_batch = batch_applier(pg, editor.edit)
-        statistics = editor.statistics()
-        if preserved:
-            editor.preserve(preserved, weight=args.preserve_weight)
+    editor = editor_for(args.method, pg, tokenizer, nodes, config, corpus=args.corpus)
+    statistics = editor.layer_statistics()
+    if preserved:
+        editor.preserve(preserved, weight=args.preserve_weight)  # type: ignore[attr-defined]
     editor.templates()
     t1 = time.perf_counter()
-    result = evaluate_sequential(pg, tokenizer, cases, apply_batch, batch_size=args.batch_size,
-                                 sequential=args.sequential, after_group=after_group, progress=not args.quiet)
+    result = evaluate_sequential(pg, tokenizer, cases, editor.applier(), batch_size=args.batch_size,
+                                 sequential=args.sequential, after_group=editor.forget, progress=not args.quiet)
     t2 = time.perf_counter()
     result = {key: result[key] for key in ("efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases",
                                            "pre", "neighborhood_prompts_left_out")} | {
@@ -138,6 +113,24 @@ def run_eval_edit(args: argparse.Namespace) -> int:
           f"{result['pre']['efficacy_score']:.3f} / {result['pre']['paraphrase_score']:.3f} / "
           f"{result['pre']['neighborhood_score']:.3f}) -> {out}")
     return 0
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The method's configuration fields the options set (:func:`editors.config_for`); the others keep the
+    configuration's defaults."""
+    settings: dict[str, Any] = {"n_samples": args.n_samples, "steps": args.steps, "cache_dir": args.cache_dir,
+                                "progress": not args.quiet, "allow_unconverged": True,
+                                "keys_per_context": args.keys_per_context}
+    if args.method == "rome":
+        return settings | {"subject_first_key": args.subject_first_key}
+    if args.mom2_update_weight is not None:
+        settings["mom2_update_weight"] = args.mom2_update_weight
+    elif args.model is None:  # the embedded SmolLM2: its development-split λ
+        settings["mom2_update_weight"] = DEFAULT_SMOLLM2_MOM2_UPDATE_WEIGHT
+    settings |= {"value_dtype": args.value_dtype, "true_logit_weight": args.true_logit_weight}
+    if args.method == "alphaedit" and args.nullspace_threshold is not None:
+        settings["nullspace_threshold"] = args.nullspace_threshold
+    return settings
 
 
 def _preserved_facts(path: str) -> list[tuple[str, str]]:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .options import add_edit_options, usage_error
+from .options import DeprecatedAlias, add_edit_options, usage_error
 
 __all__ = ["NAME", "register", "run_eval_rome"]
 
@@ -38,8 +38,8 @@ def run_eval_rome(args: argparse.Namespace) -> int:
     except RecipeConfigError as error:
         return usage_error(NAME, error)
     cases = load_cases(args.cases)
-    if args.limit is not None:
-        cases = cases[: args.limit]
+    if args.n_cases is not None:
+        cases = cases[: args.n_cases]
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device or default_device())
     pg = editable_graph(model, tokenizer)
@@ -66,6 +66,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--cases", required=True, metavar="FILE.json", help="CounterFact-format JSON list")
     p.add_argument("--out", required=True, metavar="METRICS.json", help="where to write the scores")
     add_edit_options(p)
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N cases")
+    p.add_argument("--n-cases", type=int, default=None, metavar="N", help="only the first N cases")
+    p.add_argument("--limit", type=int, dest="n_cases", metavar="N", action=DeprecatedAlias, replacement="--n-cases",
+                   help="deprecated name of --n-cases (as eval-edit names it)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run_eval_rome)

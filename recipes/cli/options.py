@@ -1,17 +1,19 @@
 """Options shared by the ``gradpatch`` commands, and how a command reports a usage error.
 
-Nothing here imports torch: defaults come from :mod:`editors.defaults` and :mod:`editors.rome_config`.
+Nothing here imports torch: defaults come from :mod:`editors.defaults` and :mod:`editors.config`.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
 
-from editors.defaults import DEFAULT_SMOLLM2_NODE
-from editors.rome_config import ROMEConfig
+from editors import DEFAULT_SMOLLM2_NODE, ROMEConfig
 
-__all__ = ["add_device_option", "add_edit_options", "add_model_option", "usage_error"]
+__all__ = ["DeprecatedAlias", "add_device_option", "add_edit_options", "add_model_option", "usage_error"]
 
 
 def add_model_option(p: argparse.ArgumentParser) -> None:
@@ -27,7 +29,7 @@ def add_device_option(p: argparse.ArgumentParser) -> None:
 
 def add_edit_options(p: argparse.ArgumentParser) -> None:
     """Add ``--model``, ``--node``, ``--device`` and the ROME settings ``--corpus``, ``--n-samples``, ``--steps``,
-    ``--cache-dir`` (defaults: :class:`editors.rome_config.ROMEConfig`'s)."""
+    ``--cache-dir`` (defaults: :class:`editors.config.ROMEConfig`'s)."""
     defaults = ROMEConfig()
     add_model_option(p)
     p.add_argument("--node", default=None, metavar="NODEPATH",
@@ -40,6 +42,26 @@ def add_edit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=defaults.steps,
                    help="maximum value-optimisation steps (default %(default)s)")
     p.add_argument("--cache-dir", default=None, help="statistics cache (default ~/.cache/gradpatch/stats)")
+
+
+class DeprecatedAlias(argparse.Action):
+    """An option's old name, kept for one release: stores its value as the new option does and warns
+    (:class:`DeprecationWarning`), e.g. ``p.add_argument("--limit", dest="n_cases", type=int,
+    action=DeprecatedAlias, replacement="--n-cases")``.
+
+    Args:
+        replacement: the option to use instead, named in the warning.
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str, replacement: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.replacement = replacement
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        warnings.warn(f"{option_string} is deprecated (it goes in the next release): use {self.replacement}",
+                      DeprecationWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
 
 
 def usage_error(command: str, error: BaseException | str) -> int:

@@ -27,7 +27,7 @@ NAME = "rome"
 def _run_rome(args: argparse.Namespace) -> int:
     """Run ``gradpatch rome`` (see the module docstring); returns the exit status."""
     from editors import ROME, EditRequest, ROMEConfig, editable_graph
-    from editors.errors import EditNotConvergedError, SubjectNotFoundError
+    from editors import EditNotConvergedError, SubjectNotFoundError
     from gradpatch.errors import NonFiniteError
     from gradpatch.models import default_device, load_model
 

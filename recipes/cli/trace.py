@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from editors.causal_trace.config import DEFAULT_WINDOWS, KINDS, TraceConfig
+from editors.causal_trace import DEFAULT_WINDOWS, KINDS, TraceConfig
 
 from .options import add_device_option, add_model_option, usage_error
 
@@ -41,13 +41,13 @@ def _run(args: argparse.Namespace) -> int:
     """Run ``gradpatch trace``; returns the exit status (2 for a usage error, with the fix on stderr)."""
     import torch
 
+    from editors import SubjectNotFoundError, TokenizationError, TraceError
     from editors.causal_trace import causal_trace, save_trace
-    from editors.errors import SubjectNotFoundError, TokenizationError, TraceError
-    from editors.layers import model_device
-    from editors.progress import ProgressBar
-    from editors.tokens import prompt_and_span
+    from editors.passes import prompt_and_span
     from gradpatch import PatchableGraph
+    from gradpatch.model_io import model_device
     from gradpatch.models import EMBEDDED_MODEL_NAME, default_device, load_model
+    from gradpatch.progress import ProgressBar
 
     from ..trace_tensorboard import log_trace_to_tensorboard
 

@@ -1,0 +1,128 @@
+"""The editors' hyperparameters: ROME's (:class:`ROMEConfig`) and MEMIT's (:class:`MEMITConfig`, Meng et al. 2023,
+arXiv 2210.07229: ROME's value search and statistics settings, plus the context prefixes, ``λ`` of eq. 14, the passes'
+size, the value search's dtype and an optional true-answer term).
+
+This module imports nothing heavy (no torch), so the ``gradpatch`` command reads their defaults for ``--help``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .defaults import DEFAULT_MAX_LENGTH, DEFAULT_MAX_TOKENS, DEFAULT_N_SAMPLES, LENGTH_PARAMS
+
+__all__ = ["MEMITConfig", "ROMEConfig"]
+
+
+@dataclass
+class ROMEConfig:
+    """Hyperparameters of ROME (defaults: the reference implementation's, context templates as the paper).
+
+    Attributes:
+        steps: maximum Adam steps of the value optimisation.
+        lr: Adam learning rate.
+        kl_factor: weight of the KL term on the "{subject} is a" prompt.
+        weight_decay: weight of ``‖δ‖ / ‖v₀‖²``. The reference GPT-2 XL value 0.5 is too strong for small models:
+            on SmolLM2-135M (``‖v₀‖ ≈ 15`` at down_proj) the term alone stays above the 0.05 early-stop threshold
+            once ``δ`` reaches the clamp, so every edit ran all steps; 1e-3 is the reference Llama value.
+        clamp_factor: maximum ``‖δ‖ / ‖v₀‖``.
+        early_stop_loss: stop the optimisation once the loss is below this.
+        n_samples: corpus documents for the second moment.
+        max_length: token truncation of corpus documents.
+        stats_batch_size: documents per forward pass when computing the statistics.
+        context_length_params: ``(tokens, count)`` of the sampled context prefixes.
+        template_seed: seed of the context prefix sampling.
+        value_prefixes: how many of the prefixes the value optimisation uses (the empty one and others spread
+            evenly over both lengths; ``None``: all). The key always averages over all of them (one cheap,
+            early-stopped forward pass); each optimisation step costs a forward and backward pass over these
+            prompts, so 11 of the 21 halves the time of an edit.
+        cache_dir: statistics / template cache folder (``None``: ``$GRADPATCH_STATS_DIR`` or
+            ``~/.cache/gradpatch/stats``).
+        use_cache: read and write the disk cache.
+        progress: show progress bars.
+        allow_unconverged: let :meth:`ROME.edit` apply an edit whose value search did not converge (its last loss
+            not below its first, or non-finite); by default such an edit raises
+            :class:`~editors.errors.EditNotConvergedError` and the weights stay as they were.
+        keys_per_context: solve for every context's key (``uᵀ k_j = 1`` for each of the context prompts,
+            :func:`editors.solve.rank_one.update_direction`) instead of their average (eq. 3); still a rank-one update.
+            Off by default: on the 44 cases it won two paraphrases with the subject at position 0 and lost 0.057 of
+            neighbourhood score (docs/rome.md, "Keys per context"). MEMIT and AlphaEdit (each fact's context keys as
+            columns with its residual): higher efficacy and paraphrase scores, but 0.033 (MEMIT, 300 development facts)
+            and 0.044 (AlphaEdit, 10 × 100) less neighbourhood score (docs/memit.md, "Keys per context").
+        subject_first_key: with ``keys_per_context``, also solve for the key of the subject at the start of the text
+            (the subject alone, so a one-token subject sits at position 0, where the context prefixes never put it).
+            It is averaged into ``k*`` too; a prompt that begins with the subject has this key already (behind the
+            empty prefix), and it is not added twice. On the 44 cases it won paraphrases that begin with a one-token
+            subject; at layers 2 and 0 the edit then meets the paraphrase target, at layer 3 it does not; but on 50
+            development facts and on other entities that share the subject's last token the default did better
+            (docs/rome.md, "The subject at the start of the text"). Off by default.
+
+    Raises:
+        ValueError: ``subject_first_key`` without ``keys_per_context``.
+    """
+
+    steps: int = 25
+    lr: float = 0.5
+    kl_factor: float = 0.0625
+    weight_decay: float = 1e-3
+    clamp_factor: float = 4.0
+    early_stop_loss: float = 0.05
+    n_samples: int = DEFAULT_N_SAMPLES
+    max_length: int = DEFAULT_MAX_LENGTH
+    stats_batch_size: int = 16
+    context_length_params: tuple[tuple[int, int], ...] = LENGTH_PARAMS
+    template_seed: int = 0
+    value_prefixes: int | None = 11
+    cache_dir: str | None = None
+    use_cache: bool = True
+    progress: bool = True
+    allow_unconverged: bool = False
+    keys_per_context: bool = False
+    subject_first_key: bool = False
+
+    def __post_init__(self) -> None:
+        if self.subject_first_key and not self.keys_per_context:
+            raise ValueError("subject_first_key=True adds a key for the rank-one solve over the contexts' keys: "
+                             "set keys_per_context=True as well (--keys-per-context)")
+
+    def to_json(self) -> dict[str, Any]:
+        """The hyperparameters as a JSON-able dict."""
+        data = asdict(self)
+        data["context_length_params"] = [list(p) for p in self.context_length_params]
+        return data
+
+
+@dataclass
+class MEMITConfig(ROMEConfig):
+    """MEMIT's hyperparameters: ROME's value search and statistics settings (:class:`editors.rome.ROMEConfig`), plus:
+
+    Attributes:
+        value_prefixes: context prefixes of the value search (6: the reference code's templates, the empty one and
+            five others; ROME uses 11).
+        key_prefixes: context prefixes the keys and residuals are averaged over (6, as the reference code).
+        mom2_update_weight: ``λ`` of eq. 14 (15,000, the reference code's value for GPT-J).
+        max_tokens: tokens per forward pass of the batched value search and the key passes.
+        value_dtype: ``"bfloat16"`` (or ``"float16"``, ``"float32"``) runs the batched value search on a copy of the
+            model in that dtype (:class:`editors.value.search_copy.SearchCopy`: the model's current weights, cast;
+            memory: the parameters once more in that dtype); ``None``: on the model itself. Keys, residuals, statistics
+            and the update stay in the model's dtype and float64. On a float32 model on 2 CPU cores, bfloat16 made the
+            batched search 1.69x faster per fact at batch 100 (docs/memit.md, "The value search in bfloat16").
+        true_logit_weight: ``λ_true`` of a value-search term that keeps each fact's true-answer logit from falling
+            (:class:`editors.value.true_answer.TrueAnswerTerm`; not in the papers; needs ``target_true``). 0 (default):
+            the papers' objective. At 0.5, AlphaEdit's neighbourhood score on 3 sequential batches of 100 development
+            facts rose from 0.892 to 0.956 for 0.020 of efficacy, on 10 batches of 100 evaluation facts from 0.777 to
+            0.925 for 0.081 of efficacy (docs/memit.md, "Keeping the true answer's logit").
+    """
+
+    value_prefixes: int | None = 6
+    key_prefixes: int | None = 6
+    mom2_update_weight: float = 15000.0
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    value_dtype: str | None = None
+    true_logit_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.true_logit_weight >= 0:
+            raise ValueError(f"true_logit_weight must be 0 (the papers' objective) or positive, got "
+                             f"{self.true_logit_weight}")

@@ -1,0 +1,193 @@
+"""CounterFact evaluation of edits (Meng et al. 2022, section 4.2).
+
+For each case the edit is computed and applied to the model's current (fresh) weights, the prompts are scored,
+and the edit is restored, so cases never see each other's edits. Probabilities are mean token
+log-probabilities of ``prompt + " " + target``:
+
+- efficacy: ``P(new) > P(true)`` on the rewrite prompt;
+- paraphrase: the fraction of paraphrase prompts with ``P(new) > P(true)``;
+- neighbourhood: the fraction of neighbourhood prompts with ``P(true) > P(new)``.
+
+The scores are means over cases.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from gradpatch import PatchableGraph
+from gradpatch.model_io import model_device
+from gradpatch.progress import ProgressBar
+
+from ..edits.edit import Edit
+from ..passes.scoring import mean_target_logprobs
+from ..passes.selected_logits import target_logprobs_at
+from ..requests import EditRequest
+from .counterfact import CounterFactCase
+
+__all__ = ["EDIT_INFO_KEYS", "case_row", "evaluate_cases", "mentions_subject", "neighborhood_fraction", "score_case",
+           "score_cases", "score_summary"]
+
+#: The fields of an edit's ``info`` (its value search) that a case row keeps under ``"edit"``.
+EDIT_INFO_KEYS = ("steps", "converged", "loss", "nll", "kl", "target_prob", "delta_norm", "v_init_norm", "timings_s")
+
+
+def score_cases(pg: nn.Module, tokenizer: Any, cases: Sequence[CounterFactCase], batch_size: int = 64
+                ) -> list[dict[str, Any]]:
+    """Score cases on the model as it is now, the prompts of many cases in each forward pass.
+
+    Args:
+        pg: the model's PatchableGraph (or model).
+        tokenizer: its tokenizer.
+        cases: the cases.
+        batch_size: prompt/target pairs per forward pass.
+
+    Returns:
+        One row per case: ``efficacy`` (0/1), ``paraphrase`` and ``neighborhood`` (fractions, ``None`` without such
+        prompts), and the mean log-probabilities ``logp_new`` / ``logp_true`` per prompt group (``rewrite``,
+        ``paraphrase``, ``neighborhood``).
+    """
+    groups_of = [{"rewrite": [c.request.text], "paraphrase": list(c.paraphrase_prompts),
+                  "neighborhood": list(c.neighborhood_prompts)} for c in cases]
+    prompts, targets = [], []
+    for case, groups in zip(cases, groups_of):
+        for target in (case.request.target_new, case.request.target_true):
+            for group in groups.values():
+                prompts += group
+                targets += [target] * len(group)
+    if isinstance(pg, PatchableGraph):  # the output embedding runs at the target tokens only
+        scores = target_logprobs_at(pg, tokenizer, prompts, targets, batch_size=batch_size).tolist()
+    else:
+        device = model_device(pg)
+        scores = mean_target_logprobs(lambda ids: pg(ids.to(device), use_cache=False), tokenizer, prompts, targets,
+                                      batch_size=batch_size).tolist()
+    rows, i = [], 0
+    for groups in groups_of:
+        row: dict[str, Any] = {"logp_new": {}, "logp_true": {}}
+        for which in ("logp_new", "logp_true"):
+            for name, group in groups.items():
+                row[which][name] = scores[i : i + len(group)]
+                i += len(group)
+        row["efficacy"] = _fraction(row, "rewrite", True)
+        row["paraphrase"] = _fraction(row, "paraphrase", True)
+        row["neighborhood"] = _fraction(row, "neighborhood", False)
+        rows.append(row)
+    return rows
+
+
+def _fraction(row: Mapping[str, Any], name: str, want_new: bool, keep: Sequence[bool] | None = None) -> float | None:
+    """The fraction of a group's prompts (those where ``keep`` is true, if given) preferring ``target_new``
+    (``want_new``) or ``target_true``; ``None`` without such prompts."""
+    pairs = list(zip(row["logp_new"][name], row["logp_true"][name]))
+    if keep is not None:
+        pairs = [pair for pair, kept in zip(pairs, keep) if kept]
+    if not pairs:
+        return None
+    return sum((n > t) if want_new else (t > n) for n, t in pairs) / len(pairs)
+
+
+def mentions_subject(subjects: Iterable[str]) -> Callable[[str], bool]:
+    """``prompt -> bool``: whether the prompt names one of ``subjects`` as a whole word (case-sensitive).
+
+    Used to leave out of the neighbourhood score the prompts about a subject that is itself edited in the same
+    batch or group: such a prompt measures that subject's own edit, not whether unrelated facts were kept.
+    """
+    names = sorted({s for s in subjects if s}, key=len, reverse=True)
+    if not names:
+        return lambda prompt: False
+    pattern = re.compile(r"(?<!\w)(?:" + "|".join(map(re.escape, names)) + r")(?!\w)")
+    return lambda prompt: pattern.search(prompt) is not None
+
+
+def neighborhood_fraction(row: Mapping[str, Any], keep: Sequence[bool] | None = None) -> float | None:
+    """The neighbourhood score of a :func:`score_cases` row over the prompts where ``keep`` is true (one flag per
+    neighbourhood prompt; all of them without ``keep``): the fraction with ``P(true) > P(new)``; ``None`` if none is
+    kept."""
+    return _fraction(row, "neighborhood", False, keep)
+
+
+def case_row(case: CounterFactCase, pre: Mapping[str, Any], post: Mapping[str, Any],
+             keep: Sequence[bool] | None = None) -> dict[str, Any]:
+    """One case's row of an evaluation: its request, its scores after the edit (``post``, a :func:`score_cases`
+    row) and before (``pre``), and both rows' log-probabilities. ``keep`` flags the neighbourhood prompts that count
+    (:func:`neighborhood_fraction`), before and after alike."""
+    request = case.request
+    return {"case_id": case.case_id, "subject": request.subject, "prompt": request.text,
+            "target_true": request.target_true, "target_new": request.target_new,
+            "efficacy": post["efficacy"], "paraphrase": post["paraphrase"],
+            "neighborhood": neighborhood_fraction(post, keep),
+            "pre": {"efficacy": pre["efficacy"], "paraphrase": pre["paraphrase"],
+                    "neighborhood": neighborhood_fraction(pre, keep)},
+            "logp": {"pre": {"new": pre["logp_new"], "true": pre["logp_true"]},
+                     "post": {"new": post["logp_new"], "true": post["logp_true"]}}}
+
+
+def score_case(pg: nn.Module, tokenizer: Any, case: CounterFactCase) -> dict[str, Any]:
+    """Score one case on the model as it is now (one batched forward pass): :func:`score_cases` of one case.
+
+    Returns:
+        ``efficacy`` (0/1), ``paraphrase`` and ``neighborhood`` (fractions), and the mean log-probabilities
+        ``logp_new`` / ``logp_true`` per prompt group (``rewrite``, ``paraphrase``, ``neighborhood``).
+    """
+    return score_cases(pg, tokenizer, [case])[0]
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
+def score_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
+    """``{"efficacy_score", "paraphrase_score", "neighborhood_score"}``: the means over ``rows`` of their
+    ``efficacy`` / ``paraphrase`` / ``neighborhood`` (rows without a score are left out; ``None`` if none has one)."""
+    return {f"{name}_score": _mean([row[name] for row in rows]) for name in ("efficacy", "paraphrase", "neighborhood")}
+
+
+def evaluate_cases(
+    pg: nn.Module,
+    tokenizer: Any,
+    cases: Sequence[CounterFactCase],
+    compute_edit: Callable[[EditRequest], Edit],
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Edit and score each case on fresh weights; restore after each.
+
+    Args:
+        pg: the model's PatchableGraph.
+        tokenizer: its tokenizer.
+        cases: CounterFact cases.
+        compute_edit: request -> :class:`Edit` (not applied), e.g. ``ROME(pg, tok, node).compute``.
+        progress: show a progress bar and print one line per case.
+
+    Returns:
+        ``{"efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases", "pre": {...}, "cases": [...]}``
+        where ``pre`` holds the same scores on the unedited model and each case row holds ``pre``/``post``
+        scores, the edit's info (steps, whether its value search converged, loss, norms, timings) and ``seconds``.
+        Edits are scored whether or not their value search converged: the scores measure the editor as it is.
+    """
+    rows = []
+    with ProgressBar("cases", unit="case", total=len(cases), enabled=progress) as bar:
+        for i, case in enumerate(cases):
+            t0 = time.perf_counter()
+            pre = score_case(pg, tokenizer, case)
+            edit = compute_edit(case.request)
+            edit.apply(pg, allow_unconverged=True)  # scored as computed (restored below); the row says if it converged
+            try:
+                post = score_case(pg, tokenizer, case)
+            finally:
+                edit.restore(pg)
+            seconds = time.perf_counter() - t0
+            row = {**case_row(case, pre, post), "edit": {k: edit.info.get(k) for k in EDIT_INFO_KEYS},
+                   "seconds": seconds}
+            rows.append(row)
+            if progress:
+                bar.note(f"[{i + 1}/{len(cases)}] {case.request.text!r} -> {case.request.target_new!r}: "
+                         f"efficacy {row['efficacy']:.0f} paraphrase {row['paraphrase']} neighborhood "
+                         f"{row['neighborhood']} ({edit.info.get('steps')} steps, {seconds:.1f} s)")
+            bar.advance()
+    return {**score_summary(rows), "n_cases": len(rows), "pre": score_summary([r["pre"] for r in rows]), "cases": rows}

@@ -1,0 +1,355 @@
+"""The value ``v*`` (Meng et al. 2022, section 3.1, eq. 4): the layer output that makes the model say the new fact.
+
+With the subject's layer output shifted by ``δ`` (an :class:`gradpatch.AddPatch` at the layer's ``output`` node,
+at the subject's last token of every prompt), ROME minimises::
+
+    L(δ) = 1/N Σ_j  -1/|o| Σ_t log P(o_t | x_j + p, o_<t)                 (target NLL over context prompts)
+           + λ_KL · KL( P(· | "{s} is a", δ) ‖ P(· | "{s} is a", δ=0) )     (essence drift, λ_KL = 0.0625)
+           + λ_wd · ‖δ‖ / ‖v₀‖²                                              (weight decay, as the reference code)
+
+with ``‖δ‖ ≤ clamp_factor · ‖v₀‖`` enforced after each step (``v₀ = W k* + b``, the output at the averaged
+key), and ``v* = v₀ + δ``. :class:`ValueObjective` computes the terms (``loss(delta) -> dict``); a
+:class:`ValueRunner` minimises it. Two runners share that one objective: :func:`optimize_value`, the plain-torch
+loop (Adam, early stop when ``loss < 0.05``) that ``editors`` uses when nothing else is given, and
+``recipes.rome_value.fit_value``, the same optimisation as a LightningModule under ``Trainer.fit`` (used by the
+``gradpatch rome`` / ``eval-rome`` commands and the demo, with TensorBoard logging). Both stop at the first
+non-finite loss term, gradient or updated ``δ`` with a :class:`gradpatch.errors.NonFiniteError` naming the step
+(:func:`value_step_guard`), and :meth:`ValueResult.converged` tells whether the search converged.
+
+The prompts of one fact (:func:`encode_value_prompts`) and the terms computed from log-probabilities
+(:func:`value_terms`, vectorised over facts) are shared with the batched search of many facts
+(:mod:`editors.value.batch_objective`), so both minimise the same objective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from gradpatch import AddPatch
+from gradpatch.finite import StepGuard
+from gradpatch.model_io import model_device, pad_token_id, right_pad, wrapped_model
+
+from ..layers import LinearLayer
+from ..passes.selected_logits import logits_at, output_embedding_input_node
+from ..passes.token_log_probs import token_log_probs
+from ..passes.tokens import EncodedPrompt, encode_prompt_target, encode_subject_prompt, format_with_span
+from ..requests import EditRequest
+from ..statistics.keys import ContextPrefixes
+
+__all__ = ["StepCallback", "ValueObjective", "ValuePrompts", "ValueResult", "ValueRunner", "encode_value_prompts",
+           "frozen_parameters", "optimize_value", "value_step_guard", "value_terms"]
+
+KL_PROMPT = "{} is a"
+
+
+@contextlib.contextmanager
+def frozen_parameters(model: nn.Module) -> Iterator[None]:
+    """Turn off ``requires_grad`` on every parameter for the block (only the delta gets gradients), then restore."""
+    params = list(wrapped_model(model).parameters())
+    flags = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in zip(params, flags):
+            p.requires_grad_(flag)
+
+
+@dataclass(frozen=True)
+class ValuePrompts:
+    """The token sequences of one fact's value objective (eq. 4) and the positions its terms read.
+
+    Attributes:
+        rewrite: the ``N`` rewriting prompts (context prefix + prompt + target), encoded.
+        sequences: the model inputs: each rewriting prompt without its last target token, then the KL prompts.
+        subject_positions: per sequence, the index of the subject's last token (where ``δ`` is added).
+        targets: ``(sequence, column, token)`` for every target token of every rewriting prompt; the logits at
+            ``column`` (the position before the token) predict it.
+    """
+
+    rewrite: list[EncodedPrompt]
+    sequences: list[list[int]]
+    subject_positions: list[int]
+    targets: list[tuple[int, int, int]]
+
+    @property
+    def n_kl(self) -> int:
+        """Number of KL prompts (the sequences after the rewriting ones)."""
+        return len(self.sequences) - len(self.rewrite)
+
+
+def encode_value_prompts(tokenizer: Any, request: EditRequest, templates: ContextPrefixes,
+                         kl_prompts: tuple[str, ...] = (KL_PROMPT,)) -> ValuePrompts:
+    """Tokenize one fact's rewriting prompts (one per context prefix) and KL prompts (eq. 4).
+
+    Raises:
+        SubjectNotFoundError: the subject does not fill the prompt's ``"{}"``.
+        TokenizationError: the target is empty or a token straddles the prompt/target boundary.
+    """
+    rewrite: list[EncodedPrompt] = []
+    for prefix in templates.prefixes:
+        text, span = format_with_span(request.prompt, request.subject, prefix)
+        rewrite.append(encode_prompt_target(tokenizer, text, request.target_new, subject_span=span))
+    essence = []
+    for template in kl_prompts:
+        text, span = format_with_span(template, request.subject)
+        essence.append(encode_subject_prompt(tokenizer, text, span))
+    targets = [(b, t - 1, e.ids[t]) for b, e in enumerate(rewrite) for t in range(e.target_start, len(e.ids))]
+    return ValuePrompts(rewrite=rewrite, sequences=[e.ids[:-1] for e in rewrite] + [e.ids for e in essence],
+                        subject_positions=[e.subject_last for e in rewrite + essence], targets=targets)
+
+
+def value_terms(per_prompt_lp: torch.Tensor, prompt_fact: torch.Tensor, kl_lp: torch.Tensor,
+                kl_reference: torch.Tensor, kl_fact: torch.Tensor, delta: torch.Tensor, v_init: torch.Tensor,
+                kl_factor: float, weight_decay: float) -> dict[str, torch.Tensor]:
+    """The terms of eq. 4 for ``F`` facts at once, each fact's from its own rows only.
+
+    Args:
+        per_prompt_lp: ``[P]`` mean target-token log-probability of each rewriting prompt.
+        prompt_fact: ``[P]`` the fact (``0..F-1``) each prompt belongs to.
+        kl_lp: ``[Q, vocab]`` next-token log-probabilities after each KL prompt, at the current ``δ``.
+        kl_reference: ``[Q, vocab]`` the same at ``δ = 0``.
+        kl_fact: ``[Q]`` the fact each KL prompt belongs to.
+        delta: ``[F, d_out]``; v_init: ``[F, d_out]`` (``v₀ = W k* + b`` per fact).
+        kl_factor: λ_KL; weight_decay: λ_wd.
+
+    Returns:
+        ``{"loss", "nll", "kl", "weight_decay", "target_prob"}``, each ``[F]``: ``nll`` the mean over the fact's
+        prompts of ``-per_prompt_lp``, ``kl`` the mean over its KL prompts of ``KL(P(·|δ) ‖ P(·|0))``, weight decay
+        ``λ_wd ‖δ‖ / ‖v₀‖²``, ``loss = nll + λ_KL kl + weight decay``; ``target_prob`` (detached) the mean over its
+        prompts of ``exp(per_prompt_lp)``.
+    """
+    n_facts = delta.shape[0]
+    zeros = per_prompt_lp.new_zeros(n_facts)
+    n_prompts = zeros.index_add(0, prompt_fact, torch.ones_like(per_prompt_lp))
+    nll = -zeros.index_add(0, prompt_fact, per_prompt_lp) / n_prompts
+    kl_rows = torch.nn.functional.kl_div(kl_reference, kl_lp, log_target=True, reduction="none").sum(-1)  # [Q]
+    kl = zeros.index_add(0, kl_fact, kl_rows) / zeros.index_add(0, kl_fact, torch.ones_like(kl_rows))
+    decay = weight_decay * delta.norm(dim=-1) / v_init.norm(dim=-1).clamp_min(1e-12) ** 2
+    target_prob = zeros.index_add(0, prompt_fact, per_prompt_lp.detach().exp()) / n_prompts
+    return {"loss": nll + kl_factor * kl + decay, "nll": nll, "kl": kl, "weight_decay": decay,
+            "target_prob": target_prob}
+
+
+class ValueObjective:
+    """The loss of eq. 4 as a function of the delta ``δ`` ``[d_out]`` added at the subject's last token.
+
+    One right-padded batch holds the ``N`` rewriting prompts (context prefix + prompt + target tokens but the
+    last) followed by the KL prompt ``"{subject} is a"``; one forward pass gives every term, with the output
+    embedding run only at the positions the terms read (the target tokens, the KL prompt's last token) and the
+    target log-probabilities taken without a float32 log-softmax of every logit (:mod:`editors.passes.token_log_probs`).
+
+    Args:
+        pg: the model's PatchableGraph.
+        tokenizer: its tokenizer.
+        layer: the edited layer.
+        request: the fact (``prompt``, ``subject``, ``target_new``).
+        templates: context prefixes.
+        v_init: ``v₀ = W k* + b`` ``[d_out]`` (norm reference for weight decay and the clamp).
+        kl_factor: λ_KL (0.0625).
+        weight_decay: λ_wd (1e-3; the reference code uses 0.5 for GPT-2 XL and 1e-3 for Llama).
+        clamp_factor: maximum ``‖δ‖ / ‖v₀‖`` (4).
+        kl_prompts: templates of the essence prompts (default ``["{} is a"]``).
+    """
+
+    def __init__(
+        self,
+        pg: nn.Module,
+        tokenizer: Any,
+        layer: LinearLayer,
+        request: EditRequest,
+        templates: ContextPrefixes,
+        v_init: torch.Tensor,
+        kl_factor: float = 0.0625,
+        weight_decay: float = 1e-3,
+        clamp_factor: float = 4.0,
+        kl_prompts: tuple[str, ...] = (KL_PROMPT,),
+    ) -> None:
+        self.pg, self.layer, self.request = pg, layer, request
+        self.kl_factor, self.weight_decay, self.clamp_factor = kl_factor, weight_decay, clamp_factor
+        self.v_init = v_init.detach()
+        self.device = model_device(pg)
+        prompts = encode_value_prompts(tokenizer, request, templates, kl_prompts)
+        self.rewrite = prompts.rewrite
+        ids, lengths = right_pad(prompts.sequences, pad_token_id(tokenizer))
+        self.input_ids = ids.to(self.device)  # [N + n_kl, seq]
+        n = len(prompts.rewrite)
+        self.patch_index = (
+            torch.arange(len(prompts.sequences), device=self.device),
+            torch.tensor(prompts.subject_positions, device=self.device),
+        )
+        rows, cols, tokens = zip(*prompts.targets)
+        self.target_rows = torch.tensor(rows, device=self.device)
+        self.target_cols = torch.tensor(cols, device=self.device)
+        self.target_tokens = torch.tensor(tokens, device=self.device)
+        self.target_counts = torch.tensor([e.n_target for e in prompts.rewrite], device=self.device,
+                                          dtype=torch.float32)
+        self.kl_rows = torch.arange(n, len(prompts.sequences), device=self.device)
+        self.kl_cols = (lengths[n:] - 1).to(self.device)
+        self.read_rows = torch.cat([self.target_rows, self.kl_rows])  # positions the terms read logits at
+        self.read_cols = torch.cat([self.target_cols, self.kl_cols])
+        self.head_node = output_embedding_input_node(pg)
+        self.kl_reference: torch.Tensor | None = None  # log P(· | "{s} is a") with δ = 0, [n_kl, vocab]
+
+    @property
+    def max_norm(self) -> float:
+        """``clamp_factor · ‖v₀‖``."""
+        return float(self.clamp_factor * self.v_init.norm())
+
+    def _logits(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits at the target tokens' positions ``[n_target_tokens, vocab]`` and at the KL prompts' last positions
+        ``[n_kl, vocab]`` (the output embedding runs there only: :func:`editors.passes.selected_logits.logits_at`)."""
+        patch = AddPatch(value=delta, slice=self.patch_index)
+        logits = logits_at(self.pg, self.input_ids, self.read_rows, self.read_cols, {self.layer.output_node: patch},
+                           head_node=self.head_node)
+        targets, kl = logits.split([len(self.target_tokens), len(self.kl_rows)])
+        return targets, kl
+
+    def loss(self, delta: torch.Tensor) -> dict[str, torch.Tensor]:
+        """All loss terms for ``δ`` (differentiable w.r.t. ``delta``).
+
+        The KL reference distribution is taken from the first call if ``δ`` is zero there (as in the reference
+        code, which saves one forward pass), else from an extra no-grad pass with ``δ = 0``.
+
+        Args:
+            delta: ``[d_out]`` tensor (an ``nn.Parameter`` during optimisation).
+
+        Returns:
+            ``{"loss", "nll", "kl", "weight_decay", "target_prob"}``: scalars; ``target_prob`` is the mean over
+            prompts of ``exp(mean log P(target tokens))`` (detached).
+        """
+        if self.kl_reference is None and bool(delta.detach().abs().max() > 0):
+            with torch.no_grad():
+                self._set_kl_reference(self._logits(torch.zeros_like(delta))[1])
+        target_logits, kl_logits = self._logits(delta)
+        token_lp = token_log_probs(target_logits, self.target_tokens)  # [n_target_tokens]
+        per_prompt = torch.zeros_like(self.target_counts).index_add(0, self.target_rows, token_lp) / self.target_counts
+        kl_lp = torch.log_softmax(kl_logits.float(), dim=-1)  # [n_kl, vocab]
+        if self.kl_reference is None:
+            self._set_kl_reference(kl_logits)
+        prompt_fact = torch.zeros(len(per_prompt), dtype=torch.long, device=per_prompt.device)
+        kl_fact = torch.zeros(len(kl_lp), dtype=torch.long, device=per_prompt.device)
+        terms = value_terms(per_prompt, prompt_fact, kl_lp, self.kl_reference, kl_fact, delta.unsqueeze(0),
+                            self.v_init.unsqueeze(0), self.kl_factor, self.weight_decay)
+        return {name: value[0] for name, value in terms.items()}
+
+    def _set_kl_reference(self, kl_logits: torch.Tensor) -> None:
+        self.kl_reference = torch.log_softmax(kl_logits.detach().float(), dim=-1)
+
+    @torch.no_grad()
+    def project_(self, delta: torch.Tensor) -> None:
+        """Clamp ``‖δ‖ ≤ clamp_factor · ‖v₀‖`` in place (after each optimiser step)."""
+        norm = delta.norm()
+        if norm > self.max_norm:
+            delta.mul_(self.max_norm / norm)
+
+
+@dataclass
+class ValueResult:
+    """Outcome of the value optimisation.
+
+    Attributes:
+        delta: optimised ``δ`` ``[d_out]`` (detached).
+        v_star: ``v₀ + δ`` ``[d_out]``.
+        steps: optimiser steps taken.
+        history: per-step loss terms (floats).
+        log_dir: the folder the runner logged the search to (a TensorBoard run of
+            ``recipes.rome_value.LightningValueRunner``), so a caller can add its own records there; ``None``: not
+            logged.
+    """
+
+    delta: torch.Tensor
+    v_star: torch.Tensor
+    steps: int
+    history: list[dict[str, float]] = field(default_factory=list)
+    log_dir: str | None = None
+
+    def converged(self, early_stop_loss: float) -> bool:
+        """Whether the search converged: its last evaluated loss is finite and below ``early_stop_loss`` or below
+        its first loss (an edit from a search that did not converge is not applied unless asked for)."""
+        if not self.history:
+            return False
+        first, last = self.history[0]["loss"], self.history[-1]["loss"]
+        return math.isfinite(last) and (last < early_stop_loss or last < first)
+
+
+def value_step_guard(lr: float) -> StepGuard:
+    """How both value runners report a non-finite loss term, gradient or ``δ`` (steps counted from 0)."""
+    return StepGuard("ROME value step", f"lower the learning rate (lr={lr:g}) or keep the norm clamp (clamp_factor); "
+                                        f"the weights were not changed")
+
+
+#: ``callback(step, terms)``: called after each loss evaluation with the terms as floats.
+StepCallback = Callable[[int, dict[str, float]], None]
+
+
+class ValueRunner(Protocol):
+    """Minimises a :class:`ValueObjective` over ``δ`` (Adam from ``δ = 0``, :meth:`ValueObjective.project_` after each
+    step, stop before stepping once ``loss < early_stop_loss``) and returns the :class:`ValueResult`."""
+
+    def __call__(self, objective: "ValueObjective", *, steps: int, lr: float, early_stop_loss: float,
+                 callback: StepCallback | None = None) -> "ValueResult": ...
+
+
+def optimize_value(
+    objective: ValueObjective,
+    *,
+    steps: int = 25,
+    lr: float = 0.5,
+    early_stop_loss: float = 0.05,
+    callback: StepCallback | None = None,
+) -> ValueResult:
+    """Minimise :meth:`ValueObjective.loss` over ``δ`` with Adam: the plain-torch :class:`ValueRunner`.
+
+    The model's parameters are frozen for the duration (only ``δ`` gets gradients), and restored after.
+
+    Args:
+        objective: the loss.
+        steps: maximum optimiser steps (25).
+        lr: Adam learning rate (0.5).
+        early_stop_loss: stop before stepping once ``loss`` is below this (0.05).
+        callback: called with ``(step, terms)`` after each evaluation.
+
+    Returns:
+        A :class:`ValueResult`.
+
+    Raises:
+        ValueError: ``lr`` is not a finite positive number.
+        NonFiniteError: a loss term, the gradient of ``δ`` or ``δ`` after an update is NaN or inf (the message names
+            the step and the terms), or the update overflows (a learning rate such as 1e38).
+    """
+    if not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a finite positive number, got {lr}; ROME uses 0.5")
+    delta = nn.Parameter(torch.zeros_like(objective.v_init))
+    optimizer = torch.optim.Adam([delta], lr=lr)
+    guard = value_step_guard(lr)
+    history: list[dict[str, float]] = []
+    taken = 0
+    with frozen_parameters(objective.pg), torch.enable_grad():
+        for step in range(steps):
+            terms = objective.loss(delta)
+            record = {k: float(v.detach()) for k, v in terms.items()}
+            history.append(record)
+            if callback is not None:
+                callback(step, record)
+            guard.check_terms(step, record)
+            if record["loss"] < early_stop_loss:
+                break
+            optimizer.zero_grad(set_to_none=True)
+            terms["loss"].backward()
+            guard.check_gradients(step, {"delta": delta}, record)
+            with guard.update(step, lr):
+                optimizer.step()
+            objective.project_(delta)
+            guard.check_values(step, {"delta": delta})
+            taken += 1
+    final = delta.detach().clone()
+    return ValueResult(delta=final, v_star=objective.v_init + final, steps=taken, history=history)
