@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from editors import testing
+from gradpatch import testing
 from gradpatch import PatchableGraph, ProbePatch, ReplacePatch
 from gradpatch.attribution import (
     AttributionError,

@@ -17,7 +17,7 @@ LINES = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from editors.testing import byte_level_tokenizer, tiny_gpt2
+    from gradpatch.testing import byte_level_tokenizer, tiny_gpt2
 
     path = tmp_path_factory.mktemp("model")
     tok = byte_level_tokenizer()
@@ -76,7 +76,7 @@ def test_attribute_usage_errors_write_nothing(model_dir, tmp_path, capsys):
 
 
 def test_attribute_eap_ig_writes_edges_and_the_faithfulness_curve(tmp_path, capsys):
-    from editors.testing import metaspace_tokenizer, tiny_llama
+    from gradpatch.testing import metaspace_tokenizer, tiny_llama
 
     model_dir = tmp_path / "llama"
     tok = metaspace_tokenizer()

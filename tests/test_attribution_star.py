@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from editors import testing
+from gradpatch import testing
 from gradpatch import AddPatch, PatchableGraph, ProbePatch, ReplacePatch
 from gradpatch.attribution import PromptBatch
 from gradpatch.attribution.atp_star import atp_star, attention_pattern, qk_fixed_totals

@@ -71,7 +71,7 @@ def _run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from editors.progress import ProgressBar
+    from gradpatch.progress import ProgressBar
     from gradpatch import PatchableGraph
     from gradpatch.attribution import AttributionError, prompt_batch, resolve_nodes
     from gradpatch.attribution.methods import run_method
