@@ -273,6 +273,12 @@ def run_statistics_job(job: SecondMomentJob, **trainer_kwargs: Any) -> list[Seco
     trainer = Trainer(use_distributed_sampler=False, **options)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="predict returned None")  # on purpose: the job returns its sums
-        trainer.predict(job, return_predictions=False)
+        try:
+            trainer.predict(job, return_predictions=False)
+        except BaseException:
+            # Every rank raises at the same point; leave no process group behind for gloo/NCCL to abort at exit.
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            raise
     return [SecondMoment(matrix=m.matrix.detach().cpu().clone(), n_tokens=m.n_tokens, n_samples=m.n_samples,
                          node=m.node, fingerprint=m.fingerprint, corpus=m.corpus) for m in job.results]
