@@ -152,25 +152,25 @@ class SecondMomentSums:
                        for layer in self.layers]
         self.n_tokens = 0
 
-    def batch_sums(self, docs: Sequence[Sequence[int]]) -> tuple[list[torch.Tensor], int]:
+    def add(self, docs: Sequence[Sequence[int]]) -> bool:
         """One forward pass over ``docs`` (non-empty token id lists, right-padded into ``[batch, seq]``), stopped
-        after the last layer's input: ``([Σ k kᵀ [d_in, d_in] per layer], tokens)``, not yet added."""
+        after the last layer's input; ``k kᵀ`` of every kept token added in place (no ``[d_in, d_in]`` temporary).
+
+        Returns:
+            Whether every added key was finite (the sums hold NaN or inf otherwise).
+        """
         ids, lengths = right_pad(docs, self.pad)
         keep = torch.arange(ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
         if self.special.numel():
             keep &= ~torch.isin(ids, self.special)
         inputs = node_activations(self.pg, [layer.input_node for layer in self.layers], ids.to(model_device(self.pg)))
-        sums = []
+        finite = True
         for total, keys in zip(self.totals, inputs):  # keys [batch, seq, d_in]
             k = keys[keep.to(keys.device)].to(device=total.device, dtype=self.accumulate_dtype)  # [tokens, d_in]
-            sums.append(k.T @ k)
-        return sums, int(keep.sum())
-
-    def add(self, sums: Sequence[torch.Tensor], n_tokens: int) -> None:
-        """Add one batch's :meth:`batch_sums` result."""
-        for total, batch_sum in zip(self.totals, sums):
-            total += batch_sum
-        self.n_tokens += n_tokens
+            finite = finite and bool(torch.isfinite(k).all())
+            total.addmm_(k.T, k)
+        self.n_tokens += int(keep.sum())
+        return finite
 
     def means(self) -> list[torch.Tensor]:
         """``C = Σ k kᵀ / n_tokens`` ``[d_in, d_in]`` float64 per layer.
@@ -228,7 +228,7 @@ def compute_second_moments(
         docs = sorted(docs, key=len)
         for i in range(0, len(docs), batch_size):
             chunk = docs[i : i + batch_size]
-            sums.add(*sums.batch_sums(chunk))
+            sums.add(chunk)
             bar.advance(len(chunk))
 
     try:

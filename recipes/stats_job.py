@@ -5,10 +5,10 @@ one pass, as :func:`editors.layer_second_moments` does, but spread over the rank
 on one or several nodes, started by Lightning's launcher, ``torchrun`` or SLURM):
 
 1. The first ``n_samples`` documents are split by index (rank ``r`` of ``W`` reads documents ``r, r + W, ...``; no
-   document twice, none padded in, unlike ``DistributedSampler``'s repeats).
+   document twice, none padded in, unlike ``DistributedSampler``'s repeats), by length within blocks of 128.
 2. Before any forward pass the ranks compare a digest of the nodes, model fingerprints, corpus and settings
    (one ``all_gather`` of a few integers) and all stop with :class:`StatisticsJobError` if they disagree.
-3. Each rank adds ``Σ k kᵀ`` per node in float64 (:class:`editors.SecondMomentSums`: one ``[d_in, d_in]``
+3. Each rank adds ``Σ k kᵀ`` per node in float64 in place (:class:`editors.SecondMomentSums`: one ``[d_in, d_in]``
    accumulator per node plus one batch of activations) and writes its partial sums atomically every
    ``checkpoint_every`` documents (:mod:`recipes.stats_partial`); a killed job started again resumes each rank
    after its last checkpoint, and gives the uninterrupted job's result.
@@ -16,7 +16,7 @@ on one or several nodes, started by Lightning's launcher, ``torchrun`` or SLURM)
    numbers per node, the only large collective), and rank 0 writes the cache files editors read
    (:func:`editors.save_second_moment` at :func:`editors.second_moment_cache_file`; same key, same format).
 
-A batch whose sums are not finite stops its rank's work; the ranks learn it at the gather of step 4 (no rank is
+A batch with a non-finite key stops its rank's work; the ranks learn it at the gather of step 4 (no rank is
 left waiting) and all raise :class:`gradpatch.errors.NonFiniteError` naming the rank and the document; nothing is
 written but the checkpoints taken before that batch.
 """
@@ -37,8 +37,8 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from editors import (Corpus, SecondMoment, SecondMomentSums, default_cache_dir, open_corpus, resolve_layer,
-                     save_second_moment, second_moment_cache_file, statistics_fingerprint)
+from editors import (Corpus, SecondMoment, SecondMomentSums, StatisticsError, default_cache_dir, open_corpus,
+                     resolve_layer, save_second_moment, second_moment_cache_file, statistics_fingerprint)
 from gradpatch.errors import NonFiniteError
 
 from .errors import StatisticsJobError
@@ -47,9 +47,16 @@ from .stats_partial import JobIdentity, PartialSums, partial_file, read_partial,
 __all__ = ["SecondMomentJob", "run_statistics_job", "shard_indices"]
 
 
-def shard_indices(n_documents: int, rank: int, world_size: int) -> list[int]:
-    """Documents of rank ``rank``: ``rank, rank + world_size, ...`` below ``n_documents`` (every one read once)."""
-    return list(range(rank, n_documents, world_size))
+#: Documents of a shard ordered by length together (fewer pads per batch); fixed, so a resumed job reads the same order.
+LENGTH_BLOCK = 128
+
+
+def shard_indices(texts: Sequence[str], rank: int, world_size: int) -> list[int]:
+    """Documents of rank ``rank``, the order it reads them in: ``rank, rank + world_size, ...`` (every document read
+    by one rank, once), sorted by character length within blocks of :data:`LENGTH_BLOCK`."""
+    indices = list(range(rank, len(texts), world_size))
+    blocks = (indices[i : i + LENGTH_BLOCK] for i in range(0, len(indices), LENGTH_BLOCK))
+    return [index for block in blocks for index in sorted(block, key=lambda j: len(texts[j]))]
 
 
 class _Tokenized(Dataset):
@@ -147,7 +154,7 @@ class SecondMomentJob(LightningModule):
         """
         rank, world = self.trainer.global_rank, self.trainer.world_size
         self.identity = JobIdentity(**self.identity_fields, world_size=world)
-        self.shard = shard_indices(len(self.texts), rank, world)
+        self.shard = shard_indices(self.texts, rank, world)
         self.checkpoint_path = partial_file(self.partial_dir, rank)
         refused: StatisticsJobError | None = None
         self.partial: PartialSums | None = None
@@ -190,21 +197,19 @@ class SecondMomentJob(LightningModule):
         self.sums = SecondMomentSums(self.pg, self.tokenizer, self.layers, torch.float64)
         self.done, self.saved_at, self.bad_document = 0, 0, -1
         if self.partial is not None:
-            self.sums.add([total.to(acc.device) for total, acc in zip(self.partial.sums, self.sums.totals)],
-                          self.partial.n_tokens)
+            for total, saved in zip(self.sums.totals, self.partial.sums):
+                total.copy_(saved)
+            self.sums.n_tokens = self.partial.n_tokens
             self.done = self.saved_at = self.partial.documents_done
 
     def predict_step(self, batch: list[list[int]], batch_idx: int) -> None:
-        """Add one batch's ``Σ k kᵀ``; checkpoint every ``checkpoint_every`` documents; stop at a non-finite sum."""
+        """Add one batch's ``k kᵀ``; checkpoint every ``checkpoint_every`` documents; stop at a non-finite key."""
         if self.bad_document >= 0:
             return
         docs = [ids for ids in batch if ids]
-        if docs:
-            sums, n_tokens = self.sums.batch_sums(docs)
-            if not all(bool(torch.isfinite(s).all()) for s in sums):
-                self.bad_document = self.shard[self.done]
-                return
-            self.sums.add(sums, n_tokens)
+        if docs and not self.sums.add(docs):
+            self.bad_document = self.shard[self.done]  # the sums are spoilt: no checkpoint from here on
+            return
         self.done += len(batch)
         if self.done - self.saved_at >= self.checkpoint_every:
             self._checkpoint()
@@ -228,18 +233,18 @@ class SecondMomentJob(LightningModule):
         bad = [(r, int(table[r, 2])) for r in range(world) if table[r, 2] >= 0]
         if bad:
             raise NonFiniteError(
-                f"second-moment sums became non-finite (rank, corpus document): {bad}; every rank stopped and no cache "
+                f"layer inputs (keys) were non-finite (rank, corpus document): {bad}; every rank stopped and no cache "
                 f"file was written (checkpoints before it are kept): check the model in that dtype on that document")
         if self.done != self.saved_at:
             self._checkpoint()  # a reduce that dies leaves every rank's sums on disk
         n_tokens, n_docs = int(table[:, 0].sum()), int(table[:, 1].sum())
-        for total in self.sums.totals:
-            strategy.reduce(total, reduce_op="sum")  # in place: d_in² float64 numbers per node, once
-        self.sums.n_tokens = n_tokens
+        if n_tokens == 0:
+            raise StatisticsError("The corpus gave no token; pass a corpus with text (a file, or a list of strings)")
         fields = self.identity
-        for layer, fingerprint, matrix in zip(self.layers, fields.fingerprints, self.sums.means()):
-            moment = SecondMoment(matrix=matrix.clone(), n_tokens=n_tokens, n_samples=n_docs, node=layer.input_node,
-                                  fingerprint=fingerprint, corpus=fields.corpus)
+        for layer, fingerprint, total in zip(self.layers, fields.fingerprints, self.sums.totals):
+            strategy.reduce(total, reduce_op="sum")  # in place: d_in² float64 numbers per node, once
+            moment = SecondMoment(matrix=total.div_(n_tokens).cpu(), n_tokens=n_tokens, n_samples=n_docs,
+                                  node=layer.input_node, fingerprint=fingerprint, corpus=fields.corpus)
             path = second_moment_cache_file(self.cache_dir, fingerprint, layer.input_node, fields.corpus,
                                             fields.n_samples, fields.max_length, torch.float64)
             if self.trainer.global_rank == 0:

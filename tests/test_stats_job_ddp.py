@@ -43,21 +43,21 @@ SCRIPT = textwrap.dedent('''
             if pl_module.done >= 12:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    class NaNOnRank1(Callback):  # rank 1's third batch gives NaN sums
+    class NaNOnRank1(Callback):  # rank 1's model gives NaN from its third batch on
         def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
             if trainer.global_rank == 1 and batch_idx == 2:
-                sums = pl_module.sums
-                sums.batch_sums = lambda docs: ([torch.full_like(t, float("nan")) for t in sums.totals], 1)
+                pl_module.pg.wrapped_model.model.embed_tokens.weight.data[:, 0] = float("nan")
+                record["bad_document"] = pl_module.shard[pl_module.done]
 
     if __name__ == "__main__":
         out, mode = sys.argv[1], sys.argv[2]
         rank = int(os.environ.get("LOCAL_RANK", "0"))
         seed = 1 if (mode == "disagree" and rank == 1) else 0
         model, tokenizer = tiny_backbone(seed=seed)
+        record = {"rank": rank}
         job = SecondMomentJob(editable_graph(model, tokenizer), tokenizer, NODES, word_corpus(), n_samples=40,
                               max_length=16, batch_size=4, checkpoint_every=4, cache_dir=f"{out}/stats")
         callbacks = {"kill": [Kill()], "nan": [NaNOnRank1()]}.get(mode, [])
-        record = {"rank": rank}
         try:
             moments = run_statistics_job(job, accelerator="cpu", devices=2, strategy="ddp", callbacks=callbacks,
                                          enable_progress_bar=False)
@@ -114,7 +114,7 @@ def test_two_ranks_killed_half_way_and_resumed_equal_one_rank(tmp_path):
     rank0, rank1 = records(tmp_path, "resume")
     assert rank0["world_size"] == 2 and rank0["backend"] == "gloo"
     assert rank0["resumed_from"] == rank1["resumed_from"] == 12  # each rank went on from its own checkpoint
-    assert sorted(rank0["shard"] + rank1["shard"]) == list(range(40)) and rank0["shard"][:2] == [0, 2]
+    assert sorted(rank0["shard"]) == list(range(0, 40, 2)) and sorted(rank1["shard"]) == list(range(1, 40, 2))
     reference, n_tokens = single_process_reference()
     assert rank0["n_tokens"] == rank1["n_tokens"] == n_tokens and rank0["n_samples"] == 40
     for rank in (0, 1):
@@ -128,10 +128,12 @@ def test_non_finite_sums_on_one_rank_stop_every_rank(tmp_path):
     result = launch(tmp_path, "nan")
     assert result.returncode == 0, result.stderr[-3000:]  # the script records the errors itself
     found = records(tmp_path, "nan")
-    assert found and found[0]["rank"] == 0  # rank 0 finished its own shard, then learned of rank 1's NaN
+    assert len(found) == 2 and found[0]["rank"] == 0  # rank 0 finished its own shard, then learned of rank 1's NaN
+    bad = found[1]["bad_document"]  # the first document of rank 1's third batch
+    assert bad % 2 == 1
     for record in found:
         assert record["error"] == "NonFiniteError"
-        assert "(rank, corpus document): [(1, 17)]" in record["message"]  # rank 1's third batch starts at doc 17
+        assert f"(rank, corpus document): [(1, {bad})]" in record["message"]
     assert not cache_files(tmp_path)
 
 
@@ -139,7 +141,7 @@ def test_ranks_with_different_models_stop_before_any_work(tmp_path):
     result = launch(tmp_path, "disagree")
     assert result.returncode == 0, result.stderr[-3000:]
     found = records(tmp_path, "disagree")
-    assert found and found[0]["rank"] == 0
+    assert len(found) == 2
     for record in found:
         assert record["error"] == "StatisticsJobError"
         assert "ranks [1] disagree with rank 0 on fingerprints" in record["message"]
