@@ -6,6 +6,7 @@
   step).
 - :class:`InterventionLogger`: TensorBoard scalars, histograms, generations and hyperparameters.
 - :class:`DeviceMapStrategy`: train on a model spread over devices by accelerate (``device_map="auto"``).
+- :class:`ShardedFrozenDDPStrategy`: DDP for the trainable patches with the frozen model sharded by FSDP2.
 - :class:`SecondMomentJob` / :func:`run_statistics_job`: second-moment statistics split over the ranks of a Lightning
   strategy (DDP, several nodes), resumable from per-rank checkpoints, written as the editors' cache files.
 - the ``gradpatch`` command (:mod:`recipes.cli`, one module per command): ``gradpatch fit --config
@@ -29,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "Objective": "specs",
     "PartialSumsWarning": "errors",
     "SecondMomentJob": "stats_job",
+    "ShardedFrozenDDPStrategy": "sharded",
     "StatisticsJobError": "errors",
     "ObjectiveModule": "objective_module",
     "RecipeConfigError": "errors",
