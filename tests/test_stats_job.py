@@ -141,3 +141,18 @@ def test_gradpatch_stats_command_writes_the_cache_files(tmp_path, capsys):
                                        f"__n30__len16__float64.safetensors"]
     assert main(["stats", "--model", str(model_dir), "--docs", "3"]) == 2  # --nodes needed with --model
     assert "--nodes is needed" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_job_on_one_gpu_equals_the_cpu_job(tmp_path):
+    model, tokenizer = tiny_backbone()
+    gpu = run_statistics_job(SecondMomentJob(editable_graph(model, tokenizer), tokenizer, NODES, word_corpus(),
+                                             n_samples=40, max_length=16, batch_size=4, cache_dir=tmp_path / "gpu"),
+                             accelerator="gpu", devices=1, enable_progress_bar=False)
+    model, tokenizer = tiny_backbone()
+    cpu = run_statistics_job(SecondMomentJob(editable_graph(model, tokenizer), tokenizer, NODES, word_corpus(),
+                                             n_samples=40, max_length=16, batch_size=4, cache_dir=tmp_path / "cpu"),
+                             **TRAINER)
+    for a, b in zip(gpu, cpu):
+        assert a.matrix.device.type == "cpu" and a.n_tokens == b.n_tokens
+        assert float((a.matrix - b.matrix).abs().max() / b.matrix.abs().max()) <= 1e-5  # float32 forward on another device
