@@ -196,6 +196,7 @@ class SecondMomentJob(LightningModule):
         """Create the float64 accumulators on the layers' devices, filled from the checkpoint when resuming."""
         self.sums = SecondMomentSums(self.pg, self.tokenizer, self.layers, torch.float64)
         self.done, self.saved_at, self.bad_document = 0, 0, -1
+        self.results, self.cache_files = [], []
         if self.partial is not None:
             for total, saved in zip(self.sums.totals, self.partial.sums):
                 total.copy_(saved)
