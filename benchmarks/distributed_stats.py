@@ -2,17 +2,18 @@
 
 Each configuration runs in a fresh subprocess (``--worker``): ``Trainer(strategy="ddp", devices=K)`` on the CPU with
 the gloo backend (or the GPU with NCCL: ``--accelerator gpu --devices 1 2 4 8``), each process limited to
-``--threads`` threads (default 1, so K processes use K cores). After an untimed warm-up batch (graph extraction), rank 0 times the pass from ``on_predict_start``
-(model loaded and moved, ranks agreed) until ``Trainer.predict`` returns (the final all-reduce and the cache files
-included); every rank reports its peak resident memory. Configurations are run in turn ``--repeats`` times
-(interleaved, so load from other processes on a shared machine hits each alike) and the best time is kept.
+``--threads`` threads (default 1, so K processes use K cores). After an untimed warm-up batch (graph extraction),
+rank 0 times the pass from ``on_predict_start`` (model loaded and moved, ranks agreed) until ``Trainer.predict``
+returns (the final all-reduce and the cache files included); every rank reports its CPU time and peak resident
+memory. Configurations are run in turn ``--repeats`` times (interleaved, so load from other processes on a shared
+machine hits each alike) and the best time is kept.
 
 Reported per K: ``docs_per_s`` (documents / best seconds), ``speedup`` (over K=1), ``efficiency`` (speedup / K),
 ``docs_per_cpu_s`` (documents / CPU seconds of all ranks: the work the split adds, which other processes' load
-disturbs less than wall time), ``max_rel_diff_vs_1`` (largest ``|C_K − C_1| / max|C_1|`` over the nodes: the distributed result beside the
-one-process one) and ``peak_rss_mib`` per rank; plus ``reference_docs_per_s``, the editors' own one-process
-``compute_second_moments`` on the same documents in a K=1 worker (also per CPU second), and its difference from the
-job's result.
+disturbs less than wall time), ``max_rel_diff_vs_1`` (largest ``|C_K − C_1| / max|C_1|`` over the nodes: the
+distributed result beside the one-process one) and ``peak_rss_mib`` per rank; plus ``reference_docs_per_s``, the
+editors' own one-process ``compute_second_moments`` on the same documents in a K=1 worker (also per CPU second), and
+its difference from the job's result.
 
 Run: ``.venv/bin/python benchmarks/distributed_stats.py [--tiny] [--docs N] [--devices 1 2] [--repeats R]``.
 """

@@ -317,8 +317,8 @@ def layer_second_moments(
         if not use_cache or source.name is None:
             continue
         folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        paths[i] = second_moment_cache_file(folder, fingerprints[i], layer.input_node, source.name, n_samples, max_length,
-                               accumulate_dtype)
+        paths[i] = second_moment_cache_file(folder, fingerprints[i], layer.input_node, source.name, n_samples,
+                                            max_length, accumulate_dtype)
         cached = _read_cache(paths[i], layer, fingerprints[i], accumulate_dtype) if paths[i].is_file() else None
         if cached is not None:
             matrix, n_tokens, n_docs = cached

@@ -148,7 +148,8 @@ class FrozenGraphModule(LightningModule):
 
     def check_terms_on_every_rank(self, terms: dict[str, torch.Tensor]) -> None:
         """Stop every rank when a loss term is non-finite on any one, before the backward pass all-reduces gradients
-        (so no rank is left waiting in it): one all-reduce of ``world_size`` flags per step when there are several ranks.
+        (so no rank is left waiting in it): one all-reduce of ``world_size`` flags per step when there are several
+        ranks.
 
         Raises:
             NonFiniteError: on the rank with the non-finite term, naming the terms; on the others, naming that rank.

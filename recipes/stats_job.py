@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from editors import (Corpus, SecondMoment, SecondMomentSums, StatisticsError, default_cache_dir, open_corpus,
                      resolve_layer, save_second_moment, second_moment_cache_file, statistics_fingerprint)
+from editors.defaults import DEFAULT_MAX_LENGTH, DEFAULT_N_SAMPLES
 from gradpatch.errors import NonFiniteError
 
 from .errors import StatisticsJobError
@@ -113,7 +114,7 @@ class SecondMomentJob(LightningModule):
     """
 
     def __init__(self, pg: nn.Module, tokenizer: Any, nodes: Sequence[str], corpus: Corpus | str | None = None,
-                 n_samples: int = 1000, max_length: int = 256, batch_size: int = 16,
+                 n_samples: int = DEFAULT_N_SAMPLES, max_length: int = DEFAULT_MAX_LENGTH, batch_size: int = 16,
                  cache_dir: str | os.PathLike[str] | None = None, partial_dir: str | os.PathLike[str] | None = None,
                  checkpoint_every: int = 1000, restart: bool = False) -> None:
         super().__init__()
@@ -122,7 +123,8 @@ class SecondMomentJob(LightningModule):
             if not isinstance(value, int) or value < 1:
                 raise StatisticsJobError(f"{name} must be a positive integer, got {value!r}")
         if not nodes:
-            raise StatisticsJobError("no node given; pass the NodePaths of the layers, e.g. model.layers_4.mlp.down_proj")
+            raise StatisticsJobError("no node given; pass the NodePaths of the layers, e.g. "
+                                     "model.layers_4.mlp.down_proj")
         source = open_corpus(corpus)
         if source.name is None:
             raise StatisticsJobError("the corpus has no name, so its statistics cannot be cached; pass a file or "

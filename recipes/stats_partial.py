@@ -55,7 +55,8 @@ class JobIdentity:
     def differences(self, other: JobIdentity) -> list[str]:
         """Human-readable differences, ``"world_size: 2 in the file, 1 in this job"``, empty when equal."""
         mine, theirs = asdict(self), asdict(other)
-        return [f"{key}: {theirs[key]} in the file, {mine[key]} in this job" for key in mine if mine[key] != theirs[key]]
+        return [f"{key}: {theirs[key]} in the file, {mine[key]} in this job"
+                for key in mine if mine[key] != theirs[key]]
 
 
 @dataclass
@@ -122,7 +123,9 @@ def read_partial(path: Path, identity: JobIdentity, rank: int, dims: list[int], 
         file_rank, n_tokens, done = int(meta["rank"]), int(meta["n_tokens"]), int(meta["documents_done"])
     except (SafetensorError, OSError, KeyError, ValueError, TypeError) as error:
         return _damaged(path, f"is unreadable or incomplete ({type(error).__name__}: {error})")
-    reasons = identity.differences(theirs) + ([f"rank: {file_rank} in the file, {rank} here"] if file_rank != rank else [])
+    reasons = identity.differences(theirs)
+    if file_rank != rank:
+        reasons.append(f"rank: {file_rank} in the file, {rank} here")
     if reasons:
         raise StatisticsJobError(
             f"resume file {path} comes from another statistics job ({'; '.join(reasons)}); it is not mixed in: rerun "

@@ -141,6 +141,9 @@ def test_gradpatch_stats_command_writes_the_cache_files(tmp_path, capsys):
                                        f"__n30__len16__float64.safetensors"]
     assert main(["stats", "--model", str(model_dir), "--docs", "3"]) == 2  # --nodes needed with --model
     assert "--nodes is needed" in capsys.readouterr().err
+    assert main(["stats", "--model", str(model_dir), "--nodes", "model.layers_0.mlp", "--docs", "3",
+                 "--corpus", str(corpus_file), "--out", str(tmp_path / "stats")]) == 2  # not a linear layer
+    assert "gradpatch stats: " in capsys.readouterr().err
 
 
 @pytest.mark.cuda
@@ -155,4 +158,5 @@ def test_job_on_one_gpu_equals_the_cpu_job(tmp_path):
                              **TRAINER)
     for a, b in zip(gpu, cpu):
         assert a.matrix.device.type == "cpu" and a.n_tokens == b.n_tokens
-        assert float((a.matrix - b.matrix).abs().max() / b.matrix.abs().max()) <= 1e-5  # float32 forward on another device
+        # float32 forward passes on two devices
+        assert float((a.matrix - b.matrix).abs().max() / b.matrix.abs().max()) <= 1e-5

@@ -42,7 +42,7 @@ def _run(args: argparse.Namespace) -> int:
     """Run ``gradpatch stats`` (see the module docstring); returns the exit status."""
     import torch
 
-    from editors import editable_graph
+    from editors import LayerKindError, editable_graph
     from gradpatch.errors import NonFiniteError
     from gradpatch.models import load_model
 
@@ -60,7 +60,7 @@ def _run(args: argparse.Namespace) -> int:
                               n_samples=args.docs, max_length=args.max_length, batch_size=args.batch_size,
                               cache_dir=args.out, partial_dir=args.partial_dir,
                               checkpoint_every=args.checkpoint_every, restart=args.restart)
-    except (StatisticsJobError, FileNotFoundError, KeyError, ValueError) as error:
+    except (StatisticsJobError, FileNotFoundError, KeyError, LayerKindError, ValueError) as error:
         return usage_error(NAME, error)
     try:
         moments = run_statistics_job(job, accelerator=args.accelerator,
