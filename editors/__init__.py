@@ -37,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "AlphaEditConfig": "alphaedit",
     "MEMITConfig": "config",
     "ROMEConfig": "config",
+    "DEFAULT_MAX_LENGTH": "defaults",
     "DEFAULT_N_SAMPLES": "defaults",
     "DEFAULT_SMOLLM2_MOM2_UPDATE_WEIGHT": "defaults",
     "DEFAULT_SMOLLM2_NODE": "defaults",

@@ -6,8 +6,11 @@
   step).
 - :class:`InterventionLogger`: TensorBoard scalars, histograms, generations and hyperparameters.
 - :class:`DeviceMapStrategy`: train on a model spread over devices by accelerate (``device_map="auto"``).
+- :class:`ShardedFrozenDDPStrategy`: DDP for the trainable patches with the frozen model sharded by FSDP2.
+- :class:`SecondMomentJob` / :func:`run_statistics_job`: second-moment statistics split over the ranks of a Lightning
+  strategy (DDP, several nodes), resumable from per-rank checkpoints, written as the editors' cache files.
 - the ``gradpatch`` command (:mod:`recipes.cli`, one module per command): ``gradpatch fit --config
-  recipes/configs/steer_eiffel.yaml``, ``graph``, ``rome``, ``eval-rome``, ``eval-edit``, ``trace``.
+  recipes/configs/steer_eiffel.yaml``, ``graph``, ``rome``, ``eval-rome``, ``eval-edit``, ``trace``, ``stats``.
 
 The names are imported on first use (:func:`editors.lazy.lazy_exports`), so ``recipes.cli`` (the ``gradpatch``
 command) works without Lightning and without importing torch for ``--help``; the Lightning parts need ``pip install 'gradpatch[recipes]'`` (Lightning, TensorBoard, jsonargparse[signatures]).
@@ -25,6 +28,10 @@ _EXPORTS: dict[str, str] = {
     "FrozenGraphModule": "frozen",
     "InterventionLogger": "logger",
     "Objective": "specs",
+    "PartialSumsWarning": "errors",
+    "SecondMomentJob": "stats_job",
+    "ShardedFrozenDDPStrategy": "sharded",
+    "StatisticsJobError": "errors",
     "ObjectiveModule": "objective_module",
     "RecipeConfigError": "errors",
     "RecipeError": "errors",
@@ -34,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "collate_rows": "data",
     "greedy_generate": "generation",
     "left_pad": "data",
+    "run_statistics_job": "stats_job",
 }
 
 __all__ = sorted(_EXPORTS)

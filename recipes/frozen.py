@@ -18,7 +18,8 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from gradpatch.finite import StepGuard
+from gradpatch.errors import NonFiniteError
+from gradpatch.finite import StepGuard, non_finite_names
 
 from .errors import RecipeConfigError
 
@@ -45,7 +46,8 @@ class FrozenGraphModule(LightningModule):
       (``_ddp_params_and_buffers_to_ignore``); only the trainable tensors' gradients are all-reduced.
     - Each step's loss terms, the trainable tensors' gradients and the tensors after the optimizer update are checked:
       the first NaN or inf raises :class:`gradpatch.errors.NonFiniteError` naming the step (``global_step``, from 0)
-      and the terms or tensors, as does an update that overflows (a learning rate such as 1e38).
+      and the terms or tensors, as does an update that overflows (a learning rate such as 1e38). With several ranks
+      the loss terms' check is agreed before the backward pass, so a NaN on one rank stops every rank.
 
     Args:
         lr: learning rate (finite, > 0).
@@ -137,12 +139,32 @@ class FrozenGraphModule(LightningModule):
             NonFiniteError: a loss term is NaN or inf (the message names the step and the terms).
         """
         terms = self.loss_terms(batch)
-        self.step_guard().check_terms(self.global_step, terms)
+        self.check_terms_on_every_rank(terms)
         self._step_terms = {name: float(value.detach()) for name, value in terms.items() if value.numel() == 1}
         loss = terms["loss"]
         self.log("loss", loss.detach(), prog_bar=True, logger=False, on_step=True, on_epoch=False,
                  batch_size=_batch_size(batch))
         return {"loss": loss, "terms": {name: value.detach() for name, value in terms.items()}}
+
+    def check_terms_on_every_rank(self, terms: dict[str, torch.Tensor]) -> None:
+        """Stop every rank when a loss term is non-finite on any one, before the backward pass all-reduces gradients
+        (so no rank is left waiting in it): one all-reduce of ``world_size`` flags per step when there are several
+        ranks.
+
+        Raises:
+            NonFiniteError: on the rank with the non-finite term, naming the terms; on the others, naming that rank.
+        """
+        guard = self.step_guard()
+        if self.trainer.world_size > 1:
+            finite = not non_finite_names(terms)
+            flags = torch.zeros(self.trainer.world_size, device=self.device)
+            flags[self.trainer.global_rank] = float(not finite)
+            flags = self.trainer.strategy.reduce(flags, reduce_op="sum")
+            bad = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+            if bad and finite:
+                raise NonFiniteError(f"{guard.where}: a loss term is non-finite at step {self.global_step} on rank(s) "
+                                     f"{bad}; every rank stops; {guard.fix}")
+        guard.check_terms(self.global_step, terms)
 
     def on_after_backward(self) -> None:
         """Stop at a non-finite gradient of a trainable tensor.

@@ -41,11 +41,14 @@ from .corpus import Corpus, open_corpus
 
 __all__ = [
     "SecondMoment",
+    "SecondMomentSums",
     "compute_second_moment",
     "compute_second_moments",
     "default_cache_dir",
     "layer_second_moment",
     "layer_second_moments",
+    "save_second_moment",
+    "second_moment_cache_file",
     "statistics_fingerprint",
 ]
 
@@ -95,11 +98,89 @@ def _torch_path(node_path: str) -> str:
     return re.sub(r"_(\d+)(?=\.|$)", r".\1", node_path)
 
 
-def _cache_file(cache_dir: Path, fingerprint: str, node: str, corpus: str, n_samples: int, max_length: int,
-                dtype: torch.dtype) -> Path:
+def second_moment_cache_file(cache_dir: Path, fingerprint: str, node: str, corpus: str, n_samples: int,
+                             max_length: int, dtype: torch.dtype = torch.float64) -> Path:
+    """Where the statistics of ``node`` are cached: ``cache_dir/fingerprint/NODE__CORPUS__nN__lenL__DTYPE.safetensors``
+    (the cache key: model fingerprint without the edited layer, NodePath, corpus name, documents, truncation length
+    and accumulation dtype)."""
     safe_corpus = re.sub(r"[^A-Za-z0-9_.-]", "_", corpus)
     dtype_name = str(dtype).replace("torch.", "")
     return cache_dir / fingerprint / f"{node}__{safe_corpus}__n{n_samples}__len{max_length}__{dtype_name}.safetensors"
+
+
+def save_second_moment(path: Path, moment: SecondMoment, n_samples: int, max_length: int,
+                       dtype: torch.dtype = torch.float64) -> Path:
+    """Write ``moment`` to the cache file ``path`` (:func:`second_moment_cache_file`) atomically, in the format
+    :func:`layer_second_moments` reads: tensor ``second_moment`` ``[d_in, d_in]`` in ``dtype`` plus metadata.
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    data = save_safetensors(
+        {"second_moment": moment.matrix.to(dtype).cpu().contiguous()},
+        metadata={"node": moment.node, "fingerprint": moment.fingerprint, "corpus": str(moment.corpus),
+                  "n_samples": str(n_samples), "n_documents": str(moment.n_samples),
+                  "n_tokens": str(moment.n_tokens), "max_length": str(max_length)},
+    )
+    return atomic_write_bytes(path, data)
+
+
+class SecondMomentSums:
+    """Running sums ``Σ k kᵀ`` at several layers' inputs and their token count: the accumulate step of
+    :func:`compute_second_moments`, also held by each rank of a distributed job (``recipes.stats_job``).
+
+    Pad positions and special tokens (BOS/EOS) are left out. Sums live on each layer's device in
+    ``accumulate_dtype``; memory is one ``[d_in, d_in]`` accumulator per layer plus one batch of activations.
+
+    Args:
+        pg: the model's :class:`gradpatch.PatchableGraph`.
+        tokenizer: its tokenizer (pad and special token ids).
+        layers: the layers whose inputs are accumulated.
+        accumulate_dtype: float64 (default) or float32.
+
+    Attributes:
+        totals: ``Σ k kᵀ`` ``[d_in, d_in]`` per layer.
+        n_tokens: tokens added.
+    """
+
+    def __init__(self, pg: nn.Module, tokenizer: Any, layers: Sequence[LinearLayer],
+                 accumulate_dtype: torch.dtype = torch.float64) -> None:
+        self.pg, self.layers, self.accumulate_dtype = pg, list(layers), accumulate_dtype
+        self.pad = pad_token_id(tokenizer)
+        self.special = torch.tensor(sorted(set(getattr(tokenizer, "all_special_ids", []) or [])), dtype=torch.long)
+        self.totals = [torch.zeros(layer.d_in, layer.d_in, dtype=accumulate_dtype, device=layer.device)
+                       for layer in self.layers]
+        self.n_tokens = 0
+
+    def add(self, docs: Sequence[Sequence[int]]) -> bool:
+        """One forward pass over ``docs`` (non-empty token id lists, right-padded into ``[batch, seq]``), stopped
+        after the last layer's input; ``k kᵀ`` of every kept token added in place (no ``[d_in, d_in]`` temporary).
+
+        Returns:
+            Whether every added key was finite (the sums hold NaN or inf otherwise).
+        """
+        ids, lengths = right_pad(docs, self.pad)
+        keep = torch.arange(ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+        if self.special.numel():
+            keep &= ~torch.isin(ids, self.special)
+        inputs = node_activations(self.pg, [layer.input_node for layer in self.layers], ids.to(model_device(self.pg)))
+        finite = True
+        for total, keys in zip(self.totals, inputs):  # keys [batch, seq, d_in]
+            k = keys[keep.to(keys.device)].to(device=total.device, dtype=self.accumulate_dtype)  # [tokens, d_in]
+            finite = finite and bool(torch.isfinite(k).all())
+            total.addmm_(k.T, k)
+        self.n_tokens += int(keep.sum())
+        return finite
+
+    def means(self) -> list[torch.Tensor]:
+        """``C = Σ k kᵀ / n_tokens`` ``[d_in, d_in]`` float64 per layer.
+
+        Raises:
+            StatisticsError: no token was added.
+        """
+        if self.n_tokens == 0:
+            raise StatisticsError("The corpus gave no token; pass a corpus with text (a file, or a list of strings)")
+        return [(total / self.n_tokens).to(torch.float64) for total in self.totals]
 
 
 def compute_second_moments(
@@ -136,29 +217,18 @@ def compute_second_moments(
     Raises:
         StatisticsError: the corpus yields no token.
     """
-    pad = pad_token_id(tokenizer)
-    special = torch.tensor(sorted(set(getattr(tokenizer, "all_special_ids", []) or [])), dtype=torch.long)
-    totals = [torch.zeros(layer.d_in, layer.d_in, dtype=accumulate_dtype, device=layer.device) for layer in layers]
+    sums = SecondMomentSums(pg, tokenizer, layers, accumulate_dtype)
+    n_docs = 0
     nodes = [layer.input_node for layer in layers]
-    n_tokens = n_docs = 0
     what = nodes[0] if len(nodes) == 1 else f"{len(nodes)} layers"
     bar = ProgressBar(f"second moment {what}", unit="doc", total=n_samples, enabled=progress)
     group: list[list[int]] = []
 
     def flush(docs: list[list[int]]) -> None:
-        nonlocal n_tokens
         docs = sorted(docs, key=len)
         for i in range(0, len(docs), batch_size):
             chunk = docs[i : i + batch_size]
-            ids, lengths = right_pad(chunk, pad)
-            keep = torch.arange(ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-            if special.numel():
-                keep &= ~torch.isin(ids, special)
-            inputs = node_activations(pg, nodes, ids.to(model_device(pg)))  # each [batch, seq, d_in]
-            for total, keys in zip(totals, inputs):
-                k = keys[keep.to(keys.device)].to(device=total.device, dtype=accumulate_dtype)  # [tokens, d_in]
-                total += k.T @ k
-            n_tokens += int(keep.sum())
+            sums.add(chunk)
             bar.advance(len(chunk))
 
     try:
@@ -176,9 +246,7 @@ def compute_second_moments(
             flush(group)
     finally:
         bar.close()
-    if n_tokens == 0:
-        raise StatisticsError("The corpus gave no token; pass a corpus with text (a file, or a list of strings)")
-    return [(total / n_tokens).to(torch.float64) for total in totals], n_tokens, n_docs
+    return sums.means(), sums.n_tokens, n_docs
 
 
 def compute_second_moment(
@@ -249,8 +317,8 @@ def layer_second_moments(
         if not use_cache or source.name is None:
             continue
         folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        paths[i] = _cache_file(folder, fingerprints[i], layer.input_node, source.name, n_samples, max_length,
-                               accumulate_dtype)
+        paths[i] = second_moment_cache_file(folder, fingerprints[i], layer.input_node, source.name, n_samples,
+                                            max_length, accumulate_dtype)
         cached = _read_cache(paths[i], layer, fingerprints[i], accumulate_dtype) if paths[i].is_file() else None
         if cached is not None:
             matrix, n_tokens, n_docs = cached
@@ -264,17 +332,12 @@ def layer_second_moments(
         )
         for i, matrix in zip(missing, matrices):
             layer, path = layers[i], paths[i]
+            moment = SecondMoment(matrix=matrix, n_tokens=n_tokens, n_samples=n_docs, node=layer.input_node,
+                                  fingerprint=fingerprints[i], corpus=source.name)
             if path is not None:
                 # Stored in the accumulation dtype the file name gives (float32 accumulation loses nothing by it).
-                data = save_safetensors(
-                    {"second_moment": matrix.to(accumulate_dtype).cpu().contiguous()},
-                    metadata={"node": layer.input_node, "fingerprint": fingerprints[i], "corpus": str(source.name),
-                              "n_samples": str(n_samples), "n_documents": str(n_docs), "n_tokens": str(n_tokens),
-                              "max_length": str(max_length)},
-                )
-                atomic_write_bytes(path, data)
-            results[i] = SecondMoment(matrix=matrix, n_tokens=n_tokens, n_samples=n_docs, node=layer.input_node,
-                                      fingerprint=fingerprints[i], corpus=source.name)
+                save_second_moment(path, moment, n_samples, max_length, accumulate_dtype)
+            results[i] = moment
     return [result for result in results if result is not None]
 
 

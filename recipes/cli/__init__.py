@@ -10,6 +10,7 @@ command        module                      does
 ``trace``      :mod:`recipes.cli.trace`     causal tracing of one fact, heatmaps and JSON
 ``attribute``  :mod:`recipes.cli.attribute` activation patching, AtP, AtP*, EAP, EAP-IG: scores.json, heatmaps
 ``fit``        :mod:`recipes.cli.fit`       train an intervention from a YAML config (LightningCLI)
+``stats``      :mod:`recipes.cli.stats`     second-moment statistics over GPUs/nodes, resumable (Lightning job)
 =============  ==========================  =============================================================
 
 Options shared by several commands (``--model``, ``--node``, ``--device``, ...) are in :mod:`recipes.cli.options`.
@@ -22,12 +23,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import attribute, eval_edit, eval_rome, fit, graph, rome, trace
+from . import attribute, eval_edit, eval_rome, fit, graph, rome, stats, trace
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: The commands in the order ``--help`` lists them; each module has ``NAME`` and ``register(subparsers)``.
-COMMANDS = (graph, rome, eval_rome, eval_edit, trace, attribute, fit)
+COMMANDS = (graph, rome, eval_rome, eval_edit, trace, attribute, fit, stats)
 
 
 def build_parser() -> argparse.ArgumentParser:
