@@ -25,7 +25,8 @@ from .errors import SubspaceConfigError
 from .patches import Patch
 from .subspace import TrainablePatch
 
-__all__ = ["InterchangeSide", "Position", "interchange", "interchange_logits", "last_token_of", "token_positions"]
+__all__ = ["InterchangeSide", "Position", "check_interchange_node", "check_sides", "interchange", "interchange_logits",
+           "last_token_of", "token_positions"]
 
 #: Where to intervene in one prompt: an index (negative from the end), ``"last"``, or ``None`` (every token).
 Position = Union[int, str, None]
@@ -72,8 +73,8 @@ class InterchangeSide:
 
     Attributes:
         input_ids: ``B`` lists of token ids (unpadded).
-        positions: per row, token indices (non-negative, into that row's ids); every row has the same number ``P``,
-            or every list is ``None``-spelled as ``[]`` meaning "every token" (:meth:`every_token`).
+        positions: per row, token indices (non-negative, into that row's ids), the same number ``P`` in every row;
+            an empty list means every token (base and source rows of equal length).
     """
 
     input_ids: list[list[int]]
@@ -105,7 +106,16 @@ class InterchangeSide:
         return cls(ids, rows)
 
 
-def _check_node(pg: Any, path: str, patch: Patch) -> None:
+def check_interchange_node(pg: Any, path: str, patch: Patch | None = None) -> int:
+    """Check that the node at ``path`` holds a ``[batch, seq, d]`` activation (and that ``patch`` has width ``d``).
+
+    Returns:
+        ``d``.
+
+    Raises:
+        SubspaceConfigError: another shape, or a trainable patch of another width.
+        NodePathError: unknown NodePath.
+    """
     shape = pg.node(path).tensor_shape
     if shape is None or len(shape) != 3:
         raise SubspaceConfigError(f"interchange at '{path}': the activation there is "
@@ -114,6 +124,7 @@ def _check_node(pg: Any, path: str, patch: Patch) -> None:
                                   f"'model.layers_5.output|sub_0' or 'model.layers_5.mlp.output'")
     if isinstance(patch, TrainablePatch):
         patch.check_width(int(shape[-1]), path)
+    return int(shape[-1])
 
 
 class _Interchange(Patch):
@@ -154,7 +165,8 @@ def _padded(sides: Sequence[InterchangeSide], pad_id: int) -> tuple[dict[str, to
     return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids}, columns
 
 
-def _check_sides(base: InterchangeSide, sources: Sequence[InterchangeSide]) -> None:
+def check_sides(base: InterchangeSide, sources: Sequence[InterchangeSide]) -> None:
+    """Raise :class:`SubspaceConfigError` unless every source has the base's rows and matching positions."""
     for j, source in enumerate(sources):
         if len(source.input_ids) != len(base.input_ids):
             raise SubspaceConfigError(f"source {j} has {len(source.input_ids)} rows and the base "
@@ -198,7 +210,7 @@ def interchange(pg: nn.Module, patches: Mapping[str, TrainablePatch | Sequence[T
         NodePathError: unknown NodePath.
     """
     sources = [sources] if isinstance(sources, InterchangeSide) else list(sources)
-    _check_sides(base, sources)
+    check_sides(base, sources)
     source_of = dict(source_of or {})
     batch, columns = _padded([base, *sources], pad_id)
     count = len(base.input_ids)
@@ -209,7 +221,7 @@ def interchange(pg: nn.Module, patches: Mapping[str, TrainablePatch | Sequence[T
         if not 0 <= index < len(sources):
             raise SubspaceConfigError(f"source_of['{path}'] = {index}, but there are {len(sources)} sources")
         for patch in [spec] if isinstance(spec, TrainablePatch) else list(spec):
-            _check_node(pg, path, patch)
+            check_interchange_node(pg, path, patch)
             base_at = (rows.expand_as(columns[0]), columns[0])
             source_at = (rows.expand_as(columns[0]) + count * (1 + index), columns[1 + index])
             mapping.setdefault(path, []).append(_Interchange(patch, base_at, source_at))

@@ -29,7 +29,7 @@ from torch.nn.utils import parametrizations
 from .errors import PatchShapeError, SubspaceConfigError
 from .patches import Patch, Slice
 
-__all__ = ["BoundlessSubspacePatch", "RotatedSubspacePatch", "SigmoidMaskPatch", "TrainablePatch",
+__all__ = ["BoundlessSubspacePatch", "FullInterchangePatch", "RotatedSubspacePatch", "SigmoidMaskPatch", "TrainablePatch",
            "TRAINABLE_KINDS"]
 
 
@@ -96,7 +96,7 @@ class TrainablePatch(nn.Module, Patch):
 
     def penalty(self) -> torch.Tensor:
         """A sparsity term to add to the loss (0 for patches without one): scalar."""
-        return next(self.parameters()).new_zeros(())
+        return torch.zeros(())
 
     def stats(self) -> dict[str, float]:
         """Scalars worth logging (boundary width, mask density)."""
@@ -222,6 +222,20 @@ class SigmoidMaskPatch(TrainablePatch):
         return {"mask_density": float(self.mask().detach().mean())}
 
 
+class FullInterchangePatch(TrainablePatch):
+    """Full-vector interchange (no parameters): the output is the source activation, DII with R = I. The exact
+    computation a subspace's IIA is compared with.
+
+    Args:
+        width: ``d``.
+        slice: as :class:`TrainablePatch`.
+    """
+
+    def intervene(self, base: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        return source
+
+
 #: Saved kind name -> class (what :class:`~gradpatch.intervention.Intervention` loads).
 TRAINABLE_KINDS: dict[str, type[TrainablePatch]] = {
-    cls.__name__: cls for cls in (RotatedSubspacePatch, BoundlessSubspacePatch, SigmoidMaskPatch)}
+    cls.__name__: cls for cls in (RotatedSubspacePatch, BoundlessSubspacePatch, SigmoidMaskPatch,
+                                  FullInterchangePatch)}
