@@ -26,7 +26,7 @@ from .patches import Patch
 from .subspace import TrainablePatch
 
 __all__ = ["InterchangeSide", "Position", "check_interchange_node", "check_sides", "interchange", "interchange_logits",
-           "last_token_of", "token_positions"]
+           "interchange_patch_map", "last_token_of", "token_positions"]
 
 #: Where to intervene in one prompt: an index (negative from the end), ``"last"``, or ``None`` (every token).
 Position = Union[int, str, None]
@@ -184,10 +184,48 @@ def check_sides(base: InterchangeSide, sources: Sequence[InterchangeSide]) -> No
         raise SubspaceConfigError(f"base rows have different numbers of positions {sorted(counts)}; use one each")
 
 
+def interchange_patch_map(pg: Any, patches: Mapping[str, TrainablePatch | Sequence[TrainablePatch]],
+                          columns: Sequence[torch.Tensor], source_of: Mapping[str, int] | None = None
+                          ) -> dict[str, list[Patch]]:
+    """The patch map of an interchange over a batch laid out as ``B`` base rows followed by ``B`` rows per source.
+
+    For any model whose patched nodes are ``[rows, seq, d]`` (a language model, or an MLP run on ``[rows, 1, d]``
+    inputs): ``with pg.patch(interchange_patch_map(...)): pg(batch)``. :func:`interchange` builds the batch and the
+    columns for token inputs.
+
+    Args:
+        pg: the :class:`~gradpatch.PatchableGraph`.
+        patches: NodePath -> trainable patch(es).
+        columns: ``[B, P]`` columns (token positions in the batch) of the base rows, then of each source's rows.
+        source_of: NodePath -> index of the source its patches read (default 0).
+
+    Raises:
+        SubspaceConfigError: a node that is not ``[batch, seq, d]``, a patch of the wrong width, an unknown source
+            index, columns of different shapes.
+        NodePathError: unknown NodePath.
+    """
+    count = int(columns[0].shape[0])
+    if any(tuple(c.shape) != tuple(columns[0].shape) for c in columns):
+        raise SubspaceConfigError(f"base and source columns have shapes {[tuple(c.shape) for c in columns]}; give "
+                                  f"every side the same [rows, positions] shape")
+    rows = torch.arange(count)[:, None].expand_as(columns[0])
+    mapping: dict[str, list[Patch]] = {}
+    for path, spec in patches.items():
+        index = dict(source_of or {}).get(path, 0)
+        if not 0 <= index < len(columns) - 1:
+            raise SubspaceConfigError(f"source_of['{path}'] = {index}, but there are {len(columns) - 1} sources")
+        for patch in [spec] if isinstance(spec, TrainablePatch) else list(spec):
+            check_interchange_node(pg, path, patch)
+            source_at = (rows + count * (1 + index), columns[1 + index])
+            mapping.setdefault(path, []).append(_Interchange(patch, (rows, columns[0]), source_at))
+    return mapping
+
+
 def interchange(pg: nn.Module, patches: Mapping[str, TrainablePatch | Sequence[TrainablePatch]],
                 base: InterchangeSide, sources: InterchangeSide | Sequence[InterchangeSide], pad_id: int,
                 source_of: Mapping[str, int] | None = None, **call_kwargs: Any) -> Any:
-    """Run an interchange intervention: base and sources in one batch, every patch applied to the base rows.
+    """Run an interchange intervention on token inputs: base and sources in one left-padded batch, every patch
+    applied to the base rows.
 
     Args:
         pg: a :class:`~gradpatch.PatchableGraph` of a model called as ``pg(input_ids, attention_mask=,
@@ -211,20 +249,8 @@ def interchange(pg: nn.Module, patches: Mapping[str, TrainablePatch | Sequence[T
     """
     sources = [sources] if isinstance(sources, InterchangeSide) else list(sources)
     check_sides(base, sources)
-    source_of = dict(source_of or {})
     batch, columns = _padded([base, *sources], pad_id)
-    count = len(base.input_ids)
-    rows = torch.arange(count)[:, None]
-    mapping: dict[str, list[Patch]] = {}
-    for path, spec in patches.items():
-        index = source_of.get(path, 0)
-        if not 0 <= index < len(sources):
-            raise SubspaceConfigError(f"source_of['{path}'] = {index}, but there are {len(sources)} sources")
-        for patch in [spec] if isinstance(spec, TrainablePatch) else list(spec):
-            check_interchange_node(pg, path, patch)
-            base_at = (rows.expand_as(columns[0]), columns[0])
-            source_at = (rows.expand_as(columns[0]) + count * (1 + index), columns[1 + index])
-            mapping.setdefault(path, []).append(_Interchange(patch, base_at, source_at))
+    mapping = interchange_patch_map(pg, patches, columns, source_of)
     device = next((p.device for p in pg.parameters()), torch.device("cpu"))
     with pg.patch(mapping):
         return pg(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
