@@ -12,7 +12,8 @@ steps (:class:`~recipes.intervention_module.InterventionModule`'s forward, a pla
 at the best layer.
 
 Run: ``.venv/bin/python benchmarks/das_country.py [--layers 2 6 10] [--dims 1 16 64] [--steps 60]
-[--batch-size 16] [--lr 0.01] [--threads 2]``; ``--full-only`` measures the full-interchange IIA of each layer only.
+[--batch-size 16] [--lr 0.01] [--threads 2]``; ``--full-only`` measures the full-interchange IIA of each layer only;
+``--save-model DIR`` writes the model for ``benchmarks/das_country_pyvene.py`` (pyvene 0.1.8, its own virtualenv).
 """
 
 from __future__ import annotations
@@ -68,12 +69,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--full-only", action="store_true")
+    parser.add_argument("--split", action="store_true",
+                        help="a truncated source pass then the base pass, instead of one shared batch")
+    parser.add_argument("--save-model", type=Path, default=None,
+                        help="save the embedded model and tokenizer (save_pretrained) there for the pyvene script, "
+                             "then stop")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     train = read_counterfactuals(DATA / "das_country_train.jsonl")
     test = read_counterfactuals(DATA / "das_country_eval.jsonl")[: args.eval_pairs]
     model, tokenizer = load_embedded_model()
     model.eval()
+    if args.save_model is not None:
+        model.save_pretrained(args.save_model)
+        tokenizer.save_pretrained(args.save_model)
+        return {"saved": str(args.save_model)}
     layers: dict[int, dict[str, Any]] = {}
     for layer in args.layers:
         module = InterventionModule.from_model(model, tokenizer, interventions=[
@@ -87,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         full = layers.setdefault(layer, {"full_interchange_iia": None, "das": {}})
         for dim in args.dims:
             torch.manual_seed(args.seed)
-            module = InterventionModule.from_model(model, tokenizer, interventions=[
+            module = InterventionModule.from_model(model, tokenizer, shared_batch=not args.split, interventions=[
                 {"node": f"model.layers_{layer}.output", "kind": "rotated", "dim": dim}])
             seconds, steps = train_das(module, train, args.steps, args.batch_size, args.lr, args.seed)
             iia = float(module.iia(test))
@@ -98,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     best_das = layers[best]["das"]
     result = {"benchmark": "das_country", "layers": layers, "best_layer": best,
               "target_met": any(dim <= 64 and (v["ratio_to_full"] or 0) >= 0.9 for dim, v in best_das.items()),
-              "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "eval_pairs": len(test),
+              "shared_batch": not args.split, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "eval_pairs": len(test),
               "train_pairs": len(train), "seed": args.seed, "threads": args.threads, "torch": torch.__version__,
               "machine": platform.processor() or platform.machine()}
     print(json.dumps(result, indent=2))
