@@ -68,6 +68,23 @@ def continent_records(records: list) -> list:
     return pairs
 
 
+def save_for_peers(model: Any, tokenizer: Any, directory: Path) -> None:
+    """Write the model as a plain ``from_pretrained`` folder (config without the GGUF quantization record,
+    ``model.safetensors`` without the tied ``lm_head.weight``, the tokenizer): transformers refuses ``save_pretrained``
+    on a model loaded from GGUF."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    type(model.config).from_dict(config).save_pretrained(directory)
+    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(directory)
+
+
 def train_das(module: InterventionModule, records: list, steps: int, batch_size: int, lr: float,
               seed: int) -> tuple[float, int]:
     """``steps`` Adam steps of IIT cross-entropy on batches of ``records`` (seeded order); returns (seconds, steps)."""
@@ -109,8 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model, tokenizer = load_embedded_model()
     model.eval()
     if args.save_model is not None:
-        model.save_pretrained(args.save_model)
-        tokenizer.save_pretrained(args.save_model)
+        save_for_peers(model, tokenizer, args.save_model)
         return {"saved": str(args.save_model)}
     train = read_counterfactuals(DATA / "das_country_train.jsonl")
     test = read_counterfactuals(DATA / "das_country_eval.jsonl")[: args.eval_pairs]
