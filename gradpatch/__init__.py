@@ -14,25 +14,32 @@ from .errors import (
     NodePathError,
     PatchShapeError,
     ShapeSpecializationError,
+    SubspaceConfigError,
 )
 from .fingerprint import model_fingerprint
 from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, UnusedModule
+from .interchange import InterchangeSide, interchange
 from .intervention import Intervention
 from .node_path import NodeData
 from .options import ExtractionOptions
 from .patchable_graph import PatchableGraph
 from .patches import AddPatch, CustomPatch, Patch, ProbePatch, RecordPatch, ReplacePatch, ZeroPatch
+from .subspace import (BoundlessSubspacePatch, FullInterchangePatch, RotatedSubspacePatch, SigmoidMaskPatch,
+                       TrainablePatch)
 
 __all__ = [
     "AddPatch",
+    "BoundlessSubspacePatch",
     "CompilationWarning",
     "CompiledGraphModule",
     "CustomPatch",
     "DataDependentControlFlow",
     "ExtractionError",
     "ExtractionOptions",
+    "FullInterchangePatch",
     "GradpatchError",
     "InputSignatureError",
+    "InterchangeSide",
     "Intervention",
     "MultiplyInvokedModule",
     "NodeData",
@@ -45,8 +52,13 @@ __all__ = [
     "ProbePatch",
     "RecordPatch",
     "ReplacePatch",
+    "RotatedSubspacePatch",
     "ShapeSpecializationError",
+    "SigmoidMaskPatch",
+    "SubspaceConfigError",
+    "TrainablePatch",
     "UnusedModule",
     "ZeroPatch",
+    "interchange",
     "model_fingerprint",
 ]

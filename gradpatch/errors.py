@@ -57,3 +57,9 @@ class NodePathError(GradpatchError, KeyError, ValueError):
 
     def __str__(self) -> str:  # KeyError would show the message quoted
         return str(self.args[0]) if self.args else ""
+
+
+class SubspaceConfigError(GradpatchError, ValueError):
+    """A trainable subspace patch or an interchange run that cannot work (a subspace wider than its node, a node
+    whose activation is not ``[batch, seq, d]``, base and source of different lengths without positions, a subject
+    missing from its prompt); raised before any forward pass, the message names the fix."""

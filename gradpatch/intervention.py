@@ -17,10 +17,12 @@ from .files import atomic_write_bytes, atomic_write_text, read_json, read_tensor
 from .finite import check_finite
 from .fingerprint import model_fingerprint
 from .patches import AddPatch, CustomPatch, Patch, ProbePatch, RecordPatch, ReplacePatch, ZeroPatch
+from .subspace import TRAINABLE_KINDS, TrainablePatch
 
 FORMAT = "gradpatch.intervention"
 #: 2: value shapes and dtypes, Python scalar values, the tensors file's SHA-256 (version 1 files still load).
-VERSION = 2
+#: 3: trainable subspace patches (kind, constructor config, one tensor per state_dict entry with its shape).
+VERSION = 3
 JSON_NAME = "intervention.json"
 TENSORS_NAME = "intervention.safetensors"
 _KINDS: dict[str, type[Patch]] = {
@@ -35,7 +37,8 @@ class Intervention(nn.Module):
     see exactly the learnable intervention and nothing of the frozen model.
 
     ``with pg.patch(intervention): ...`` applies it. Tensor values of ``AddPatch``/``ReplacePatch`` become
-    parameters (an ``nn.Parameter`` given is used as is; another tensor is copied into a new one).
+    parameters (an ``nn.Parameter`` given is used as is; another tensor is copied into a new one); trainable
+    subspace patches (:mod:`gradpatch.subspace`) are registered as submodules (``self.trainable``).
 
     Args:
         patches: NodePath -> patch or list of patches, e.g.
@@ -45,10 +48,15 @@ class Intervention(nn.Module):
     def __init__(self, patches: Mapping[str, Patch | Sequence[Patch]]) -> None:
         super().__init__()
         self.values = nn.ParameterList()
+        self.trainable = nn.ModuleList()
         self._entries: list[tuple[str, Patch, int | None]] = []
         for path, spec in patches.items():
             for patch in [spec] if isinstance(spec, Patch) else list(spec):
                 index = None
+                if isinstance(patch, TrainablePatch):
+                    self._entries.append((str(path), patch, len(self.trainable)))
+                    self.trainable.append(patch)
+                    continue
                 value = getattr(patch, "value", None)
                 if isinstance(value, torch.Tensor):
                     parameter = value if isinstance(value, nn.Parameter) else nn.Parameter(value.detach().clone())
@@ -88,12 +96,18 @@ class Intervention(nn.Module):
         values: dict[str, torch.Tensor] = {}
         for n, (path, patch, index) in enumerate(self._entries):
             kind = type(patch).__name__
-            if isinstance(patch, CustomPatch) or kind not in _KINDS:
+            if isinstance(patch, CustomPatch) or kind not in {**_KINDS, **TRAINABLE_KINDS}:
                 raise ValueError(f"{kind} at '{path}' cannot be saved without pickle; save its "
                                  f"tensors with safetensors yourself or express it as AddPatch/ReplacePatch")
             record: dict[str, Any] = {"path": path, "kind": kind, "slice": encode_slice(patch.slice), "value": None}
             scalar = getattr(patch, "value", None)
-            if index is not None:
+            if isinstance(patch, TrainablePatch):
+                state = {name: tensor for name, tensor in patch.state_dict().items()}
+                record.update(config=patch.config(), tensors={
+                    name: {"key": f"trainable.{index}.{name}", "shape": list(t.shape), "dtype": str(t.dtype)}
+                    for name, t in state.items()})
+                values.update({f"{path} ({kind} {n}) {name}": t for name, t in state.items()})
+            elif index is not None:
                 value = self.values[index]
                 record.update(value=f"values.{index}", shape=list(value.shape), dtype=str(value.dtype))
                 values[f"{path} ({kind} {n})"] = value
@@ -106,6 +120,9 @@ class Intervention(nn.Module):
         check_finite(values, "intervention values at", "nothing was saved: stop the optimisation before it "
                      "diverges (lower the learning rate) and save finite values")
         tensors = {f"values.{i}": value.detach().contiguous().cpu() for i, value in enumerate(self.values)}
+        for i, module in enumerate(self.trainable):
+            tensors.update({f"trainable.{i}.{name}": t.detach().contiguous().cpu().clone()
+                            for name, t in module.state_dict().items()})
         data = save_safetensors(tensors)
         document = {"format": FORMAT, "version": VERSION, "patches": records,
                     "model_fingerprint": None if model is None else model_fingerprint(model),
@@ -116,7 +133,7 @@ class Intervention(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path, graph: Any = None, model: nn.Module | None = None,
-             check_fingerprint: bool = True) -> "Intervention":
+             check_fingerprint: bool = True, like: "Intervention | None" = None) -> "Intervention":
         """Read an intervention written by :meth:`save`, checking both files before building anything.
 
         Args:
@@ -126,11 +143,14 @@ class Intervention(nn.Module):
             model: the model the intervention is for; its fingerprint must equal the saved one.
             check_fingerprint: ``False`` loads an intervention saved for another model (no fingerprint check).
                 Interventions saved without a model have no fingerprint to check.
+            like: an intervention the saved one must match: the same NodePaths, patch kinds and trainable patch
+                configurations (width, subspace size), in order (e.g. the one a training recipe builds).
 
         Raises:
             InterventionLoadError: a file is missing, unreadable or garbled; not a gradpatch intervention or of a
                 newer version; a record is incomplete or of a kind that cannot be loaded; a NodePath has an empty
-                component; a value's shape differs from the recorded one; the two files come from different saves.
+                component; a value's shape differs from the recorded one; the two files come from different saves;
+                a trainable patch's config or tensors do not fit its kind; the saved patches differ from ``like``'s.
             FingerprintMismatchError: the saved fingerprint differs from the model's (both are named).
             KeyError: saved NodePaths that do not exist in ``graph`` (each with the closest valid ones).
         """
@@ -144,6 +164,8 @@ class Intervention(nn.Module):
                                         f"{fix} (or upgrade gradpatch)")
         records = _records(document, json_path, fix)
         tensors = read_tensors(tensors_path, InterventionLoadError, fix, document.get("tensors_sha256"))
+        if like is not None:
+            _check_like(like, records, json_path)
         if graph is not None:
             _check_paths(graph, [record["path"] for record in records])
         reference = model if model is not None else getattr(graph, "wrapped_model", None)
@@ -157,6 +179,9 @@ class Intervention(nn.Module):
         patches: dict[str, list[Patch]] = {}
         for record in records:
             kwargs: dict[str, Any] = {"slice": record["slice"]}
+            if record["kind"] in TRAINABLE_KINDS:
+                patches.setdefault(record["path"], []).append(_trainable(tensors, record, tensors_path, fix))
+                continue
             if record["value"] is not None:
                 kwargs["value"] = nn.Parameter(_value(tensors, record, tensors_path, fix))
             elif "scalar" in record:
@@ -183,13 +208,17 @@ def _records(document: dict[str, Any], json_path: Path, fix: str) -> list[dict[s
         if not isinstance(path, str) or "" in re.split(r"[.|]", path):
             raise InterventionLoadError(f"{where}: NodePath {path!r} is not a dot-joined path of non-empty names "
                                         f"(e.g. 'model.layers_0.mlp.down_proj.output'); {fix}")
-        if kind not in _KINDS:
+        if kind in TRAINABLE_KINDS:
+            if not isinstance(record.get("config"), dict) or not isinstance(record.get("tensors"), dict):
+                raise InterventionLoadError(f"{where}: a {kind} record needs 'config' and 'tensors' mappings; {fix}")
+        elif kind not in _KINDS:
             raise InterventionLoadError(
                 f"{where}: patch kind {kind!r} cannot be loaded; saved interventions hold only "
-                f"{', '.join(sorted(_KINDS))} (a CustomPatch's Python function is never saved: rebuild it in code)")
+                f"{', '.join(sorted([*_KINDS, *TRAINABLE_KINDS]))} (a CustomPatch's Python function is never saved: "
+                f"rebuild it in code)")
         scalar = record.get("scalar")
         has_value = isinstance(record["value"], str) or (isinstance(scalar, (int, float)) and math.isfinite(scalar))
-        if (kind in _VALUED) != has_value:
+        if kind not in TRAINABLE_KINDS and (kind in _VALUED) != has_value:
             raise InterventionLoadError(f"{where}: a {kind} {'needs a' if kind in _VALUED else 'takes no'} "
                                         f"(finite) value; {fix}")
         try:
@@ -217,6 +246,49 @@ def _value(tensors: dict[str, torch.Tensor], record: dict[str, Any], tensors_pat
                                     f"{found[0]}, but intervention.json records {expected[1]} of shape "
                                     f"{expected[0]}; {fix}")
     return value
+
+
+def _trainable(tensors: dict[str, torch.Tensor], record: dict[str, Any], tensors_path: Path,
+               fix: str) -> TrainablePatch:
+    """Rebuild a trainable subspace patch from its record: the constructor from ``config``, then its state.
+
+    Raises:
+        InterventionLoadError: the config does not build the kind, or a tensor is missing or of another shape.
+    """
+    kind, where = record["kind"], f"{tensors_path}: {record['kind']} at '{record['path']}'"
+    try:
+        patch = TRAINABLE_KINDS[kind](**record["config"], slice=record["slice"])
+    except (TypeError, ValueError) as error:
+        raise InterventionLoadError(f"{where}: config {record['config']!r} does not build a {kind} ({error}); "
+                                    f"{fix}") from error
+    expected = patch.state_dict()
+    if set(record["tensors"]) != set(expected):
+        raise InterventionLoadError(f"{where}: saved tensors {sorted(record['tensors'])}, but a {kind} of config "
+                                    f"{record['config']} has {sorted(expected)}; {fix}")
+    state = {}
+    for name, entry in record["tensors"].items():
+        value = tensors.get(entry.get("key")) if isinstance(entry, dict) else None
+        if value is None:
+            raise InterventionLoadError(f"{where}: tensor {name!r} is missing from the tensors file; {fix}")
+        if value.shape != expected[name].shape or list(value.shape) != entry.get("shape"):
+            raise InterventionLoadError(f"{where}: tensor {name!r} has shape {list(value.shape)}, but a {kind} of "
+                                        f"config {record['config']} needs {list(expected[name].shape)}; {fix}")
+        state[name] = value
+    patch.load_state_dict(state)
+    return patch
+
+
+def _check_like(like: Intervention, records: list[dict[str, Any]], json_path: Path) -> None:
+    """Raise :class:`InterventionLoadError` unless the saved patches are ``like``'s (path, kind, config)."""
+    def signature(path: str, kind: str, config: Any) -> str:
+        return f"{kind}{config or ''} at '{path}'"
+
+    saved = [signature(r["path"], r["kind"], r.get("config")) for r in records]
+    wanted = [signature(path, type(p).__name__, p.config() if isinstance(p, TrainablePatch) else None)
+              for path, p, _ in like._entries]
+    if saved != wanted:
+        raise InterventionLoadError(f"{json_path} holds {saved}, but this configuration expects {wanted}: load "
+                                    f"the intervention with the configuration it was trained with, or train again")
 
 
 def _check_paths(graph: Any, paths: list[str]) -> None:

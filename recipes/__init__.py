@@ -2,6 +2,8 @@
 
 - :class:`DeltaModule`: learn AddPatch deltas (an :class:`gradpatch.Intervention`) at NodePaths of a frozen model,
   for target continuations, steering towards/away from tokens, with KL and L2 regularisers.
+- :class:`InterventionModule`: train trainable interchange patches (DAS, Boundless DAS, sigmoid masks) on
+  counterfactual JSONL records (:class:`CounterfactualDataModule`) with a pluggable objective (:class:`IITObjective`).
 - :class:`ObjectiveModule`: optimise tensors against any objective callable (the extension point for ROME's value
   step).
 - :class:`InterventionLogger`: TensorBoard scalars, histograms, generations and hyperparameters.
@@ -22,11 +24,16 @@ from editors import lazy_exports
 
 #: Public name -> submodule that defines it.
 _EXPORTS: dict[str, str] = {
+    "CounterfactualDataModule": "counterfactual",
     "DeltaModule": "delta_module",
     "DeltaSpec": "specs",
     "DeviceMapStrategy": "strategies",
     "FrozenGraphModule": "frozen",
+    "IITObjective": "intervention_objectives",
+    "InterchangeSpec": "intervention_module",
     "InterventionLogger": "logger",
+    "InterventionModule": "intervention_module",
+    "InterventionObjective": "intervention_objectives",
     "Objective": "specs",
     "PartialSumsWarning": "errors",
     "SecondMomentJob": "stats_job",

@@ -11,6 +11,9 @@ Everything after ``fit`` goes to LightningCLI (``--config``, ``--print_config``,
 ``--seed_everything``). ``--model PATH`` with a ``.gguf`` file or a model directory is shorthand for
 ``--model.model_path PATH``; without it the embedded SmolLM2-135M-Instruct is used. After training, the
 intervention is exported (safetensors + JSON) to ``--export`` (default: ``<log_dir>/intervention``).
+
+A config with a ``data:`` section (or ``--data.*`` arguments) trains interchange interventions instead
+(:mod:`recipes.cli.fit_interchange`: InterventionModule on counterfactual JSONL, ``recipes/configs/das_country.yaml``).
 """
 
 from __future__ import annotations
@@ -79,12 +82,17 @@ def run_fit(args: Sequence[str]) -> int:
     """Parse ``args`` with LightningCLI, train, export the intervention.
 
     Args:
-        args: the arguments after ``fit`` (``--config FILE``, ``--trainer.max_steps N``, ...).
+        args: the arguments after ``fit`` (``--config FILE``, ``--trainer.max_steps N``, ...); a config with a
+            ``data:`` section goes to :func:`recipes.cli.fit_interchange.run_interchange_fit`.
 
     Returns:
         0 on success; 1 when training stopped at a non-finite loss term, gradient or delta (the error is printed and
         nothing is exported). ``--help`` and argument errors exit through ``SystemExit``, as LightningCLI does.
     """
+    from .fit_interchange import is_interchange_config, run_interchange_fit
+
+    if is_interchange_config(args):
+        return run_interchange_fit(args)
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.loggers import TensorBoardLogger
 

