@@ -297,6 +297,40 @@ class ReFTModule(FrozenGraphModule):
         loaded = Intervention.load(directory, graph=self.graph, like=self.intervention)
         self.intervention.load_state_dict(loaded.state_dict())
 
+    @torch.no_grad()
+    def evaluate(self, records: Sequence[Any], batch_size: int = 16) -> dict[str, Any]:
+        """Held-out scores of the intervention beside the frozen model without it (the exact comparison).
+
+        Continuation records: ``nll`` and ``base_nll`` (mean NLL per response token with and without the
+        intervention). Preference records: ``logratio_margin`` (mean over records of
+        [log π_v(chosen) − log π(chosen)] − [log π_v(rejected) − log π(rejected)], steering with d = +1) and
+        ``preference_accuracy`` (fraction of records where that margin is > 0).
+
+        Returns:
+            The scores and ``examples``.
+        """
+        sums: dict[str, float] = {}
+        tokens = 0.0
+        for start in range(0, len(records), batch_size):
+            chunk = records[start:start + batch_size]
+            prompts = [r.prompt for r in chunk]
+            if hasattr(chunk[0], "response"):
+                tokenized = self.encode(prompts, [r.response for r in chunk])
+                patched, mask = self.token_log_probs(tokenized)
+                sums["nll"] = sums.get("nll", 0.0) - float(patched.sum())
+                sums["base_nll"] = sums.get("base_nll", 0.0) - float(self.token_log_probs(tokenized, None)[0].sum())
+                tokens += float(mask.sum())
+                continue
+            gains = []
+            for responses in ([r.chosen for r in chunk], [r.rejected for r in chunk]):
+                tokenized = self.encode(prompts, responses)
+                gains.append(self.token_log_probs(tokenized)[0].sum(-1) - self.token_log_probs(tokenized, None)[0].sum(-1))
+            margin = gains[0] - gains[1]
+            sums["logratio_margin"] = sums.get("logratio_margin", 0.0) + float(margin.sum())
+            sums["preference_accuracy"] = sums.get("preference_accuracy", 0.0) + float((margin > 0).sum())
+        scale = tokens if tokens else max(1, len(records))
+        return {**{name: value / scale for name, value in sums.items()}, "examples": len(records)}
+
     def write_metrics(self, directory: str | Path, metrics: dict[str, Any]) -> dict[str, Any]:
         """Write ``metrics`` plus the configuration (nodes, kinds, parameter count, steps) to ``metrics.json``.
 

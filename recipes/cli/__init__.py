@@ -9,6 +9,7 @@ command        module                      does
 ``eval-edit``  :mod:`recipes.cli.eval_edit` ROME, MEMIT or AlphaEdit on CounterFact cases in (sequential) batches
 ``trace``      :mod:`recipes.cli.trace`     causal tracing of one fact, heatmaps and JSON
 ``fit``        :mod:`recipes.cli.fit`       train an intervention from a YAML config (LightningCLI)
+``generate``   :mod:`recipes.cli.generate`  greedy KV-cache continuations with a saved intervention
 =============  ==========================  =============================================================
 
 Options shared by several commands (``--model``, ``--node``, ``--device``, ...) are in :mod:`recipes.cli.options`.
@@ -21,12 +22,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import eval_edit, eval_rome, fit, graph, rome, trace
+from . import eval_edit, eval_rome, fit, generate, graph, rome, trace
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: The commands in the order ``--help`` lists them; each module has ``NAME`` and ``register(subparsers)``.
-COMMANDS = (graph, rome, eval_rome, eval_edit, trace, fit)
+COMMANDS = (graph, rome, eval_rome, eval_edit, trace, fit, generate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -90,7 +90,10 @@ def run_fit(args: Sequence[str]) -> int:
         nothing is exported). ``--help`` and argument errors exit through ``SystemExit``, as LightningCLI does.
     """
     from .fit_interchange import is_interchange_config, run_interchange_fit
+    from .fit_reft import is_reft_config, run_reft_fit
 
+    if is_reft_config(args):
+        return run_reft_fit(args)
     if is_interchange_config(args):
         return run_interchange_fit(args)
     from lightning.pytorch.cli import LightningCLI
