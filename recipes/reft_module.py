@@ -109,6 +109,9 @@ class ReFTModule(FrozenGraphModule):
         lr: learning rate.
         optimizer: ``"adam"``, ``"adamw"`` or ``"sgd"``.
         append_eos: end every continuation with the tokenizer's EOS token (as pyreft's training data).
+        weight_decay: AdamW's decoupled weight decay (default 0, as pyreft's training runs), never applied to the
+            orthogonal parametrization of LoReFT's R: torch's Householder map reads the signs of that tensor's diagonal
+            with ``int()``, so a decayed diagonal (1 -> 0.999) would turn R into zeros.
         dtype: dtype the model is loaded in (the patches stay float32).
         _backbone: ``(model, tokenizer)`` already loaded (see :meth:`from_model`).
 
@@ -120,7 +123,7 @@ class ReFTModule(FrozenGraphModule):
 
     def __init__(self, interventions: list[ReFTSpec], objective: InterventionObjective | None = None,
                  model_path: str | None = None, lr: float = 4e-3, optimizer: OptimizerName = "adamw",
-                 append_eos: bool = True, dtype: DtypeName = "float32", *,
+                 append_eos: bool = True, weight_decay: float = 0.0, dtype: DtypeName = "float32", *,
                  _backbone: tuple[nn.Module, Any] | None = None) -> None:
         super().__init__(lr=lr, optimizer=optimizer)
         self.specs = [as_spec(ReFTSpec, spec) for spec in interventions]
@@ -130,6 +133,9 @@ class ReFTModule(FrozenGraphModule):
 
         self.objective = objective if objective is not None else ContinuationNLLObjective()
         self.append_eos = append_eos
+        if not 0.0 <= weight_decay < float("inf"):
+            raise RecipeConfigError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+        self.weight_decay = float(weight_decay)
         self.save_hyperparameters(ignore=["_backbone", "objective"], logger=False)
         self.hparams["interventions"] = spec_dict(self.specs)
         if _backbone is None:
@@ -260,6 +266,17 @@ class ReFTModule(FrozenGraphModule):
                                      max_new_tokens, batch_size)
 
     # --- training ------------------------------------------------------------------------------------------
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """As :class:`~recipes.frozen.FrozenGraphModule`'s, with AdamW's weight decay ``weight_decay`` on every tensor
+        but the orthogonal parametrizations' (see the class docstring)."""
+        if self.optimizer_name != "adamw":
+            return super().configure_optimizers()
+        named = self.named_trainable()
+        fixed = [p for name, p in named.items() if ".parametrizations." in name]
+        others = [p for name, p in named.items() if ".parametrizations." not in name]
+        return torch.optim.AdamW([{"params": others, "weight_decay": self.weight_decay},
+                                  {"params": fixed, "weight_decay": 0.0}], lr=self.lr)
 
     def loss_terms(self, batch: Any) -> dict[str, torch.Tensor]:
         return self.objective.loss_terms(self, batch)
