@@ -37,8 +37,12 @@ class TrainablePatch(nn.Module, Patch):
     """Base class of the trainable interchange patches: an ``nn.Module`` whose :meth:`intervene` maps
     ``(base [..., d], source [..., d]) -> [..., d]``.
 
-    As a patch (``pg.patch({path: patch})``) it replaces ``activation[slice]`` by
-    ``intervene(activation[slice], source)`` where ``source`` is :attr:`source` broadcast to that shape.
+    As a patch (``pg.patch({path: patch})``, ``pg.generate`` included) it replaces ``activation[slice]`` by
+    ``intervene(activation[slice], source)`` where ``source`` is :attr:`source` (``[d]``, ``[batch, d]`` for every
+    selected position, or the selected shape) broadcast to that shape. With the KV cache, ``slice`` is resolved in
+    each forward pass (see :mod:`gradpatch.positions`): ``Tokens([p])`` touches absolute position ``p`` once, in the
+    prefill, and decode steps not at all (what it changed stays in the cache); ``(slice(None), -1)`` touches the
+    last prompt token in the prefill and then each new token once.
 
     Args:
         width: ``d``, the width of the patched activation's last dimension (e.g. 576 for SmolLM2's residual stream).
@@ -78,7 +82,16 @@ class TrainablePatch(nn.Module, Patch):
         if self.source is None:
             raise PatchShapeError(f"{type(self).__name__} has no source activation: set patch.source to a [d] or "
                                   f"[batch, d] tensor, or train and run it through gradpatch.interchange")
-        return self.intervene(original, self.source.to(original.dtype).expand_as(original))
+        source = self.source.to(device=original.device, dtype=original.dtype)
+        if source.dim() == 2 and original.dim() == 3:  # [batch, d] at every selected position
+            source = source[:, None]
+        try:
+            source = source.expand_as(original)
+        except RuntimeError as error:
+            raise PatchShapeError(f"{type(self).__name__}: source of shape {tuple(self.source.shape)} does not fit the "
+                                  f"patched value of shape {tuple(original.shape)}; give [d], [batch, d] or that "
+                                  f"shape") from error
+        return self.intervene(original, source)
 
     def intervene(self, base: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         """The intervened activation ``[..., d]`` from ``base`` and ``source`` (both ``[..., d]``)."""

@@ -111,6 +111,8 @@ class InterventionModule(FrozenGraphModule):
         position: where records without positions or subjects are interchanged: an index (negative from the end),
             ``"last"`` or ``None`` (every token: base and source must have equal token lengths).
         temperature_start, temperature_end: τ of Boundless/mask patches, annealed linearly over ``max_steps``.
+        shared_batch: base and source rows in one forward pass (``True``), or a source pass without gradients that
+            stops at the last patched node, then the base pass (:func:`gradpatch.interchange.interchange`).
         dtype: dtype the model is loaded in (patches stay float32).
         _backbone: ``(model, tokenizer)`` already loaded (tests, notebooks; see :meth:`from_model`).
 
@@ -123,7 +125,7 @@ class InterventionModule(FrozenGraphModule):
     def __init__(self, interventions: list[InterchangeSpec], objective: InterventionObjective | None = None,
                  model_path: str | None = None, lr: float = 1e-3, optimizer: OptimizerName = "adam",
                  position: Position = "last", temperature_start: float = 50.0, temperature_end: float = 0.1,
-                 dtype: DtypeName = "float32", *, _backbone: tuple[nn.Module, Any] | None = None) -> None:
+                 shared_batch: bool = True, dtype: DtypeName = "float32", *, _backbone: tuple[nn.Module, Any] | None = None) -> None:
         super().__init__(lr=lr, optimizer=optimizer)
         self.specs = [as_spec(InterchangeSpec, spec) for spec in interventions]
         if not self.specs:
@@ -132,6 +134,7 @@ class InterventionModule(FrozenGraphModule):
             raise RecipeConfigError(f"temperatures must be > 0, got {temperature_start}, {temperature_end}")
         self.objective = objective if objective is not None else IITObjective()
         self.position = position
+        self.shared_batch = shared_batch
         self.temperatures = (float(temperature_start), float(temperature_end))
         self.save_hyperparameters(ignore=["_backbone", "objective"], logger=False)
         self.hparams["interventions"] = spec_dict(self.specs)
@@ -227,7 +230,8 @@ class InterventionModule(FrozenGraphModule):
         mapping: dict[str, list[TrainablePatch]] = {}
         for spec, patch in zip(self.specs, chosen):
             mapping.setdefault(spec.node, []).append(patch)
-        output = interchange(self.graph, mapping, encoded.base, encoded.source, self.pad_id, **self.call_kwargs)
+        output = interchange(self.graph, mapping, encoded.base, encoded.source, self.pad_id,
+                             shared_batch=self.shared_batch, **self.call_kwargs)
         return torch.log_softmax(interchange_logits(output, len(encoded.base.input_ids))[:, -1].float(), dim=-1)
 
     def base_log_probs(self, encoded: Encoded) -> torch.Tensor:

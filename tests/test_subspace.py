@@ -39,9 +39,10 @@ def _sides(tokenizer: object, base_position: object = "last", source_position: o
             InterchangeSide.encode(tokenizer, SOURCES, source_position))
 
 
-def _run(pg, tokenizer, patch, node: str = NODE, **positions) -> torch.Tensor:
+def _run(pg, tokenizer, patch, node: str = NODE, shared_batch: bool = True, **positions) -> torch.Tensor:
     base, source = _sides(tokenizer, **positions)
-    output = interchange(pg, {node: patch}, base, source, pad_id=tokenizer.pad_token_id, use_cache=False)
+    output = interchange(pg, {node: patch}, base, source, pad_id=tokenizer.pad_token_id, shared_batch=shared_batch,
+                         use_cache=False)
     return interchange_logits(output, len(BASES))[:, -1]
 
 
@@ -79,8 +80,9 @@ def _replace(source: torch.Tensor):
     return ReplacePatch(value=source[0], slice=(slice(None), -1))
 
 
+@pytest.mark.parametrize("shared_batch", [True, False])
 @pytest.mark.parametrize("kind", ["rotated", "boundless", "mask"])
-def test_interchange_equals_a_manual_patch_of_the_recorded_source(backbone, kind: str) -> None:
+def test_interchange_equals_a_manual_patch_of_the_recorded_source(backbone, kind: str, shared_batch: bool) -> None:
     pg, tokenizer = backbone
     torch.manual_seed(1)
     patch = {"rotated": lambda: RotatedSubspacePatch(64, 8), "boundless": lambda: BoundlessSubspacePatch(64, 0.3),
@@ -91,7 +93,8 @@ def test_interchange_equals_a_manual_patch_of_the_recorded_source(backbone, kind
         patch.source = source[0]
         return patch
 
-    torch.testing.assert_close(_run(pg, tokenizer, patch), _manual(pg, tokenizer, manual), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_run(pg, tokenizer, patch, shared_batch=shared_batch), _manual(pg, tokenizer, manual),
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_gradients_reach_only_patch_parameters_and_rotation_stays_orthonormal(backbone, tmp_path: Path) -> None:
@@ -101,9 +104,9 @@ def test_gradients_reach_only_patch_parameters_and_rotation_stays_orthonormal(ba
     optimizer = torch.optim.Adam(patch.parameters(), lr=0.05)
     target = torch.tensor([5, 7])
     before = patch.R.detach().clone()
-    for _ in range(5):
+    for step in range(6):  # both layouts: one batch, and a truncated source pass then the base
         optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(_run(pg, tokenizer, patch), target)
+        loss = torch.nn.functional.cross_entropy(_run(pg, tokenizer, patch, shared_batch=step % 2 == 0), target)
         loss.backward()
         assert all(p.grad is None for p in pg.parameters())
         assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in patch.parameters())
@@ -171,3 +174,13 @@ def test_boundless_and_mask_terms() -> None:
     assert float(sigmoid.penalty()) == pytest.approx(5.0)
     base, source = torch.zeros(3, 10), torch.ones(3, 10)
     torch.testing.assert_close(sigmoid.intervene(base, source), torch.full((3, 10), 0.5))
+
+
+def test_split_source_pass_stops_at_the_last_patched_node(backbone) -> None:
+    from gradpatch import RecordPatch
+
+    pg, tokenizer = backbone
+    later = RecordPatch()
+    with pg.patch({"model.layers_1.output": later}):
+        _run(pg, tokenizer, RotatedSubspacePatch(64, 4), shared_batch=False)
+    assert [tuple(a.shape) for a in later.activations] == [(2, 6, 64)]  # the base pass only: the source pass stopped

@@ -1,0 +1,120 @@
+"""The DAS country task with pyvene 0.1.8 (a peer, in its own virtualenv), on the data, hyperparameters and seed of
+``benchmarks/das_country.py``; prints JSON (IIA and seconds per step).
+
+pyvene is never a dependency of gradpatch: this script runs with a separate interpreter,
+``/work/venvs/pyvene/bin/python benchmarks/das_country_pyvene.py --model DIR`` where ``DIR`` is the embedded SmolLM2
+saved with ``save_pretrained`` (``benchmarks/das_country.py --save-model DIR`` writes it). Same records, same order
+(``torch.randperm`` with the seed), batch size, learning rate, steps and subspace size; the intervention is
+``LowRankRotatedSpaceIntervention`` at ``block_output`` of the layer (the residual stream after it, gradpatch's
+``model.layers_L.output``) at the last token of the city in base and source, with left-padded batches and
+``position_ids`` from the attention mask as gradpatch uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def last_token_of(tokenizer: Any, prompt: str, subject: str) -> int:
+    start = prompt.rfind(subject)
+    end = start + len(subject)
+    offsets = tokenizer(prompt, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]
+    return [i for i, (low, high) in enumerate(offsets) if low < end and high > start][-1]
+
+
+def side(tokenizer: Any, prompts: list[str], subjects: list[str], pad_id: int) -> tuple[dict[str, torch.Tensor],
+                                                                                         list[int]]:
+    """Left-padded inputs and the column of each row's subject token."""
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    width = max(len(row) for row in ids)
+    input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for i, row in enumerate(ids):
+        input_ids[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    columns = [width - len(row) + last_token_of(tokenizer, p, s) for row, p, s in zip(ids, prompts, subjects)]
+    return {"input_ids": input_ids, "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, columns
+
+
+def logits_of(intervenable: Any, tokenizer: Any, records: list[dict[str, Any]], pad_id: int) -> torch.Tensor:
+    base, base_cols = side(tokenizer, [r["base"] for r in records], [r["base_subject"] for r in records], pad_id)
+    source, source_cols = side(tokenizer, [r["source"] for r in records], [r["source_subject"] for r in records],
+                               pad_id)
+    locations = {"sources->base": ([[[c] for c in source_cols]], [[[c] for c in base_cols]])}
+    _, counterfactual = intervenable(base, [source], locations)
+    return torch.log_softmax(counterfactual.logits[:, -1].float(), dim=-1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--layer", type=int, default=6)
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--eval-pairs", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    import pyvene
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train, test = read(DATA / "das_country_train.jsonl"), read(DATA / "das_country_eval.jsonl")[: args.eval_pairs]
+    torch.manual_seed(args.seed)
+    config = pyvene.IntervenableConfig(
+        representations=[pyvene.RepresentationConfig(args.layer, "block_output", "pos", 1,
+                                                     low_rank_dimension=args.dim)],
+        intervention_types=pyvene.LowRankRotatedSpaceIntervention)
+    intervenable = pyvene.IntervenableModel(config, model)
+    intervenable.disable_model_gradients()
+    parameters = [p for intervention in intervenable.interventions.values() for p in
+                  (intervention[0] if isinstance(intervention, tuple) else intervention).parameters()]
+    optimizer = torch.optim.Adam(parameters, lr=args.lr)
+    generator = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(len(train), generator=generator).tolist()
+    labels_of = {}
+    start = time.perf_counter()
+    for step in range(args.steps):
+        chosen = [train[order[(step * args.batch_size + i) % len(order)]] for i in range(args.batch_size)]
+        labels = torch.tensor([labels_of.setdefault(r["label"], tokenizer(r["label"], add_special_tokens=False)
+                                                    ["input_ids"][0]) for r in chosen])
+        loss = torch.nn.functional.nll_loss(logits_of(intervenable, tokenizer, chosen, pad_id), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    train_s = time.perf_counter() - start
+    hits = 0
+    with torch.no_grad():
+        for begin in range(0, len(test), 64):
+            chunk = test[begin:begin + 64]
+            labels = torch.tensor([tokenizer(r["label"], add_special_tokens=False)["input_ids"][0] for r in chunk])
+            hits += int((logits_of(intervenable, tokenizer, chunk, pad_id).argmax(-1) == labels).sum())
+    print(json.dumps({"benchmark": "das_country_pyvene", "pyvene": pyvene.__version__ if hasattr(pyvene, "__version__")
+                      else "0.1.8", "layer": args.layer, "dim": args.dim, "iia": hits / len(test),
+                      "seconds_per_step": round(train_s / args.steps, 3), "steps": args.steps,
+                      "batch_size": args.batch_size, "lr": args.lr, "eval_pairs": len(test), "seed": args.seed,
+                      "threads": args.threads, "torch": torch.__version__,
+                      "machine": platform.processor() or platform.machine()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
