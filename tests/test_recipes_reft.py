@@ -148,3 +148,29 @@ def test_bipo_config_parses(tmp_path: Path) -> None:
     assert status == 0
     metrics = json.loads((root / "metrics.json").read_text())
     assert metrics["parameters"] == 64 and {"logratio_margin", "preference_accuracy"} <= set(metrics)
+
+
+def test_generation_applies_reft_at_the_prefill_only_and_batches_like_single_prompts() -> None:
+    from gradpatch import LoReFTPatch
+    from gradpatch.reft import reft_patch_map
+    from recipes.reft_generation import generate_with_patches
+
+    model, tokenizer = tiny_backbone()
+    module = ReFTModule.from_model(model, tokenizer, interventions=[{"node": NODE, "kind": "steer"}])
+    torch.manual_seed(3)
+    patch = LoReFTPatch(64, 2, positions="f1+l1")
+    with torch.no_grad():
+        patch.projection.bias.fill_(3.0)
+    patches = {NODE: [patch]}
+    prompts = ["the city Paris is in the country", "I feel"]
+    batched = generate_with_patches(module.graph, tokenizer, patches, prompts, max_new_tokens=4, batch_size=2)
+    alone = [generate_with_patches(module.graph, tokenizer, patches, [p], max_new_tokens=4)[0] for p in prompts]
+    plain = generate_with_patches(module.graph, tokenizer, {}, prompts, max_new_tokens=4, batch_size=2)
+    assert batched == alone and batched != plain
+    # without a cache, the same tokens follow from patching the prompt's positions only in each full forward
+    ids = tokenizer(prompts[1])["input_ids"]
+    for _ in range(4):
+        with module.graph.patch(reft_patch_map(patches, [2])):
+            logits = module.graph(torch.tensor([ids]), use_cache=False).logits
+        ids.append(int(logits[0, -1].argmax()))
+    assert tokenizer.decode(ids[2:], skip_special_tokens=True) == alone[1]
