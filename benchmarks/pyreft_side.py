@@ -1,7 +1,7 @@
 """The pyreft side of benchmarks/reft_pyreft.py; runs in a separate virtualenv with pyreft 0.1.0 (never imported by
-the project). Reads a model folder (config.json, weights.safetensors) and IN.safetensors (token ids, positions, R, W, b, a hidden batch), writes
-OUT.safetensors: pyreft's LoreftIntervention output on the hidden batch, the model's logits with the intervention at
-a layer's block output, and the seconds per training step.
+the project). Reads a model folder (config.json, weights.safetensors) and IN.safetensors (token ids, positions, R,
+W, b, a hidden batch); writes OUT.safetensors: pyreft's LoreftIntervention output on the hidden batch and its R, the
+model's logits and block output with the intervention at a layer, the losses and seconds per training step.
 
     /work/venvs/pyreft/bin/python benchmarks/pyreft_side.py MODEL_DIR IN.safetensors OUT.safetensors LAYER STEPS
 """

@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--layer", type=int, default=10)
     parser.add_argument("--lr", type=float, default=4e-3)
+    parser.add_argument("--runs", nargs="*", default=None, help="run names to do (default: all)")
     args = parser.parse_args()
     model, tokenizer = load_embedded_model()
     data = ContinuationDataModule(str(DATA / "loreft_country_train.jsonl"), str(DATA / "loreft_country_eval.jsonl"),
@@ -73,10 +74,12 @@ def main() -> None:
             "loreft_r4_f3+l3_untied": {"node": node, "kind": "loreft", "rank": 4, "positions": "f3+l3",
                                        "tied": False}}
     for name, spec in runs.items():
+        if args.runs and name not in args.runs:
+            continue
         seed_everything(0, verbose=False)
         module = ReFTModule.from_model(model, tokenizer, lr=args.lr, interventions=[
             spec or {"node": node, "kind": "add", "positions": "f3+l3"}])
-        result: dict = {"run": name, "node": node, "steps": 0}
+        result: dict = {"run": name, "node": node, "steps": 0, "lr": args.lr}
         if spec is not None:
             losses = _Losses()
             Trainer(max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,

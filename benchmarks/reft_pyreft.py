@@ -73,8 +73,9 @@ def main() -> None:
                    "b": patch.projection.bias.detach().contiguous(), "h": h, "input_ids": ids,
                    "positions": torch.tensor(positions), "prompt_length": torch.tensor(len(prompt))},
                   f"{folder}/in.safetensors")
-        subprocess.run([args.python, str(Path(__file__).with_name("pyreft_side.py")), folder, f"{folder}/in.safetensors",
-                        f"{folder}/out.safetensors", str(args.layer), str(args.steps)], check=True)
+        side = str(Path(__file__).with_name("pyreft_side.py"))
+        subprocess.run([args.python, side, folder, f"{folder}/in.safetensors", f"{folder}/out.safetensors",
+                        str(args.layer), str(args.steps)], check=True)
         theirs = load_file(f"{folder}/out.safetensors")
     pg = PatchableGraph(model, ids, use_cache=False)
     with torch.no_grad():
@@ -110,7 +111,8 @@ def main() -> None:
         "max_abs_intervened_hidden": float(theirs["hidden"].abs().max()),
         "abs_diff_first_step_loss": abs(losses[0] - float(theirs["losses"][0])),
         "losses_gradpatch": losses, "losses_pyreft": theirs["losses"].tolist(),
-        "cpu_seconds_per_step_gradpatch": ours_cpu, "cpu_seconds_per_step_pyreft": float(theirs["cpu_seconds_per_step"]),
+        "cpu_seconds_per_step_gradpatch": ours_cpu,
+        "cpu_seconds_per_step_pyreft": float(theirs["cpu_seconds_per_step"]),
         "cpu_ratio_gradpatch_over_pyreft": ours_cpu / float(theirs["cpu_seconds_per_step"]),
         "wall_seconds_per_step_gradpatch": ours, "wall_seconds_per_step_pyreft": float(theirs["seconds_per_step"])},
         indent=2))

@@ -131,13 +131,14 @@ class _RecordsDataModule(LightningDataModule):
             self.eval_records = self.read(self.eval_file)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_records, batch_size=self.batch_size, shuffle=self.shuffle,  # type: ignore[arg-type]
-                          collate_fn=_as_list)
+        records: Any = self.train_records
+        return DataLoader(records, batch_size=self.batch_size, shuffle=self.shuffle, collate_fn=_as_list)
 
     def val_dataloader(self) -> DataLoader | list[Any]:
         if not self.eval_records:
             return []
-        return DataLoader(self.eval_records, batch_size=self.eval_batch_size, collate_fn=_as_list)  # type: ignore[arg-type]
+        records: Any = self.eval_records
+        return DataLoader(records, batch_size=self.eval_batch_size, collate_fn=_as_list)
 
 
 class ContinuationDataModule(_RecordsDataModule):

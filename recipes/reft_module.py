@@ -341,7 +341,8 @@ class ReFTModule(FrozenGraphModule):
             gains = []
             for responses in ([r.chosen for r in chunk], [r.rejected for r in chunk]):
                 tokenized = self.encode(prompts, responses)
-                gains.append(self.token_log_probs(tokenized)[0].sum(-1) - self.token_log_probs(tokenized, None)[0].sum(-1))
+                steered, plain = self.token_log_probs(tokenized)[0], self.token_log_probs(tokenized, None)[0]
+                gains.append(steered.sum(-1) - plain.sum(-1))
             margin = gains[0] - gains[1]
             sums["logratio_margin"] = sums.get("logratio_margin", 0.0) + float(margin.sum())
             sums["preference_accuracy"] = sums.get("preference_accuracy", 0.0) + float((margin > 0).sum())
