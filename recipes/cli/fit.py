@@ -13,7 +13,10 @@ Everything after ``fit`` goes to LightningCLI (``--config``, ``--print_config``,
 intervention is exported (safetensors + JSON) to ``--export`` (default: ``<log_dir>/intervention``).
 
 A config with a ``data:`` section (or ``--data.*`` arguments) trains interchange interventions instead
-(:mod:`recipes.cli.fit_interchange`: InterventionModule on counterfactual JSONL, ``recipes/configs/das_country.yaml``).
+(:mod:`recipes.cli.fit_interchange`: InterventionModule on counterfactual JSONL, ``recipes/configs/das_country.yaml``);
+one whose ``data.class_path`` is a ContinuationDataModule or PreferenceDataModule trains ReFT patches or BiPO
+steering vectors (:mod:`recipes.cli.fit_reft`: ReFTModule, ``recipes/configs/loreft_country.yaml``,
+``bipo_sentiment.yaml``).
 """
 
 from __future__ import annotations
