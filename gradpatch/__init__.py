@@ -24,11 +24,17 @@ from .node_path import NodeData
 from .options import ExtractionOptions
 from .patchable_graph import PatchableGraph
 from .patches import AddPatch, CustomPatch, Patch, ProbePatch, RecordPatch, ReplacePatch, ZeroPatch
+from .reft import AddVectorPatch, DiReFTPatch, LoReFTPatch, ReFTPatch, ReFTPositions
 from .subspace import (BoundlessSubspacePatch, FullInterchangePatch, RotatedSubspacePatch, SigmoidMaskPatch,
                        TrainablePatch)
 
 __all__ = [
     "AddPatch",
+    "AddVectorPatch",
+    "DiReFTPatch",
+    "LoReFTPatch",
+    "ReFTPatch",
+    "ReFTPositions",
     "BoundlessSubspacePatch",
     "CompilationWarning",
     "CompiledGraphModule",

@@ -4,6 +4,9 @@
   for target continuations, steering towards/away from tokens, with KL and L2 regularisers.
 - :class:`InterventionModule`: train trainable interchange patches (DAS, Boundless DAS, sigmoid masks) on
   counterfactual JSONL records (:class:`CounterfactualDataModule`) with a pluggable objective (:class:`IITObjective`).
+- :class:`ReFTModule`: train LoReFT/DiReFT patches at a prompt's first/last tokens on continuations
+  (:class:`ContinuationDataModule`, :class:`ContinuationNLLObjective`), or steering vectors with BiPO's preference
+  loss (:class:`PreferenceDataModule`, :class:`BiPOObjective`); :func:`caa_vector` is CAA's mean difference.
 - :class:`ObjectiveModule`: optimise tensors against any objective callable (the extension point for ROME's value
   step).
 - :class:`InterventionLogger`: TensorBoard scalars, histograms, generations and hyperparameters.
@@ -24,6 +27,9 @@ from editors import lazy_exports
 
 #: Public name -> submodule that defines it.
 _EXPORTS: dict[str, str] = {
+    "BiPOObjective": "reft_objectives",
+    "ContinuationDataModule": "continuations",
+    "ContinuationNLLObjective": "reft_objectives",
     "CounterfactualDataModule": "counterfactual",
     "DeltaModule": "delta_module",
     "DeltaSpec": "specs",
@@ -40,11 +46,15 @@ _EXPORTS: dict[str, str] = {
     "ShardedFrozenDDPStrategy": "sharded",
     "StatisticsJobError": "errors",
     "ObjectiveModule": "objective_module",
+    "PreferenceDataModule": "continuations",
+    "ReFTModule": "reft_module",
+    "ReFTSpec": "reft_module",
     "RecipeConfigError": "errors",
     "RecipeError": "errors",
     "Row": "data",
     "TargetSpec": "specs",
     "build_rows": "data",
+    "caa_vector": "caa",
     "collate_rows": "data",
     "greedy_generate": "generation",
     "left_pad": "data",

@@ -11,6 +11,7 @@ command        module                      does
 ``attribute``  :mod:`recipes.cli.attribute` activation patching, AtP, AtP*, EAP, EAP-IG: scores.json, heatmaps
 ``fit``        :mod:`recipes.cli.fit`       train an intervention from a YAML config (LightningCLI)
 ``stats``      :mod:`recipes.cli.stats`     second-moment statistics over GPUs/nodes, resumable (Lightning job)
+``generate``   :mod:`recipes.cli.generate`  greedy KV-cache continuations with a saved intervention
 =============  ==========================  =============================================================
 
 Options shared by several commands (``--model``, ``--node``, ``--device``, ...) are in :mod:`recipes.cli.options`.
@@ -23,12 +24,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import attribute, eval_edit, eval_rome, fit, graph, rome, stats, trace
+from . import attribute, eval_edit, eval_rome, fit, generate, graph, rome, stats, trace
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: The commands in the order ``--help`` lists them; each module has ``NAME`` and ``register(subparsers)``.
-COMMANDS = (graph, rome, eval_rome, eval_edit, trace, attribute, fit, stats)
+COMMANDS = (graph, rome, eval_rome, eval_edit, trace, attribute, fit, stats, generate)
 
 
 def build_parser() -> argparse.ArgumentParser:

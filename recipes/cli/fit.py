@@ -13,7 +13,10 @@ Everything after ``fit`` goes to LightningCLI (``--config``, ``--print_config``,
 intervention is exported (safetensors + JSON) to ``--export`` (default: ``<log_dir>/intervention``).
 
 A config with a ``data:`` section (or ``--data.*`` arguments) trains interchange interventions instead
-(:mod:`recipes.cli.fit_interchange`: InterventionModule on counterfactual JSONL, ``recipes/configs/das_country.yaml``).
+(:mod:`recipes.cli.fit_interchange`: InterventionModule on counterfactual JSONL, ``recipes/configs/das_country.yaml``);
+one whose ``data.class_path`` is a ContinuationDataModule or PreferenceDataModule trains ReFT patches or BiPO
+steering vectors (:mod:`recipes.cli.fit_reft`: ReFTModule, ``recipes/configs/loreft_country.yaml``,
+``bipo_sentiment.yaml``).
 """
 
 from __future__ import annotations
@@ -90,7 +93,10 @@ def run_fit(args: Sequence[str]) -> int:
         nothing is exported). ``--help`` and argument errors exit through ``SystemExit``, as LightningCLI does.
     """
     from .fit_interchange import is_interchange_config, run_interchange_fit
+    from .fit_reft import is_reft_config, run_reft_fit
 
+    if is_reft_config(args):
+        return run_reft_fit(args)
     if is_interchange_config(args):
         return run_interchange_fit(args)
     from lightning.pytorch.cli import LightningCLI

@@ -1,0 +1,173 @@
+"""Continuation and preference data for ReFT and BiPO: JSONL records and LightningDataModules.
+
+Continuation files (ReFT's teacher-forced fine-tuning), one record per line::
+
+    {"prompt": "Q: What is the capital of France?\\nA:", "response": " Paris."}
+
+Preference files (BiPO's steering vectors; CAA's mean difference)::
+
+    {"prompt": "Tell me about your day.", "chosen": " It was wonderful!", "rejected": " It was awful."}
+
+A response (chosen, rejected) must be non-empty and chosen must differ from rejected; both are checked when the
+file is read, before any training. The module tokenizes the records with its model's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader
+
+from .errors import RecipeConfigError
+
+__all__ = ["ContinuationDataModule", "ContinuationRecord", "PreferenceDataModule", "PreferenceRecord",
+           "read_continuations", "read_preferences"]
+
+
+@dataclass
+class ContinuationRecord:
+    """A prompt and the response the intervened model should continue it with (teacher forcing)."""
+
+    prompt: str
+    response: str
+
+
+@dataclass
+class PreferenceRecord:
+    """A prompt, the continuation to make more likely (``chosen``) and the one to make less likely (``rejected``)."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+
+
+def _read(path: str | Path, fields: tuple[str, ...], what: str) -> list[dict[str, str]]:
+    """JSON objects of a JSONL file holding exactly ``fields``, each a non-empty string.
+
+    Raises:
+        RecipeConfigError: a missing or empty file, a line that is not a JSON object, a missing, empty or unknown
+            field (each naming the line).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeConfigError(f"{what} file {path} does not exist; give --data.train_file/--data.eval_file")
+    items = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise RecipeConfigError(f"{where}: not JSON ({error}); one record per line") from error
+        if not isinstance(item, dict):
+            raise RecipeConfigError(f"{where}: a record is a JSON object with {list(fields)}")
+        missing = [key for key in fields if not isinstance(item.get(key), str) or not item[key].strip()]
+        unknown = sorted(set(item) - set(fields))
+        if missing or unknown:
+            problem = f"missing or empty {missing}" if missing else f"unknown fields {unknown}"
+            raise RecipeConfigError(f"{where}: {problem}; a {what} record holds exactly {list(fields)}, each a "
+                                    f"non-empty string")
+        items.append(item)
+    if not items:
+        raise RecipeConfigError(f"{path} holds no records")
+    return items
+
+
+def read_continuations(path: str | Path) -> list[ContinuationRecord]:
+    """Read ``{"prompt", "response"}`` JSONL records (blank lines skipped).
+
+    Raises:
+        RecipeConfigError: as :func:`_read` (an empty response among them).
+    """
+    return [ContinuationRecord(**item) for item in _read(path, ("prompt", "response"), "continuation")]
+
+
+def read_preferences(path: str | Path) -> list[PreferenceRecord]:
+    """Read ``{"prompt", "chosen", "rejected"}`` JSONL records (blank lines skipped).
+
+    Raises:
+        RecipeConfigError: as :func:`_read`, or a record whose chosen equals its rejected continuation (nothing to
+            prefer).
+    """
+    records = [PreferenceRecord(**item) for item in _read(path, ("prompt", "chosen", "rejected"), "preference")]
+    for number, record in enumerate(records, start=1):
+        if record.chosen.strip() == record.rejected.strip():
+            raise RecipeConfigError(f"{path}: record {number} ({record.prompt!r}) has chosen equal to rejected "
+                                    f"({record.chosen!r}); give two different continuations")
+    return records
+
+
+def _as_list(batch: list[Any]) -> list[Any]:
+    return batch
+
+
+class _RecordsDataModule(LightningDataModule):
+    """Batches (lists) of records read from a train file and an optional eval file."""
+
+    def __init__(self, train_file: str, eval_file: str | None = None, batch_size: int = 8,
+                 eval_batch_size: int = 32, shuffle: bool = True) -> None:
+        super().__init__()
+        if batch_size < 1 or eval_batch_size < 1:
+            raise RecipeConfigError(f"batch_size and eval_batch_size must be >= 1, got {batch_size}, "
+                                    f"{eval_batch_size}")
+        self.train_file, self.eval_file = train_file, eval_file
+        self.batch_size, self.eval_batch_size, self.shuffle = batch_size, eval_batch_size, shuffle
+        self.train_records: list[Any] = []
+        self.eval_records: list[Any] = []
+
+    def read(self, path: str) -> list[Any]:
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read the files (once)."""
+        if not self.train_records:
+            self.train_records = self.read(self.train_file)
+        if self.eval_file and not self.eval_records:
+            self.eval_records = self.read(self.eval_file)
+
+    def train_dataloader(self) -> DataLoader:
+        records: Any = self.train_records
+        return DataLoader(records, batch_size=self.batch_size, shuffle=self.shuffle, collate_fn=_as_list)
+
+    def val_dataloader(self) -> DataLoader | list[Any]:
+        if not self.eval_records:
+            return []
+        records: Any = self.eval_records
+        return DataLoader(records, batch_size=self.eval_batch_size, collate_fn=_as_list)
+
+
+class ContinuationDataModule(_RecordsDataModule):
+    """Batches of :class:`ContinuationRecord` (``{"prompt", "response"}`` JSONL) for ReFT's continuation NLL.
+
+    Args:
+        train_file: JSONL training records.
+        eval_file: JSONL records whose NLL is the validation metric ``val_nll`` (``None``: no validation).
+        batch_size, eval_batch_size: records per batch.
+        shuffle: shuffle the training records every epoch (seeded by ``seed_everything``).
+
+    Raises:
+        RecipeConfigError: a batch size below 1; (in :meth:`setup`) unreadable files or empty responses.
+    """
+
+    def read(self, path: str) -> list[Any]:
+        return read_continuations(path)
+
+
+class PreferenceDataModule(_RecordsDataModule):
+    """Batches of :class:`PreferenceRecord` (``{"prompt", "chosen", "rejected"}`` JSONL) for BiPO.
+
+    Args:
+        as :class:`ContinuationDataModule` (the validation metric is ``val_preference_accuracy``).
+
+    Raises:
+        RecipeConfigError: a batch size below 1; (in :meth:`setup`) unreadable files, empty continuations, chosen
+            equal to rejected.
+    """
+
+    def read(self, path: str) -> list[Any]:
+        return read_preferences(path)

@@ -1,0 +1,368 @@
+"""ReFTModule: train LoReFT/DiReFT patches or steering vectors on a frozen causal LM with Lightning.
+
+Example (what ``recipes/configs/loreft_capitals.yaml`` does)::
+
+    from lightning.pytorch import Trainer
+    from recipes import ContinuationDataModule, ReFTModule
+
+    module = ReFTModule(interventions=[{"node": "model.layers_8.output", "kind": "loreft", "rank": 4,
+                                        "positions": "f1+l1"}])
+    data = ContinuationDataModule("train.jsonl", "eval.jsonl", batch_size=8)
+    Trainer(max_steps=100).fit(module, datamodule=data)
+    module.generate(["Q: capital of Peru?\\nA:"])   # KV-cache generation, ReFT at the prompt's positions
+    module.export_intervention("runs/loreft")          # safetensors + JSON (rank, positions, part, model fingerprint)
+
+Kinds (:class:`ReFTSpec`): ``loreft`` (:class:`~gradpatch.reft.LoReFTPatch`), ``direft``
+(:class:`~gradpatch.reft.DiReFTPatch`), ``add`` (:class:`~gradpatch.reft.AddVectorPatch`, the full-vector
+baseline at the same positions), each at the first/last prompt tokens, tied or untied across them; and ``steer``
+(an ``AddPatch`` vector ``[d]`` at every token, what BiPO trains and CAA computes). The objective is pluggable
+(:mod:`recipes.reft_objectives`): continuation NLL with teacher forcing (default) or BiPO's preference loss. The
+module shares :class:`~recipes.frozen.FrozenGraphModule` (frozen graph, finiteness checks, checkpoints with the
+intervention only) and the objective interface with :class:`~recipes.intervention_module.InterventionModule`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from gradpatch import AddPatch, Intervention, PatchableGraph
+from gradpatch.files import atomic_write_text
+from gradpatch.interchange import check_interchange_node
+from gradpatch.patches import Patch
+from gradpatch.reft import (AddVectorPatch, DiReFTPatch, LoReFTPatch, ReFTPatch, ReFTPositions, check_saved_reft,
+                            reft_patch_map)
+
+from .data import encode, left_pad, pad_token_id
+from .delta_module import EMBEDDED_MODEL_LABEL, DtypeName
+from .errors import RecipeConfigError
+from .frozen import FrozenGraphModule, OptimizerName
+from .intervention_objectives import InterventionObjective
+from .reft_generation import generate_with_patches
+from .specs import as_spec, spec_dict
+
+__all__ = ["ReFTKind", "ReFTModule", "ReFTSpec", "Tokenized", "build_reft_patches"]
+
+ReFTKind = Literal["loreft", "direft", "add", "steer"]
+
+
+@dataclass
+class ReFTSpec:
+    """One trained intervention.
+
+    Attributes:
+        node: NodePath of a ``[batch, seq, d]`` activation, e.g. ``"model.layers_8.output"`` (residual stream).
+        kind: ``"loreft"``, ``"direft"``, ``"add"`` (a vector at the same positions) or ``"steer"`` (a vector at every
+            token).
+        rank: r of LoReFT/DiReFT (1 ≤ r < d).
+        positions: ``"f<p>+l<s>"``: the first p and last s prompt tokens (pyreft's notation; not for ``steer``).
+        tied: one patch for all positions (True) or one for the first and one for the last ones (False).
+    """
+
+    node: str
+    kind: ReFTKind = "loreft"
+    rank: int = 4
+    positions: str = "f7+l7"
+    tied: bool = True
+
+
+@dataclass
+class Tokenized:
+    """Prompt + continuation token ids per row (prompt with special tokens, continuation without, then EOS)."""
+
+    ids: list[list[int]]
+    prompt_lengths: list[int]
+    response_lengths: list[int]
+
+
+def build_reft_patches(spec: ReFTSpec, width: int) -> list[Patch]:
+    """The patches a spec describes, for a node of width ``width``.
+
+    Raises:
+        SubspaceConfigError: rank outside 1..d−1, bad positions.
+        RecipeConfigError: an unknown kind.
+    """
+    if spec.kind == "steer":
+        return [AddPatch(value=torch.zeros(width))]
+    classes = {"loreft": LoReFTPatch, "direft": DiReFTPatch, "add": AddVectorPatch}
+    if spec.kind not in classes:
+        raise RecipeConfigError(f"intervention kind {spec.kind!r} is not one of 'loreft', 'direft', 'add', 'steer'")
+    positions = ReFTPositions.parse(spec.positions)
+    extra = {} if spec.kind == "add" else {"rank": spec.rank}
+    return [classes[spec.kind](width, positions=str(positions), part=part, **extra)  # type: ignore[arg-type]
+            for part in positions.parts(spec.tied)]
+
+
+class ReFTModule(FrozenGraphModule):
+    """Train ReFT patches or steering vectors at NodePaths of a frozen causal LM on continuation or preference data.
+
+    Args:
+        interventions: :class:`ReFTSpec` (or mappings of its fields).
+        objective: an :class:`~recipes.intervention_objectives.InterventionObjective` (default: continuation NLL).
+        model_path: a ``save_pretrained`` directory or ``.gguf`` file; ``None`` for the embedded SmolLM2-135M-Instruct.
+        lr: learning rate.
+        optimizer: ``"adam"``, ``"adamw"`` or ``"sgd"``.
+        append_eos: end every continuation with the tokenizer's EOS token (as pyreft's training data).
+        weight_decay: AdamW's decoupled weight decay (default 0, as pyreft's training runs), never applied to the
+            orthogonal parametrization of LoReFT's R: torch's Householder map reads the signs of that tensor's diagonal
+            with ``int()``, so a decayed diagonal (1 -> 0.999) would turn R into zeros.
+        dtype: dtype the model is loaded in (the patches stay float32).
+        _backbone: ``(model, tokenizer)`` already loaded (see :meth:`from_model`).
+
+    Raises:
+        RecipeConfigError: no interventions, an unknown kind.
+        SubspaceConfigError: a node that is not ``[batch, seq, d]``, a rank ≥ d, bad positions.
+        NodePathError: an unknown NodePath.
+    """
+
+    def __init__(self, interventions: list[ReFTSpec], objective: InterventionObjective | None = None,
+                 model_path: str | None = None, lr: float = 4e-3, optimizer: OptimizerName = "adamw",
+                 append_eos: bool = True, weight_decay: float = 0.0, dtype: DtypeName = "float32", *,
+                 _backbone: tuple[nn.Module, Any] | None = None) -> None:
+        super().__init__(lr=lr, optimizer=optimizer)
+        self.specs = [as_spec(ReFTSpec, spec) for spec in interventions]
+        if not self.specs:
+            raise RecipeConfigError("no interventions configured: add at least one {node: ..., kind: loreft, rank: 4}")
+        from .reft_objectives import ContinuationNLLObjective
+
+        self.objective = objective if objective is not None else ContinuationNLLObjective()
+        self.append_eos = append_eos
+        if not 0.0 <= weight_decay < float("inf"):
+            raise RecipeConfigError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+        self.weight_decay = float(weight_decay)
+        self.save_hyperparameters(ignore=["_backbone", "objective"], logger=False)
+        self.hparams["interventions"] = spec_dict(self.specs)
+        if _backbone is None:
+            from gradpatch.models import load_model
+
+            model, tokenizer = load_model(model_path, dtype=getattr(torch, dtype))
+            self.model_label = model_path or EMBEDDED_MODEL_LABEL
+        else:
+            model, tokenizer = _backbone
+            self.model_label = f"{type(model).__name__} (in memory)"
+        self.tokenizer = tokenizer
+        self.__dict__["_model"] = model
+        self.pad_id = pad_token_id(tokenizer)
+        token = next(i for i in range(len(tokenizer)) if i != self.pad_id)
+        example = left_pad([[token] * 3, [token] * 4], self.pad_id)
+        with torch.no_grad():
+            pg = PatchableGraph(model, example["input_ids"], attention_mask=example["attention_mask"],
+                                position_ids=example["position_ids"], use_cache=False)
+        self.attach_graph(pg)
+        patches: dict[str, list[Patch]] = {}
+        for spec in self.specs:
+            patches.setdefault(spec.node, []).extend(build_reft_patches(spec, check_interchange_node(pg, spec.node)))
+        self.intervention = Intervention(patches)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, tokenizer: Any, **config: Any) -> "ReFTModule":
+        """A ReFTModule on a model already in memory (the other constructor arguments in ``config``)."""
+        return cls(**config, _backbone=(model, tokenizer))
+
+    @property
+    def model(self) -> nn.Module:
+        """The wrapped model (frozen)."""
+        return self.__dict__["_model"]
+
+    def parameter_count(self) -> int:
+        """Number of trained parameters (LoReFT: 2·r·d + r per patch; a vector: d)."""
+        return sum(p.numel() for p in self.trainable_parameters())
+
+    # --- data ----------------------------------------------------------------------------------------------
+
+    def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> Tokenized:
+        """Tokenize prompt/continuation pairs and check every ReFT patch's positions fit each prompt.
+
+        Raises:
+            RecipeConfigError: an empty prompt or continuation.
+            SubspaceConfigError: a prompt shorter than a patch's positions.
+        """
+        ids, prompt_lengths, response_lengths = [], [], []
+        eos = [self.tokenizer.eos_token_id] if self.append_eos and self.tokenizer.eos_token_id is not None else []
+        for prompt, response in zip(prompts, responses):
+            if not response.strip():
+                raise RecipeConfigError(f"prompt {prompt!r} has an empty response; give a non-empty continuation")
+            head, tail = encode(self.tokenizer, prompt), encode(self.tokenizer, response, add_special_tokens=False)
+            ids.append(head + tail + eos)
+            prompt_lengths.append(len(head))
+            response_lengths.append(len(tail) + len(eos))
+        tokenized = Tokenized(ids, prompt_lengths, response_lengths)
+        self.patch_map(tokenized)  # positions past a prompt raise here
+        return tokenized
+
+    def check_records(self, records: Sequence[Any]) -> None:
+        """Encode every record (continuation or preference) so that bad input fails before training.
+
+        Raises:
+            RecipeConfigError, SubspaceConfigError: as :meth:`encode`.
+        """
+        for record in records:
+            for response in _responses(record):
+                self.encode([record.prompt], [response])
+
+    def on_fit_start(self) -> None:
+        """Check the data module's records (train and eval) before the first step."""
+        data = getattr(self.trainer, "datamodule", None)
+        for name in ("train_records", "eval_records"):
+            self.check_records(getattr(data, name, None) or [])
+
+    # --- forward passes ------------------------------------------------------------------------------------
+
+    def patch_map(self, tokenized: Tokenized, sign: float = 1.0) -> dict[str, list[Patch]]:
+        """The ``pg.patch`` mapping for a left-padded batch of ``tokenized``: ReFT patches at each prompt's positions,
+        steering vectors (times ``sign``) at every token.
+
+        Raises:
+            SubspaceConfigError: a prompt shorter than a patch's positions.
+        """
+        width = max(len(row) for row in tokenized.ids)
+        offsets = [width - len(row) for row in tokenized.ids]
+        mapping: dict[str, list[Patch]] = {}
+        for path, items in self.intervention.patch_map().items():
+            reft = [p for p in items if isinstance(p, ReFTPatch)]
+            if reft:
+                mapping.setdefault(path, []).extend(reft_patch_map({path: reft}, tokenized.prompt_lengths,
+                                                                   offsets)[path])
+            for patch in items:
+                if isinstance(patch, AddPatch):
+                    mapping.setdefault(path, []).append(AddPatch(value=patch.value * sign))
+        return mapping
+
+    def token_log_probs(self, tokenized: Tokenized, sign: float | None = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced log-probabilities of each continuation token.
+
+        Args:
+            tokenized: ``B`` rows.
+            sign: multiplies steering vectors (BiPO's direction); ``None`` runs the model without any intervention.
+
+        Returns:
+            ``(log_probs [B, T], mask [B, T])`` float32, ``T`` the longest continuation; the continuation of row ``i``
+            fills its last ``response_lengths[i]`` columns (mask 1 there, 0 elsewhere).
+        """
+        batch = left_pad(tokenized.ids, self.pad_id)
+        device = next(self.graph.parameters()).device
+        width, longest = batch["input_ids"].shape[1], max(tokenized.response_lengths)
+        mapping = {} if sign is None else self.patch_map(tokenized, sign)
+        with self.graph.patch(mapping):
+            output = self.graph(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                                position_ids=batch["position_ids"].to(device), use_cache=False)
+        logits = output.logits if hasattr(output, "logits") else output[0]
+        log_probs = torch.log_softmax(logits[:, width - longest - 1:width - 1].float(), dim=-1)
+        targets = batch["input_ids"][:, width - longest:].to(device)
+        picked = log_probs.gather(-1, targets[..., None])[..., 0]
+        column = torch.arange(longest, device=device)[None, :]
+        mask = (column >= longest - torch.tensor(tokenized.response_lengths, device=device)[:, None]).float()
+        return picked * mask, mask
+
+    def generate(self, prompts: Sequence[str], max_new_tokens: int = 32, batch_size: int = 8) -> list[str]:
+        """Greedy KV-cache continuations with the trained intervention (:func:`generate_with_patches`)."""
+        return generate_with_patches(self.graph, self.tokenizer, self.intervention.patch_map(), prompts,
+                                     max_new_tokens, batch_size)
+
+    # --- training ------------------------------------------------------------------------------------------
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """As :class:`~recipes.frozen.FrozenGraphModule`'s, with AdamW's weight decay ``weight_decay`` on every tensor
+        but the orthogonal parametrizations' (see the class docstring)."""
+        if self.optimizer_name != "adamw":
+            return super().configure_optimizers()
+        named = self.named_trainable()
+        fixed = [p for name, p in named.items() if ".parametrizations." in name]
+        others = [p for name, p in named.items() if ".parametrizations." not in name]
+        return torch.optim.AdamW([{"params": others, "weight_decay": self.weight_decay},
+                                  {"params": fixed, "weight_decay": 0.0}], lr=self.lr)
+
+    def loss_terms(self, batch: Any) -> dict[str, torch.Tensor]:
+        return self.objective.loss_terms(self, batch)
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        """One step (see :class:`~recipes.frozen.FrozenGraphModule`), logging ``train/<term>`` to the logger."""
+        result = super().training_step(batch, batch_idx)
+        logged = {f"train/{name}": value for name, value in result["terms"].items() if value.numel() == 1}
+        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=len(batch))
+        return result
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        """The objective's terms on the eval batch, logged as ``val_<term>`` (averaged over the eval file)."""
+        with torch.no_grad():
+            terms = self.objective.loss_terms(self, batch)
+        self.log_dict({f"val_{name}": value for name, value in terms.items() if value.numel() == 1},
+                      on_step=False, on_epoch=True, batch_size=len(batch))
+
+    def export_intervention(self, directory: str | Path) -> Path:
+        """Write the trained patches (``intervention.json`` + ``.safetensors``, with the model's fingerprint).
+
+        Raises:
+            NonFiniteError: a parameter holds NaN or inf (nothing is written).
+        """
+        return self.intervention.save(directory, model=self.model)
+
+    def load_intervention(self, directory: str | Path) -> None:
+        """Load an intervention trained with this configuration into the module.
+
+        Raises:
+            InterventionLoadError: another kind, rank, positions, tying or node (the difference is named).
+            FingerprintMismatchError: saved for another model.
+        """
+        check_saved_reft(directory, self.intervention.patch_map())
+        loaded = Intervention.load(directory, graph=self.graph, like=self.intervention)
+        self.intervention.load_state_dict(loaded.state_dict())
+
+    @torch.no_grad()
+    def evaluate(self, records: Sequence[Any], batch_size: int = 16) -> dict[str, Any]:
+        """Held-out scores of the intervention beside the frozen model without it (the exact comparison).
+
+        Continuation records: ``nll`` and ``base_nll`` (mean NLL per response token with and without the
+        intervention). Preference records: ``logratio_margin`` (mean over records of
+        [log π_v(chosen) − log π(chosen)] − [log π_v(rejected) − log π(rejected)], steering with d = +1) and
+        ``preference_accuracy`` (fraction of records where that margin is > 0).
+
+        Returns:
+            The scores and ``examples``.
+        """
+        sums: dict[str, float] = {}
+        tokens = 0.0
+        for start in range(0, len(records), batch_size):
+            chunk = records[start:start + batch_size]
+            prompts = [r.prompt for r in chunk]
+            if hasattr(chunk[0], "response"):
+                tokenized = self.encode(prompts, [r.response for r in chunk])
+                patched, mask = self.token_log_probs(tokenized)
+                sums["nll"] = sums.get("nll", 0.0) - float(patched.sum())
+                sums["base_nll"] = sums.get("base_nll", 0.0) - float(self.token_log_probs(tokenized, None)[0].sum())
+                tokens += float(mask.sum())
+                continue
+            gains = []
+            for responses in ([r.chosen for r in chunk], [r.rejected for r in chunk]):
+                tokenized = self.encode(prompts, responses)
+                steered, plain = self.token_log_probs(tokenized)[0], self.token_log_probs(tokenized, None)[0]
+                gains.append(steered.sum(-1) - plain.sum(-1))
+            margin = gains[0] - gains[1]
+            sums["logratio_margin"] = sums.get("logratio_margin", 0.0) + float(margin.sum())
+            sums["preference_accuracy"] = sums.get("preference_accuracy", 0.0) + float((margin > 0).sum())
+        scale = tokens if tokens else max(1, len(records))
+        return {**{name: value / scale for name, value in sums.items()}, "examples": len(records)}
+
+    def write_metrics(self, directory: str | Path, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Write ``metrics`` plus the configuration (nodes, kinds, parameter count, steps) to ``metrics.json``.
+
+        Returns:
+            What was written.
+        """
+        document = {**metrics, "parameters": self.parameter_count(), "steps": int(self.global_step), "lr": self.lr,
+                    "interventions": spec_dict(self.specs)}
+        atomic_write_text(Path(directory) / "metrics.json", json.dumps(document, indent=2))
+        return document
+
+
+def _responses(record: Any) -> list[str]:
+    """The continuations of a record: ``response``, or ``chosen`` and ``rejected``."""
+    if hasattr(record, "response"):
+        return [record.response]
+    return [record.chosen, record.rejected]
