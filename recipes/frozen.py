@@ -67,6 +67,8 @@ class FrozenGraphModule(LightningModule):
             raise RecipeConfigError(f"lr must be a finite positive number, got {lr!r}; e.g. 0.05")
         self.lr = float(lr)
         self.optimizer_name = optimizer
+        #: AdamW's decoupled weight decay (torch's default; a subclass may set its own).
+        self.weight_decay = 0.01
         self._step_terms: dict[str, float] = {}
 
     # --- the frozen graph ----------------------------------------------------------------------------------
@@ -187,19 +189,26 @@ class FrozenGraphModule(LightningModule):
         guard.check_values(self.global_step, self.named_trainable())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        """An optimizer over :meth:`trainable_parameters` only.
+        """An optimizer over :meth:`trainable_parameters` only. AdamW decays every trainable tensor by
+        :attr:`weight_decay` except those behind a ``torch.nn.utils.parametrize`` parametrization (an orthogonal
+        ``R``): decay would pull them off their manifold (torch's orthogonal parametrization of a non-square ``R``
+        collapses to zeros within a step).
 
         Raises:
             RecipeConfigError: there is nothing to train.
         """
-        parameters = self.trainable_parameters()
-        if not parameters:
+        named = self.named_trainable()
+        if not named:
             raise RecipeConfigError(f"{type(self).__name__} has no trainable tensors; configure at least one delta")
         if self.optimizer_name == "adam":
-            return torch.optim.Adam(parameters, lr=self.lr)
+            return torch.optim.Adam(list(named.values()), lr=self.lr)
         if self.optimizer_name == "adamw":
-            return torch.optim.AdamW(parameters, lr=self.lr)
-        return torch.optim.SGD(parameters, lr=self.lr)
+            parametrized = [p for name, p in named.items() if ".parametrizations." in name]
+            others = [p for name, p in named.items() if ".parametrizations." not in name]
+            groups = [{"params": group, "weight_decay": decay}
+                      for group, decay in ((others, self.weight_decay), (parametrized, 0.0)) if group]
+            return torch.optim.AdamW(groups, lr=self.lr)
+        return torch.optim.SGD(list(named.values()), lr=self.lr)
 
     def setup(self, stage: str) -> None:
         """Silence Lightning's warning about modules in eval mode: the frozen model is in eval mode on purpose."""

@@ -267,17 +267,6 @@ class ReFTModule(FrozenGraphModule):
 
     # --- training ------------------------------------------------------------------------------------------
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        """As :class:`~recipes.frozen.FrozenGraphModule`'s, with AdamW's weight decay ``weight_decay`` on every tensor
-        but the orthogonal parametrizations' (see the class docstring)."""
-        if self.optimizer_name != "adamw":
-            return super().configure_optimizers()
-        named = self.named_trainable()
-        fixed = [p for name, p in named.items() if ".parametrizations." in name]
-        others = [p for name, p in named.items() if ".parametrizations." not in name]
-        return torch.optim.AdamW([{"params": others, "weight_decay": self.weight_decay},
-                                  {"params": fixed, "weight_decay": 0.0}], lr=self.lr)
-
     def loss_terms(self, batch: Any) -> dict[str, torch.Tensor]:
         return self.objective.loss_terms(self, batch)
 

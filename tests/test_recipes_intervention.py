@@ -57,6 +57,22 @@ def test_training_moves_only_the_patches_and_keeps_r_orthonormal(tmp_path: Path,
     assert json.loads((tmp_path / "metrics.json").read_text()) == metrics
 
 
+def test_adamw_never_decays_the_orthogonal_rotation(tmp_path: Path) -> None:
+    """AdamW's weight decay on torch's orthogonal parametrization of a non-square R zeroes it; the optimizer puts
+    the parametrized tensors in a group without decay, so R stays orthonormal (and non-zero) under AdamW."""
+    model, tokenizer = tiny_backbone()
+    module = InterventionModule.from_model(model, tokenizer, lr=0.05, optimizer="adamw", interventions=[
+        {"node": "model.layers_0.output", "kind": "rotated", "dim": 4}])
+    groups = module.configure_optimizers().param_groups
+    decayed = {id(p) for group in groups if group["weight_decay"] > 0 for p in group["params"]}
+    parametrized = [p for name, p in module.named_trainable().items() if ".parametrizations." in name]
+    assert parametrized and not any(id(p) in decayed for p in parametrized)
+    data = CounterfactualDataModule(_write(tmp_path / "train.jsonl", _records()), batch_size=6)
+    _trainer(3).fit(module, datamodule=data)
+    rotation = module.patches[0].R.detach()
+    assert float((rotation @ rotation.T - torch.eye(rotation.shape[0])).abs().max()) <= 1e-5
+
+
 def test_bad_records_fail_before_the_first_step(tmp_path: Path) -> None:
     model, tokenizer = tiny_backbone()
 
