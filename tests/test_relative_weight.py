@@ -69,3 +69,33 @@ def test_bad_relative_weights_and_statistics_are_refused():
     with pytest.raises(ValueError, match="mom2_update_weight must be 0 or positive"):
         MEMITConfig(mom2_update_weight=-5.0)
     assert MEMITConfig().mom2_update_weight is None  # relative by default
+
+
+@pytest.mark.parametrize("hidden, intermediate", [(32, 64), (48, 160)])
+def test_memit_resolves_lambda_from_the_edited_keys_on_two_model_shapes(hidden, intermediate):
+    from editors import Corpus, EditRequest
+    from editors.memit import MEMIT
+    from editors.statistics.keys import context_activations
+    from gradpatch import PatchableGraph
+    from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
+
+    tok = byte_level_tokenizer()
+    model = tiny_llama(len(tok), hidden=hidden, intermediate=intermediate)
+    pg = PatchableGraph(model, torch.randint(0, len(tok), (2, 6)), use_cache=False).eval()
+    node = "model.layers_1.mlp.down_proj"
+    requests = [EditRequest("The river flows into the sea near {}", "the old town", "Rome"),
+                EditRequest("I think the answer is {}", "the bridge", "Paris"),
+                EditRequest("Because it rains, we stay home in {}", "Madrid", "Rome")]
+    config = MEMITConfig(n_samples=32, max_length=64, progress=False, use_cache=False, clamp_factor=500.0,
+                         context_length_params=((5, 4), (10, 4)), steps=2)
+    memit = MEMIT(pg, tok, [node], config, corpus=Corpus(name="toy", texts=list(TOY_SENTENCES) * 4))
+    batch = memit.compute(requests)
+    keys = context_activations(pg, tok, [memit.layers[0].input_node], [(r.prompt, r.subject) for r in requests],
+                               memit.templates().subset(config.key_prefixes), max_tokens=config.max_tokens)[0]
+    keys = keys.mean(dim=1).to(torch.float64)  # k* per fact, [F, d_in]
+    c = memit.statistics()[0].matrix
+    recorded = batch.info["layers"][0]["mom2_update_weight"]
+    assert recorded == pytest.approx(config.mom2_relative_weight * float(mahalanobis_norms(keys, c).mean()), rel=1e-6)
+    written = torch.diagonal(batch.edits[0].u.T @ keys.T)  # the fraction of each fact's residual written
+    # three facts share the update; on average each gets about 1 / (1 + 1.2) of its residual, whatever the width
+    assert 0.3 < float(written.mean()) < 0.6, written
