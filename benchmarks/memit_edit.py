@@ -19,9 +19,9 @@ Run: ``.venv/bin/python benchmarks/memit_edit.py [--cases FILE] [--batch 100] [-
 [--value-dtype bfloat16] [--device cuda]``. Without ``--cases`` it reads ``demos/rome/facts.json`` (the fact bank)
 and cycles ``demos/rome/cases.json`` if that is missing. ``--tiny`` uses a random tiny Llama and made-up facts
 (seconds). ``--value-dtype bfloat16`` runs all three parts on a bfloat16 copy of the model
-(:mod:`editors.value.search_copy`; keys and ``v₀`` still from the float32 model), the batched code from the residual stream
-after the layer's block as MEMIT runs it there (:mod:`editors.passes.tail_pass`). ``--device cuda`` runs on a GPU (the
-≥ 10× target is for the CPU; docs/memit.md gives both).
+(:mod:`editors.value.search_copy`; keys and ``v₀`` still from the float32 model), the batched code from the residual
+stream after the layer's block as MEMIT runs it there (:mod:`editors.passes.tail_pass`). ``--device cuda`` runs on a GPU
+(the ≥ 10× target is for the CPU; docs/memit.md gives both).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "DEFAULT_MOM2_RELATIVE_WEIGHT": "defaults",
     "DEFAULT_SMOLLM2_NODE": "defaults",
     "DEFAULT_SMOLLM2_NODES": "defaults",
+    "METHODS": "defaults",
     "BatchEdit": "edits.batch",
     "Editor": "editor",
     "Edit": "edits.edit",

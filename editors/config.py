@@ -108,13 +108,13 @@ class MEMITConfig(ROMEConfig):
             scale; chosen on the development facts (docs/memit.md, "A covariance weight relative to the statistics").
         max_tokens: tokens per forward pass of the batched value search and the key passes.
         value_dtype: ``"bfloat16"`` (or ``"float16"``, ``"float32"``) runs the batched value search on a copy of the
-            model in that dtype (:class:`editors.value.search_copy.SearchCopy`: the model's current weights, cast; memory:
-            the parameters once more in that dtype); ``None``: on the model itself. Keys, residuals, statistics and
-            the update stay in the model's dtype and float64. On a float32 model on 2 CPU cores, bfloat16 made the
+            model in that dtype (:class:`editors.value.search_copy.SearchCopy`: the model's current weights, cast;
+            memory: the parameters once more in that dtype); ``None``: on the model itself. Keys, residuals, statistics
+            and the update stay in the model's dtype and float64. On a float32 model on 2 CPU cores, bfloat16 made the
             batched search 1.69x faster per fact at batch 100 (docs/memit.md, "The value search in bfloat16").
         true_logit_weight: ``λ_true`` of a value-search term that keeps each fact's true-answer logit from falling
-            (:class:`editors.value.true_answer.TrueAnswerTerm`; not in the papers; needs ``target_true``). 0 (default): the
-            papers' objective. At 0.5, AlphaEdit's neighbourhood score on 3 sequential batches of 100 development
+            (:class:`editors.value.true_answer.TrueAnswerTerm`; not in the papers; needs ``target_true``). 0 (default):
+            the papers' objective. At 0.5, AlphaEdit's neighbourhood score on 3 sequential batches of 100 development
             facts rose from 0.892 to 0.956 for 0.020 of efficacy, on 10 batches of 100 evaluation facts from 0.777 to
             0.925 for 0.081 of efficacy (docs/memit.md, "Keeping the true answer's logit").
     """

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 __all__ = [
     "DEFAULT_MAX_LENGTH", "DEFAULT_MAX_TOKENS", "DEFAULT_MOM2_RELATIVE_WEIGHT", "DEFAULT_N_SAMPLES",
-    "DEFAULT_SMOLLM2_NODE", "DEFAULT_SMOLLM2_NODES", "LENGTH_PARAMS",
+    "DEFAULT_SMOLLM2_NODE", "DEFAULT_SMOLLM2_NODES", "LENGTH_PARAMS", "METHODS",
 ]
+
+#: The editing methods by name (:func:`editors.editor_for`, ``gradpatch eval-edit --method``).
+METHODS: tuple[str, ...] = ("rome", "memit", "alphaedit")
 
 #: ROME's default edited layer for SmolLM2-135M (30 layers), chosen by measurement (docs/rome.md).
 DEFAULT_SMOLLM2_NODE = "model.layers_3.mlp.down_proj"

@@ -8,6 +8,7 @@ several; each adds its own ``compute`` / ``edit`` and :meth:`Editor.applier` (ho
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,8 +46,9 @@ def value_record(result: ValueResult, early_stop_loss: float, terms: Sequence[st
             **{term: last.get(term) for term in terms}, "delta_norm": float(result.delta.norm())}
 
 
-class Editor:
-    """The shared part of the editors: edited layers, statistics, context prefixes, cache folder.
+class Editor(ABC):
+    """The shared part of the editors: edited layers, statistics, context prefixes, cache folder (an abstract base:
+    each editor defines :meth:`applier`).
 
     Args:
         pg: the model's :class:`gradpatch.PatchableGraph` (in ``eval()``).
@@ -107,8 +109,8 @@ class Editor:
         return self._layer_statistics
 
     def templates(self) -> ContextPrefixes:
-        """The context prefixes (memoised; read from / written to the disk cache, keyed by the model without the
-        edited layers, so every editor of a model shares them)."""
+        """The context prefixes (memoised; read from / written to the disk cache, keyed by the model's fingerprint
+        without the edited layers, so the editor's own edits do not change the key)."""
         if self._templates is None:
             c = self.config
             fingerprint = statistics_fingerprint(self.pg, skip=tuple(self.nodes))
@@ -116,13 +118,9 @@ class Editor:
                                                         length_params=c.context_length_params, seed=c.template_seed)
         return self._templates
 
+    @abstractmethod
     def applier(self) -> BatchApplier:
-        """How :func:`~editors.evaluation.evaluate_sequential` writes a batch of requests with this editor.
-
-        Raises:
-            NotImplementedError: in the base class.
-        """
-        raise NotImplementedError(f"{type(self).__name__} must define applier()")
+        """How :func:`~editors.evaluation.evaluate_sequential` writes a batch of requests with this editor."""
 
     def forget(self) -> None:
         """Drop what the editor remembers of the batches it applied, after their weights were restored by other

@@ -29,9 +29,9 @@ def lazy_exports(package: str, exports: Mapping[str, str], *, install_hint: str 
         install_hint: what to install when one of the ``optional`` modules is missing, e.g.
             ``"pip install 'gradpatch[recipes]'"``.
         optional: top-level modules some submodules need that may be absent (``"lightning"``, ``"tensorboard"``).
-        deprecated: old name -> the dotted path of what it became, e.g. ``{"update_direction":
-            "editors.solve.update_direction"}`` (moved) or ``{"ContextTemplates": "editors.statistics.ContextPrefixes"}``
-            (renamed): still importable from ``package`` with a :class:`DeprecationWarning`, left out of ``__dir__``.
+        deprecated: old name -> the dotted path of what it became, e.g.
+            ``{"update_direction": "editors.solve.update_direction"}`` (moved) or
+            ``{"ContextTemplates": "editors.statistics.ContextPrefixes"}`` (renamed): still importable from ``package`` with a :class:`DeprecationWarning`, left out of ``__dir__``.
 
     Returns:
         ``(__getattr__, __dir__)`` to assign in the package's ``__init__``. ``__getattr__`` imports the submodule

@@ -17,22 +17,17 @@ from torch import nn
 
 from .alphaedit import AlphaEdit, AlphaEditConfig
 from .config import MEMITConfig, ROMEConfig
+from .defaults import METHODS
 from .editor import Editor
 from .memit import MEMIT
 from .rome import ROME
 from .statistics.corpus import Corpus
 
-__all__ = ["METHODS", "config_for", "editor_for"]
+__all__ = ["config_for", "editor_for"]
 
-#: Method name -> (editor class, configuration class).
-_METHODS: dict[str, tuple[type[Editor], type[ROMEConfig]]] = {
-    "rome": (ROME, ROMEConfig),
-    "memit": (MEMIT, MEMITConfig),
-    "alphaedit": (AlphaEdit, AlphaEditConfig),
-}
-
-#: The method names :func:`editor_for` takes.
-METHODS: tuple[str, ...] = tuple(_METHODS)
+#: Method name (:data:`editors.defaults.METHODS`) -> (editor class, configuration class).
+_METHODS: dict[str, tuple[type[Editor], type[ROMEConfig]]] = dict(zip(METHODS, [
+    (ROME, ROMEConfig), (MEMIT, MEMITConfig), (AlphaEdit, AlphaEditConfig)]))
 
 
 def _classes(method: str) -> tuple[type[Editor], type[ROMEConfig]]:

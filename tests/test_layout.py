@@ -247,3 +247,12 @@ def test_recipes_import_editors_only_through_front_doors() -> None:
                 wrong += [f"{name}: from {node.module} import {a.name} (not in its __all__)" for a in node.names
                           if a.name not in public]
     assert not wrong, wrong
+
+
+def test_editors_front_doors_import_no_torch() -> None:
+    """``import editors`` and ``import editors.<sub-package>`` stay cheap: their names load on first use."""
+    rooms = sorted(p.parent.name for p in (ROOT / "editors").glob("*/__init__.py"))
+    code = ("import sys\nimport editors\n" + "".join(f"import editors.{room}\n" for room in rooms)
+            + "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "False"

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from editors import Edit, rank_one_factors, resolve_layer, solve_second_moment
+from editors import Edit, resolve_layer
 from editors.errors import LayerKindError, StatisticsError
+from editors.solve import rank_one_factors, solve_second_moment
 
 
 def _spd(d: int, seed: int) -> torch.Tensor:

@@ -3,10 +3,10 @@ one.
 
 MEMIT (arXiv 2210.07229, eq. 14) writes ``F`` facts into each of its layers with ``ΔW = R Kᵀ (λC + K Kᵀ)⁻¹``, a
 matrix of rank at most ``F``; it is kept as the factors ``V = R`` ``[d_out, F]`` and ``U = (λC + K Kᵀ)⁻¹ K``
-``[d_in, F]`` (``ΔW = V Uᵀ``), one :class:`editors.edits.edit.Edit` of rank ``F`` per layer. Factors rather than the dense
-``ΔW`` because they are what the algorithm computes (nothing is re-derived), they are ROME's ``u``/``v`` with a second
-dimension (a rank-one edit is the ``F = 1`` case; the same file format, loader checks and patches serve both), the
-patch form costs ``(d_in + d_out) · F`` per token instead of reading a dense matrix, and for the batch sizes edits
+``[d_in, F]`` (``ΔW = V Uᵀ``), one :class:`editors.edits.edit.Edit` of rank ``F`` per layer. Factors rather than the
+dense ``ΔW`` because they are what the algorithm computes (nothing is re-derived), they are ROME's ``u``/``v`` with a
+second dimension (a rank-one edit is the ``F = 1`` case; the same file format, loader checks and patches serve both),
+the patch form costs ``(d_in + d_out) · F`` per token instead of reading a dense matrix, and for the batch sizes edits
 are made in (up to a few hundred facts per layer of SmolLM2's ``1536 -> 576`` down_proj) they are no larger than
 ``ΔW``; a 1,000-fact edit stores 2.1M numbers per layer against 0.9M for ``ΔW`` (17 MB in float64).
 

@@ -17,8 +17,9 @@ computed on (unless ``check_fingerprint=False``), an edit whose value search did
 would otherwise add ``v uᵀ`` twice).
 
 Saved as ``edit.safetensors`` (the factors) plus ``edit.json`` (NodePaths, layout, request, fingerprints,
-hyperparameters, the SHA-256 of the tensors file; :mod:`editors.edits.files`) — never pickled; both files are written atomically, the JSON last,
-and loading checks every field, the factors' shapes and the digest, raising :class:`EditLoadError` naming the file.
+hyperparameters, the SHA-256 of the tensors file; :mod:`editors.edits.files`) — never pickled; both files are written
+atomically, the JSON last, and loading checks every field, the factors' shapes and the digest, raising
+:class:`EditLoadError` naming the file.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 hyperparameters, the tensors file's SHA-256) — never pickled.
 
 Both files are written atomically (:mod:`gradpatch.files`), the JSON last, and every field, factor shape and the digest
-are checked on reading, raising :class:`~editors.errors.EditLoadError` naming the file. :mod:`editors.edits.edit` turns the
-records into :class:`~editors.edits.edit.Edit` objects.
+are checked on reading, raising :class:`~editors.errors.EditLoadError` naming the file. :mod:`editors.edits.edit` turns
+the records into :class:`~editors.edits.edit.Edit` objects.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""CounterFact-format edit requests and evaluation cases (Meng et al. 2022, section 4.2).
+"""CounterFact-format evaluation cases (Meng et al. 2022, section 4.2); their rewrite is an
+:class:`~editors.requests.EditRequest`.
 
 A case is the JSON record::
 

@@ -25,15 +25,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from editors import DEFAULT_MOM2_RELATIVE_WEIGHT, DEFAULT_SMOLLM2_NODE, DEFAULT_SMOLLM2_NODES
+from editors import DEFAULT_MOM2_RELATIVE_WEIGHT, DEFAULT_SMOLLM2_NODE, DEFAULT_SMOLLM2_NODES, METHODS
 
 from .options import add_edit_options, usage_error
 
 __all__ = ["NAME", "register", "run_eval_edit", "settings_used"]
 
 NAME = "eval-edit"
-
-METHODS = ("rome", "memit", "alphaedit")
 
 
 def _nodes(args: argparse.Namespace) -> list[str] | None:
