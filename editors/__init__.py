@@ -39,7 +39,7 @@ _EXPORTS: dict[str, str] = {
     "ROMEConfig": "config",
     "DEFAULT_MAX_LENGTH": "defaults",
     "DEFAULT_N_SAMPLES": "defaults",
-    "DEFAULT_SMOLLM2_MOM2_UPDATE_WEIGHT": "defaults",
+    "DEFAULT_MOM2_RELATIVE_WEIGHT": "defaults",
     "DEFAULT_SMOLLM2_NODE": "defaults",
     "DEFAULT_SMOLLM2_NODES": "defaults",
     "METHODS": "defaults",

@@ -37,7 +37,7 @@ __all__ = ["AlphaEdit", "AlphaEditConfig"]
 
 @dataclass
 class AlphaEditConfig(MEMITConfig):
-    """AlphaEdit's hyperparameters: MEMIT's (:class:`editors.config.MEMITConfig`; ``mom2_update_weight`` is unused),
+    """AlphaEdit's hyperparameters: MEMIT's (:class:`editors.config.MEMITConfig`; ``mom2_update_weight`` and ``mom2_relative_weight`` are unused),
     plus:
 
     Attributes:
@@ -83,8 +83,13 @@ class AlphaEdit(MEMIT):
             self.null_dimensions = [n for _, n in pairs]
         return self._projectors
 
-    def _layer_update(self, index: int, keys: torch.Tensor, residuals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """AlphaEdit's update at layer ``index``: factors ``(U [d_in, F], V [d_out, F])``."""
+    def update_weight(self, index: int, keys: torch.Tensor) -> float | None:
+        """``None``: AlphaEdit's update has no ``λC`` term (its ridge is ``config.l2``)."""
+        return None
+
+    def _layer_update(self, index: int, keys: torch.Tensor, residuals: torch.Tensor, weight: float | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """AlphaEdit's update at layer ``index`` (``weight`` unused): factors ``(U [d_in, F], V [d_out, F])``."""
         config = self.config
         assert isinstance(config, AlphaEditConfig)
         projector = self.projectors()[index]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .defaults import DEFAULT_MAX_LENGTH, DEFAULT_MAX_TOKENS, DEFAULT_N_SAMPLES, LENGTH_PARAMS
+from .defaults import DEFAULT_MAX_LENGTH, DEFAULT_MAX_TOKENS, DEFAULT_MOM2_RELATIVE_WEIGHT, DEFAULT_N_SAMPLES, LENGTH_PARAMS
 
 __all__ = ["MEMITConfig", "ROMEConfig"]
 
@@ -100,7 +100,12 @@ class MEMITConfig(ROMEConfig):
         value_prefixes: context prefixes of the value search (6: the reference code's templates, the empty one and
             five others; ROME uses 11).
         key_prefixes: context prefixes the keys and residuals are averaged over (6, as the reference code).
-        mom2_update_weight: ``λ`` of eq. 14 (15,000, the reference code's value for GPT-J).
+        mom2_update_weight: an absolute ``λ`` of eq. 14 (the reference code's 15,000 for GPT-J), or ``None``
+            (default): ``λ`` relative to the statistics, ``mom2_relative_weight`` times the edited keys' mean
+            ``kᵀC⁻¹k`` at each layer (:func:`editors.solve.multi_update.relative_update_weight`).
+        mom2_relative_weight: that multiple. ``kᵀC⁻¹k`` is dimensionless (``d_in`` on average for keys like the
+            corpus's), so one value writes the same fraction of a fact's residual whatever the model's width and key
+            scale; chosen on the development facts (docs/memit.md, "A covariance weight relative to the statistics").
         max_tokens: tokens per forward pass of the batched value search and the key passes.
         value_dtype: ``"bfloat16"`` (or ``"float16"``, ``"float32"``) runs the batched value search on a copy of the
             model in that dtype (:class:`editors.value.search_copy.SearchCopy`: the model's current weights, cast;
@@ -116,13 +121,19 @@ class MEMITConfig(ROMEConfig):
 
     value_prefixes: int | None = 6
     key_prefixes: int | None = 6
-    mom2_update_weight: float = 15000.0
+    mom2_update_weight: float | None = None
+    mom2_relative_weight: float = DEFAULT_MOM2_RELATIVE_WEIGHT
     max_tokens: int = DEFAULT_MAX_TOKENS
     value_dtype: str | None = None
     true_logit_weight: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not self.mom2_relative_weight > 0:
+            raise ValueError(f"mom2_relative_weight must be positive, got {self.mom2_relative_weight}")
+        if self.mom2_update_weight is not None and not self.mom2_update_weight >= 0:
+            raise ValueError(f"mom2_update_weight must be 0 or positive (or None: relative to the statistics), got "
+                             f"{self.mom2_update_weight}")
         if not self.true_logit_weight >= 0:
             raise ValueError(f"true_logit_weight must be 0 (the papers' objective) or positive, got "
                              f"{self.true_logit_weight}")

@@ -13,7 +13,9 @@ and Algorithm 1 of the paper:
    averaged over the context prefixes, eq. 3 of ROME) and its current ``h_i^L``; the layer takes the share
    ``r_i = (z_i − h_i^L) / (m − j + 1)`` of what is left.
 3. **Update** (eq. 14): ``ΔW = R Kᵀ (λ C + K Kᵀ)⁻¹`` per layer, ``C = E[k kᵀ]`` from the statistics cache
-   (:mod:`editors.statistics.second_moment`; all layers' statistics in one pass over the corpus), ``λ`` = ``mom2_update_weight``.
+   (:mod:`editors.statistics.second_moment`; all layers' statistics in one pass over the corpus), ``λ`` =
+   ``mom2_update_weight`` when given, else ``mom2_relative_weight`` times the edited keys' mean ``kᵀC⁻¹k`` at that
+   layer (:meth:`MEMIT.update_weight`; recorded per layer in ``info["layers"]``).
 
 The result is a :class:`editors.edits.batch.BatchEdit`: one rank-``F`` edit per layer, applied and restored as one.
 AlphaEdit (:mod:`editors.alphaedit`) is this pipeline with another update (step 3).
@@ -50,7 +52,7 @@ from .evaluation.sequential import BatchApplier, batch_applier
 from .layers import LinearLayer, resolve_layer
 from .passes.tail_pass import tail_pass_for
 from .requests import EditRequest
-from .solve.multi_update import added, memit_factors
+from .solve.multi_update import added, memit_factors, relative_update_weight
 from .statistics.corpus import Corpus
 from .statistics.keys import ContextPrefixes, context_activations
 from .statistics.second_moment import SecondMoment
@@ -227,9 +229,26 @@ class MEMIT(Editor):
         """``K_n K_nᵀ`` of layer ``index`` (:meth:`preserve`), or ``None``."""
         return self.preserved[index] if self.preserved else None
 
-    def _layer_update(self, index: int, keys: torch.Tensor, residuals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Eq. 14 at layer ``index``, with the preserved keys: factors ``(U [d_in, F], V [d_out, F])``."""
-        return memit_factors(keys, residuals, self.statistics()[index].matrix, self.config.mom2_update_weight,
+    def update_weight(self, index: int, keys: torch.Tensor) -> float | None:
+        """``λ`` of eq. 14 at layer ``index`` for these keys (``[F, d_in]`` or ``[F, P, d_in]``):
+        ``config.mom2_update_weight`` when given, else ``config.mom2_relative_weight`` times the keys' mean
+        ``kᵀC⁻¹k`` (:func:`editors.solve.multi_update.relative_update_weight`).
+
+        Raises:
+            StatisticsError: the layer's ``C`` is not positive definite (relative weight only).
+        """
+        c = self.config
+        if c.mom2_update_weight is not None:
+            return c.mom2_update_weight
+        return relative_update_weight(keys, self.statistics()[index].matrix, c.mom2_relative_weight,
+                                      node=self.layers[index].path)
+
+    def _layer_update(self, index: int, keys: torch.Tensor, residuals: torch.Tensor, weight: float | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eq. 14 at layer ``index`` with ``λ = weight`` (:meth:`update_weight`) and the preserved keys: factors
+        ``(U [d_in, F], V [d_out, F])``."""
+        assert weight is not None
+        return memit_factors(keys, residuals, self.statistics()[index].matrix, weight,
                              node=self.layers[index].path, preserved=self._preserved(index))
 
     def compute(self, requests: Sequence[EditRequest], callback: BatchStepCallback | None = None) -> BatchEdit:
@@ -293,12 +312,14 @@ class MEMIT(Editor):
                 h_now = h_now.mean(dim=1)
             keys = keys if c.keys_per_context else keys.mean(dim=1)  # [F, P, d_in] or k* per fact [F, d_in]
             left = deltas - (h_now - h_start).to(torch.float64)  # z - h^L now, [F, d_out]
-            u, v = self._layer_update(j, keys, left / (len(layers) - j))
+            weight = self.update_weight(j, keys)
+            u, v = self._layer_update(j, keys, left / (len(layers) - j), weight)
             edits.append(Edit(node=layer.path, u=u, v=v))
             for node, items in updated_weight_patches(layer, u, v).items():
                 patches.setdefault(node, []).extend(items)
             layer_info.append({"node": layer.path, "residual_left_norm": float(left.norm(dim=-1).mean()),
-                               "key_norm": float(keys.norm(dim=-1).mean()), "rank": int(u.shape[1])})
+                               "key_norm": float(keys.norm(dim=-1).mean()), "rank": int(u.shape[1]),
+                               "mom2_update_weight": weight})
         t3 = time.perf_counter()
         info = self._info(requests, results, statistics, layer_info, key_templates, value_templates,
                           {"keys": t1 - t0, "value": t2 - t1, "update": t3 - t2})

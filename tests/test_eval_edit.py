@@ -126,6 +126,7 @@ def test_neighborhood_prompts_about_subjects_edited_in_the_group_are_left_out():
                "--value-dtype", "bfloat16", "--true-logit-weight", "0.5"]),
     ("alphaedit", ["--batch-size", "2", "--sequential", "2", "--nodes", "transformer.h_0.mlp.c_proj",
                    "--nullspace-threshold", "0.5", "--preserve", "PRESERVE", "--preserve-weight", "2"]),
+    ("memit", ["--batch-size", "2", "--nodes", NODE, "--mom2-update-weight", "7"]),
     ("rome", ["--batch-size", "2", "--sequential", "2", "--node", NODE]),
     ("rome", ["--node", NODE, "--keys-per-context", "--subject-first-key"]),
 ])
@@ -157,10 +158,27 @@ def test_eval_edit_command(method, extra, tmp_path):
     assert all(row["edit"]["steps"] is not None for row in metrics["cases"])
     expected = {"file": str(preserve), "n_facts": 2, "weight": 2.0} if "--preserve" in extra else None
     assert metrics["preserved"] == expected
+    settings = metrics["settings"]
+    assert settings["keys"].startswith("per context" if "--keys-per-context" in extra else "averaged")
     if method == "rome":
         assert metrics["config"]["subject_first_key"] is ("--subject-first-key" in extra)
+        assert "mom2_update_weight" not in settings
     else:
         assert metrics["config"]["true_logit_weight"] == (0.5 if "--true-logit-weight" in extra else 0.0)
+    if method == "memit":  # λ as resolved, per edited layer and batch
+        weights = settings["mom2_update_weight"]
+        nodes = metrics["nodes"]
+        assert sorted(weights["per_layer_per_batch"]) == sorted(nodes)
+        assert all(len(v) == len(metrics["batches"]) for v in weights["per_layer_per_batch"].values())
+        values = [w for v in weights["per_layer_per_batch"].values() for w in v]
+        if "--mom2-update-weight" in extra:
+            assert weights["rule"] == "absolute" and weights["relative_weight"] is None and set(values) == {7.0}
+        else:
+            assert weights["rule"] == "relative" and weights["relative_weight"] == metrics["config"][
+                "mom2_relative_weight"]
+            assert len(set(values)) == len(values) and all(v > 0 for v in values)  # one λ per batch and layer
+    elif method == "alphaedit":
+        assert "mom2_update_weight" not in settings
 
 
 def test_eval_edit_refuses_bad_arguments(tmp_path, capsys):
@@ -199,3 +217,6 @@ def test_eval_edit_refuses_bad_arguments(tmp_path, capsys):
     assert main(["eval-edit", "--method", "memit", "--cases", str(cases_file), "--out", out, "--true-logit-weight",
                  "-1"]) == 2
     assert "--true-logit-weight must be 0 or positive" in capsys.readouterr().err
+    assert main(["eval-edit", "--method", "memit", "--cases", str(cases_file), "--out", out,
+                 "--mom2-relative-weight", "0"]) == 2
+    assert "mom2_relative_weight must be positive" in capsys.readouterr().err

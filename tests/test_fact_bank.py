@@ -12,6 +12,7 @@ import pytest
 
 from demos.rome.build_facts import RELATIONS, Candidate, build_cases
 from demos.rome.build_preserve import BANKS, preserved_cities
+from demos.rome.split_facts import split_by_subject
 from demos.rome.verify_cases import verify_case
 from editors import load_cases
 
@@ -33,6 +34,24 @@ def test_bank_structure_and_splits():
             assert len(case.neighborhood_prompts) == 2
             assert not any(request.subject in p for p in case.neighborhood_prompts)
     assert not {c.request.subject for c in test} & {c.request.subject for c in dev}
+
+
+def test_test_split_is_the_committed_half_of_facts_json():
+    bank = json.loads((BANK / "facts.json").read_text(encoding="utf-8"))
+    dev2 = json.loads((BANK / "facts_dev2.json").read_text(encoding="utf-8"))
+    test = json.loads((BANK / "facts_test.json").read_text(encoding="utf-8"))
+    assert (dev2, test) == split_by_subject(bank, seed=0)  # the committed files are what the script writes
+    assert len(test) >= 1000
+    subjects = [{c["requested_rewrite"]["subject"] for c in part} for part in (dev2, test)]
+    assert not subjects[0] & subjects[1] and len(subjects[0]) + len(subjects[1]) == len(bank)
+    relations = [sorted({c["requested_rewrite"]["relation_id"] for c in part}) for part in (dev2, test)]
+    assert relations[0] == relations[1]
+
+
+def test_split_by_subject_refuses_a_repeated_subject():
+    case = {"requested_rewrite": {"subject": "Lyon", "relation_id": "P17"}}
+    with pytest.raises(ValueError, match="share the subject 'Lyon'"):
+        split_by_subject([case, case])
 
 
 def test_build_cases_neighbours_share_the_object():

@@ -29,7 +29,8 @@ import torch
 
 from ..errors import StatisticsError
 
-__all__ = ["added", "alphaedit_factors", "memit_factors", "null_space_projector"]
+__all__ = ["added", "alphaedit_factors", "mahalanobis_norms", "memit_factors", "null_space_projector",
+           "relative_update_weight"]
 
 
 def _as_columns(keys: torch.Tensor, residuals: torch.Tensor, d_in: int, node: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,6 +46,59 @@ def _as_columns(keys: torch.Tensor, residuals: torch.Tensor, d_in: int, node: st
 def _per_fact(solved: torch.Tensor, n_facts: int) -> torch.Tensor:
     """``[d_in, F·P]`` solved columns -> ``[d_in, F]``: each fact's columns summed (``E`` of the module docstring)."""
     return solved.reshape(solved.shape[0], n_facts, -1).sum(dim=-1)
+
+
+def mahalanobis_norms(keys: torch.Tensor, second_moment: torch.Tensor, node: str = "the layer") -> torch.Tensor:
+    """``m_i = k_iᵀ C⁻¹ k_i`` for each key: how far the key lies outside what ``C`` already holds (dimensionless).
+
+    For a key drawn from the distribution ``C`` describes, ``E[m] = tr(C⁻¹ C) = d_in``. ``λC`` and ``kkᵀ`` share the
+    key's units, so ``m`` is the scale-free size of ``kkᵀ`` against ``C``: one fact alone, ``ΔW = r kᵀ(λC + kkᵀ)⁻¹``
+    writes ``ΔW k = r · m / (λ + m)`` (Sherman–Morrison), the fraction ``m / (λ + m)`` of its residual.
+
+    Args:
+        keys: ``[F, d_in]`` or ``[F, P, d_in]`` (every column counted).
+        second_moment: ``C`` ``[d_in, d_in]``, positive definite.
+        node: the layer's NodePath, for messages.
+
+    Returns:
+        ``[F]`` or ``[F, P]`` float64.
+
+    Raises:
+        StatisticsError: ``C`` is not positive definite (names ``node`` and the fix).
+    """
+    c = second_moment.to(dtype=torch.float64, device=keys.device)
+    factor, info = torch.linalg.cholesky_ex(c)
+    if int(info) != 0:
+        raise StatisticsError(f"{node}: the second moment C is not positive definite (leading minor {int(info)}); "
+                              f"compute the statistics over more text (n_samples) or give an absolute "
+                              f"mom2_update_weight")
+    k = keys.detach().to(torch.float64).reshape(-1, c.shape[0])  # [N, d_in]
+    return (k * torch.cholesky_solve(k.T, factor).T).sum(dim=-1).reshape(keys.shape[:-1])
+
+
+def relative_update_weight(keys: torch.Tensor, second_moment: torch.Tensor, relative_weight: float,
+                           node: str = "the layer") -> float:
+    """``λ = relative_weight · mean_i k_iᵀ C⁻¹ k_i`` over the edited keys: MEMIT's covariance weight (eq. 14) relative
+    to the statistics, so one ``relative_weight`` writes the same fraction of a typical fact's residual at any width
+    and key scale (:func:`mahalanobis_norms`: ``1 / (1 + relative_weight)`` for one fact).
+
+    The reference code's absolute ``λ = 15,000`` for GPT-J (``d_in = 16,384``) is about ``1 × d_in``; on SmolLM2-135M
+    (``d_in = 1,536``) the same number is many times the edited keys' ``m`` (docs/memit.md, "A covariance weight
+    relative to the statistics").
+
+    Args:
+        keys: ``[F, d_in]`` or ``[F, P, d_in]``.
+        second_moment: ``C`` ``[d_in, d_in]``.
+        relative_weight: the multiple (> 0).
+        node: the layer's NodePath, for messages.
+
+    Raises:
+        ValueError: ``relative_weight`` not positive.
+        StatisticsError: ``C`` not positive definite.
+    """
+    if not relative_weight > 0:
+        raise ValueError(f"relative_weight must be positive, got {relative_weight!r}")
+    return relative_weight * float(mahalanobis_norms(keys, second_moment, node).mean())
 
 
 def memit_factors(keys: torch.Tensor, residuals: torch.Tensor, second_moment: torch.Tensor, mom2_update_weight: float,

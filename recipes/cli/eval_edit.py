@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from editors import DEFAULT_SMOLLM2_MOM2_UPDATE_WEIGHT, DEFAULT_SMOLLM2_NODE, DEFAULT_SMOLLM2_NODES, METHODS
+from editors import DEFAULT_MOM2_RELATIVE_WEIGHT, DEFAULT_SMOLLM2_NODE, DEFAULT_SMOLLM2_NODES, METHODS
 
 from .options import add_edit_options, usage_error
 
-__all__ = ["NAME", "register", "run_eval_edit"]
+__all__ = ["NAME", "register", "run_eval_edit", "settings_used"]
 
 NAME = "eval-edit"
 
@@ -100,6 +100,7 @@ def run_eval_edit(args: argparse.Namespace) -> int:
         "model": args.model or "embedded:SmolLM2-135M-Instruct",
         "cases_file": str(args.cases),
         "config": editor.config.to_json(),
+        "settings": settings_used(editor.config.to_json(), result["batches"]),
         "preserved": {"file": args.preserve, "n_facts": len(preserved), "weight": args.preserve_weight}
         if preserved else None,
         "statistics": [{"node": s.node, "n_tokens": s.n_tokens, "n_samples": s.n_samples, "corpus": s.corpus}
@@ -123,13 +124,32 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
                                 "keys_per_context": args.keys_per_context}
     if args.method == "rome":
         return settings | {"subject_first_key": args.subject_first_key}
-    if args.mom2_update_weight is not None:
-        settings["mom2_update_weight"] = args.mom2_update_weight
-    elif args.model is None:  # the embedded SmolLM2: its development-split λ
-        settings["mom2_update_weight"] = DEFAULT_SMOLLM2_MOM2_UPDATE_WEIGHT
-    settings |= {"value_dtype": args.value_dtype, "true_logit_weight": args.true_logit_weight}
+    settings |= {"mom2_update_weight": args.mom2_update_weight, "mom2_relative_weight": args.mom2_relative_weight,
+                 "value_dtype": args.value_dtype, "true_logit_weight": args.true_logit_weight}
     if args.method == "alphaedit" and args.nullspace_threshold is not None:
         settings["nullspace_threshold"] = args.nullspace_threshold
+    return settings
+
+
+def settings_used(config: dict[str, Any], batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """The settings a score depends on, as resolved: the keys' mode and, for MEMIT, ``λ`` per edited layer and batch
+    (``"rule"`` ``"absolute"``: ``--mom2-update-weight``; ``"relative"``: ``--mom2-relative-weight`` times the edited
+    keys' mean ``kᵀC⁻¹k``). ``config`` is the editor's :meth:`~editors.config.ROMEConfig.to_json`, ``batches`` the
+    records of :func:`editors.evaluation.sequential.evaluate_sequential`."""
+    keys = "per context" if config["keys_per_context"] else "averaged over the context prefixes (k*)"
+    if config.get("subject_first_key"):
+        keys += ", plus the subject at the start of the text"
+    settings: dict[str, Any] = {"keys": keys}
+    weights: dict[str, list[float]] = {}
+    for batch in batches:
+        for layer in batch.get("layers", []):
+            if layer.get("mom2_update_weight") is not None:
+                weights.setdefault(layer["node"], []).append(layer["mom2_update_weight"])
+    if weights:
+        absolute = config["mom2_update_weight"] is not None
+        settings["mom2_update_weight"] = {"rule": "absolute" if absolute else "relative",
+                                          "relative_weight": None if absolute else config["mom2_relative_weight"],
+                                          "per_layer_per_batch": weights}
     return settings
 
 
@@ -174,8 +194,11 @@ def register(subparsers: Any) -> None:
                    help="batches applied one after another before scoring (default %(default)s)")
     p.add_argument("--n-cases", type=int, default=None, metavar="N", help="only the first N cases")
     p.add_argument("--mom2-update-weight", type=float, default=None, metavar="λ",
-                   help=f"MEMIT's λ (eq. 14; default {DEFAULT_SMOLLM2_MOM2_UPDATE_WEIGHT:g} on the embedded SmolLM2, "
-                        f"MEMITConfig's 15000 with --model)")
+                   help="MEMIT's λ (eq. 14) as an absolute number, e.g. 15000 (the reference code's for GPT-J); "
+                        "default: relative to the statistics (--mom2-relative-weight)")
+    p.add_argument("--mom2-relative-weight", type=float, default=DEFAULT_MOM2_RELATIVE_WEIGHT, metavar="A",
+                   help="MEMIT's λ at each layer as A times the edited keys' mean kᵀC⁻¹k (the same A carries across "
+                        "models; default %(default)s); ignored with --mom2-update-weight")
     p.add_argument("--nullspace-threshold", type=float, default=None, help="AlphaEdit's eigenvalue threshold")
     p.add_argument("--keys-per-context", action="store_true",
                    help="solve for every context prompt's key instead of their average (ROME, MEMIT, AlphaEdit)")
