@@ -14,7 +14,6 @@ file is read, before any training. The module tokenizes the records with its mod
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
 from .errors import RecipeConfigError
+from .jsonl import read_json_objects
 
 __all__ = ["ContinuationDataModule", "ContinuationRecord", "PreferenceDataModule", "PreferenceRecord",
            "read_continuations", "read_preferences"]
@@ -52,20 +52,8 @@ def _read(path: str | Path, fields: tuple[str, ...], what: str) -> list[dict[str
         RecipeConfigError: a missing or empty file, a line that is not a JSON object, a missing, empty or unknown
             field (each naming the line).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeConfigError(f"{what} file {path} does not exist; give --data.train_file/--data.eval_file")
     items = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise RecipeConfigError(f"{where}: not JSON ({error}); one record per line") from error
-        if not isinstance(item, dict):
-            raise RecipeConfigError(f"{where}: a record is a JSON object with {list(fields)}")
+    for where, item in read_json_objects(path, what, str(list(fields))):
         missing = [key for key in fields if not isinstance(item.get(key), str) or not item[key].strip()]
         unknown = sorted(set(item) - set(fields))
         if missing or unknown:
@@ -73,8 +61,6 @@ def _read(path: str | Path, fields: tuple[str, ...], what: str) -> list[dict[str
             raise RecipeConfigError(f"{where}: {problem}; a {what} record holds exactly {list(fields)}, each a "
                                     f"non-empty string")
         items.append(item)
-    if not items:
-        raise RecipeConfigError(f"{path} holds no records")
     return items
 
 

@@ -14,7 +14,6 @@ checked by :class:`~recipes.intervention_module.InterventionModule` before train
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
 from .errors import RecipeConfigError
+from .jsonl import read_json_objects
 
 __all__ = ["CounterfactualDataModule", "CounterfactualRecord", "read_counterfactuals"]
 
@@ -57,20 +57,8 @@ def read_counterfactuals(path: str | Path) -> list[CounterfactualRecord]:
         RecipeConfigError: a missing or empty file, a line that is not a JSON object, a record without ``base``,
             ``source`` or ``label``, a field of the wrong type, an unknown field (each naming the line).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeConfigError(f"counterfactual file {path} does not exist; give --data.train_file/--data.eval_file")
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise RecipeConfigError(f"{where}: not JSON ({error}); one record per line") from error
-        if not isinstance(item, dict):
-            raise RecipeConfigError(f"{where}: a record is a JSON object with base, source, label")
+    for where, item in read_json_objects(path, "counterfactual", "base, source, label"):
         missing = [key for key in _REQUIRED if not isinstance(item.get(key), str) or not item[key]]
         unknown = sorted(set(item) - set(_REQUIRED) - set(_OPTIONAL))
         if missing or unknown:
@@ -81,8 +69,6 @@ def read_counterfactuals(path: str | Path) -> list[CounterfactualRecord]:
             if item.get(key) is not None and (not isinstance(item[key], kind) or isinstance(item[key], bool)):
                 raise RecipeConfigError(f"{where}: {key} must be {kind.__name__}, got {item[key]!r}")
         records.append(CounterfactualRecord(**item))
-    if not records:
-        raise RecipeConfigError(f"{path} holds no records")
     return records
 
 
