@@ -1,0 +1,76 @@
+"""What the ``gradpatch fit`` paths for trainable interventions share: the ``--config`` YAML document, and a
+LightningCLI run that trains, exports the intervention and writes ``metrics.json`` once, on rank 0."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TRAINER_DEFAULTS", "config_document", "fit_and_export"]
+
+#: Trainer settings used unless the config or the command line says otherwise (``logger: true`` is a
+#: TensorBoardLogger under ``default_root_dir``).
+TRAINER_DEFAULTS: dict[str, Any] = {"max_steps": 200, "log_every_n_steps": 5, "enable_model_summary": False,
+                                    "logger": True, "enable_checkpointing": False}
+
+
+def config_document(args: Sequence[str]) -> dict[str, Any] | None:
+    """The YAML mapping of the ``--config FILE`` (or ``--config=FILE``) among ``args``; ``None`` without one, or
+    when the file does not exist or holds no mapping (LightningCLI then reports it)."""
+    items = list(args)
+    for i, item in enumerate(items):
+        path = items[i + 1] if item == "--config" and i + 1 < len(items) else (
+            item.split("=", 1)[1] if item.startswith("--config=") else None)
+        if path and Path(path).is_file():
+            import yaml
+
+            document = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+            return document if isinstance(document, dict) else None
+    return None
+
+
+def fit_and_export(module_class: type, data_class: type, args: Sequence[str], description: str,
+                   metrics: Callable[[Any, Any, Path], str], **cli_options: Any) -> int:
+    """Parse ``args`` with LightningCLI (``--export FOLDER`` added), train, then on rank 0 export the intervention to
+    ``--export`` (default ``<default_root_dir>/intervention``) and write the metrics.
+
+    Args:
+        module_class: the LightningModule (with ``export_intervention(folder) -> Path``).
+        data_class: the LightningDataModule (a base class with ``subclass_mode_data=True`` in ``cli_options``).
+        args: the ``gradpatch fit`` arguments.
+        description: the ``--help`` text.
+        metrics: ``(module, datamodule, root) -> summary`` writes ``root/metrics.json`` and returns one line.
+        cli_options: further LightningCLI arguments.
+
+    Returns:
+        0 on success; 1 when training stopped at a non-finite value (the error is printed, nothing is written).
+    """
+    from lightning.pytorch.cli import LightningCLI
+
+    from gradpatch.errors import NonFiniteError
+
+    class ExportCLI(LightningCLI):
+        """LightningCLI with an ``--export`` folder."""
+
+        def add_arguments_to_parser(self, parser: Any) -> None:
+            parser.add_argument("--export", type=str | None, default=None,
+                                help="folder for the trained intervention (default: <default_root_dir>/intervention)")
+
+    cli = ExportCLI(
+        module_class, data_class, run=False, auto_configure_optimizers=False, args=list(args),
+        trainer_defaults=TRAINER_DEFAULTS, seed_everything_default=0, save_config_kwargs={"overwrite": True},
+        parser_kwargs={"prog": "gradpatch fit", "description": description, "default_env": False}, **cli_options)
+    trainer, module, data = cli.trainer, cli.model, cli.datamodule
+    try:
+        trainer.fit(module, datamodule=data)
+    except NonFiniteError as error:
+        print(f"gradpatch fit: {error}", file=sys.stderr)
+        return 1
+    if trainer.is_global_zero:
+        root = Path(trainer.default_root_dir)
+        export = cli.config.get("export")
+        folder = module.export_intervention(Path(export) if export else root / "intervention")
+        print(f"gradpatch fit: {metrics(module, data, root)}; intervention saved to {folder}", file=sys.stderr)
+    return 0
