@@ -30,9 +30,9 @@ from gradpatch import AddPatch, Intervention, PatchableGraph
 from gradpatch.finite import StepGuard
 
 from .data import (KIND_KL, KIND_STEER, KIND_TARGET, PromptRows, RowCollator, build_rows, encode, left_pad,
-                   pad_token_id, single_token_ids)
+                   single_token_ids)
 from .errors import RecipeConfigError
-from .frozen import FrozenGraphModule, OptimizerName
+from .frozen import EMBEDDED_MODEL_LABEL, FrozenGraphModule, OptimizerName
 from .generation import graph_logits, greedy_generate
 from .objectives import away_loss, kl_loss, l2_penalty, target_nll, towards_loss
 from .specs import DeltaSpec, Objective, as_spec, position_slice, spec_dict
@@ -40,7 +40,6 @@ from .specs import DeltaSpec, Objective, as_spec, position_slice, spec_dict
 __all__ = ["DeltaModule", "DtypeName", "EMBEDDED_MODEL_LABEL"]
 
 DtypeName = Literal["float32", "bfloat16", "float16"]
-EMBEDDED_MODEL_LABEL = "embedded SmolLM2-135M-Instruct"
 
 
 class DeltaModule(FrozenGraphModule):
@@ -100,17 +99,8 @@ class DeltaModule(FrozenGraphModule):
         self.hparams["deltas"] = spec_dict(self.delta_specs)  # plain data: checkpoints stay loadable weights_only
         self.hparams["objective"] = spec_dict(self.objective)
 
-        if _backbone is None:
-            from gradpatch.models import load_model
-
-            model, tokenizer = load_model(model_path, dtype=getattr(torch, dtype))
-            self.model_label = model_path or EMBEDDED_MODEL_LABEL
-        else:
-            model, tokenizer = _backbone
-            self.model_label = f"{type(model).__name__} (in memory)"
-        self.tokenizer = tokenizer
-        self.__dict__["_model"] = model  # not a registered submodule: its weights live in the graph
-        self.pad_id = pad_token_id(tokenizer)
+        model = self.load_backbone(model_path, dtype, _backbone)
+        tokenizer = self.tokenizer
         self.rows = build_rows(tokenizer, self.objective)
         self.call_kwargs = _call_constants(model)
         example = RowCollator(self.pad_id)(self.rows[: self.batch_size or len(self.rows)])

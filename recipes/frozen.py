@@ -18,10 +18,15 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from gradpatch import PatchableGraph
 from gradpatch.errors import NonFiniteError
 from gradpatch.finite import StepGuard, non_finite_names
 
+from .data import left_pad, pad_token_id
 from .errors import RecipeConfigError
+
+#: ``model_label`` of the embedded model (``model_path`` None).
+EMBEDDED_MODEL_LABEL = "embedded SmolLM2-135M-Instruct"
 
 __all__ = ["FrozenGraphModule", "OptimizerName", "GRAPH_ATTRIBUTE"]
 
@@ -96,6 +101,36 @@ class FrozenGraphModule(LightningModule):
         pg = self._modules.get(GRAPH_ATTRIBUTE)
         if pg is None:
             raise RuntimeError(f"{type(self).__name__} has no graph; call self.attach_graph(pg) in __init__")
+        return pg
+
+    def load_backbone(self, model_path: str | None, dtype: str,
+                      backbone: tuple[nn.Module, Any] | None) -> nn.Module:
+        """The frozen model: loaded from ``model_path`` (a directory or .gguf file; the embedded SmolLM2 when
+        ``None``) in the torch dtype named ``dtype``, or the in-memory ``(model, tokenizer)`` ``backbone``. Sets
+        ``tokenizer``, ``model_label`` and ``pad_id``; the model is kept unregistered (its weights live in the graph
+        given to :meth:`attach_graph`)."""
+        if backbone is None:
+            from gradpatch.models import load_model
+
+            model, tokenizer = load_model(model_path, dtype=getattr(torch, dtype))
+            self.model_label = model_path or EMBEDDED_MODEL_LABEL
+        else:
+            model, tokenizer = backbone
+            self.model_label = f"{type(model).__name__} (in memory)"
+        self.tokenizer = tokenizer
+        self.__dict__["_model"] = model
+        self.pad_id = pad_token_id(tokenizer)
+        return model
+
+    def attach_left_padded_graph(self, model: nn.Module, **call_kwargs: Any) -> PatchableGraph:
+        """Extract ``model``'s graph on a left-padded example batch (so the graphs serve padded batches) and attach
+        it (:meth:`attach_graph`); ``call_kwargs`` are the forward's constant arguments (``use_cache=False``)."""
+        token = next(i for i in range(len(self.tokenizer)) if i != self.pad_id)
+        example = left_pad([[token] * 3, [token] * 4], self.pad_id)
+        with torch.no_grad():
+            pg = PatchableGraph(model, example["input_ids"], attention_mask=example["attention_mask"],
+                                position_ids=example["position_ids"], **call_kwargs)
+        self.attach_graph(pg)
         return pg
 
     def trainable_parameters(self) -> list[nn.Parameter]:

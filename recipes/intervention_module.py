@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from gradpatch import Intervention, PatchableGraph
+from gradpatch import Intervention
 from gradpatch.files import atomic_write_text
 from gradpatch.finite import StepGuard
 from gradpatch.interchange import InterchangeSide, Position, check_interchange_node, interchange, interchange_logits
@@ -37,8 +37,8 @@ from gradpatch.subspace import (BoundlessSubspacePatch, FullInterchangePatch, Ro
                                 SigmoidMaskPatch, TrainablePatch)
 
 from .counterfactual import CounterfactualRecord
-from .data import left_pad, pad_token_id, single_token_ids
-from .delta_module import EMBEDDED_MODEL_LABEL, DtypeName, _call_constants
+from .data import left_pad, single_token_ids
+from .delta_module import DtypeName, _call_constants
 from .errors import RecipeConfigError
 from .frozen import FrozenGraphModule, OptimizerName
 from .intervention_objectives import IITObjective, InterventionObjective
@@ -138,24 +138,9 @@ class InterventionModule(FrozenGraphModule):
         self.temperatures = (float(temperature_start), float(temperature_end))
         self.save_hyperparameters(ignore=["_backbone", "objective"], logger=False)
         self.hparams["interventions"] = spec_dict(self.specs)
-        if _backbone is None:
-            from gradpatch.models import load_model
-
-            model, tokenizer = load_model(model_path, dtype=getattr(torch, dtype))
-            self.model_label = model_path or EMBEDDED_MODEL_LABEL
-        else:
-            model, tokenizer = _backbone
-            self.model_label = f"{type(model).__name__} (in memory)"
-        self.tokenizer = tokenizer
-        self.__dict__["_model"] = model
-        self.pad_id = pad_token_id(tokenizer)
+        model = self.load_backbone(model_path, dtype, _backbone)
         self.call_kwargs = _call_constants(model)
-        token = next(i for i in range(len(tokenizer)) if i != self.pad_id)
-        example = left_pad([[token] * 3, [token] * 4], self.pad_id)  # a padded row: graphs see left padding
-        with torch.no_grad():
-            pg = PatchableGraph(model, example["input_ids"], attention_mask=example["attention_mask"],
-                                position_ids=example["position_ids"], **self.call_kwargs)
-        self.attach_graph(pg)
+        pg = self.attach_left_padded_graph(model, **self.call_kwargs)
         patches: dict[str, list[TrainablePatch]] = {}
         for spec in self.specs:
             patches.setdefault(spec.node, []).append(build_patch(spec, check_interchange_node(pg, spec.node)))

@@ -32,15 +32,15 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from gradpatch import AddPatch, Intervention, PatchableGraph
+from gradpatch import AddPatch, Intervention
 from gradpatch.files import atomic_write_text
 from gradpatch.interchange import check_interchange_node
 from gradpatch.patches import Patch
 from gradpatch.reft import (AddVectorPatch, DiReFTPatch, LoReFTPatch, ReFTPatch, ReFTPositions, check_saved_reft,
                             reft_patch_map)
 
-from .data import encode, left_pad, pad_token_id
-from .delta_module import EMBEDDED_MODEL_LABEL, DtypeName
+from .data import encode, left_pad
+from .delta_module import DtypeName
 from .errors import RecipeConfigError
 from .frozen import FrozenGraphModule, OptimizerName
 from .intervention_objectives import InterventionObjective
@@ -138,23 +138,8 @@ class ReFTModule(FrozenGraphModule):
         self.weight_decay = float(weight_decay)
         self.save_hyperparameters(ignore=["_backbone", "objective"], logger=False)
         self.hparams["interventions"] = spec_dict(self.specs)
-        if _backbone is None:
-            from gradpatch.models import load_model
-
-            model, tokenizer = load_model(model_path, dtype=getattr(torch, dtype))
-            self.model_label = model_path or EMBEDDED_MODEL_LABEL
-        else:
-            model, tokenizer = _backbone
-            self.model_label = f"{type(model).__name__} (in memory)"
-        self.tokenizer = tokenizer
-        self.__dict__["_model"] = model
-        self.pad_id = pad_token_id(tokenizer)
-        token = next(i for i in range(len(tokenizer)) if i != self.pad_id)
-        example = left_pad([[token] * 3, [token] * 4], self.pad_id)
-        with torch.no_grad():
-            pg = PatchableGraph(model, example["input_ids"], attention_mask=example["attention_mask"],
-                                position_ids=example["position_ids"], use_cache=False)
-        self.attach_graph(pg)
+        model = self.load_backbone(model_path, dtype, _backbone)
+        pg = self.attach_left_padded_graph(model, use_cache=False)
         patches: dict[str, list[Patch]] = {}
         for spec in self.specs:
             patches.setdefault(spec.node, []).extend(build_reft_patches(spec, check_interchange_node(pg, spec.node)))
