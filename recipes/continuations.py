@@ -18,11 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader
-
 from .errors import RecipeConfigError
-from .jsonl import read_json_objects
+from .jsonl import JSONLDataModule, read_json_objects
 
 __all__ = ["ContinuationDataModule", "ContinuationRecord", "PreferenceDataModule", "PreferenceRecord",
            "read_continuations", "read_preferences"]
@@ -88,46 +85,7 @@ def read_preferences(path: str | Path) -> list[PreferenceRecord]:
     return records
 
 
-def _as_list(batch: list[Any]) -> list[Any]:
-    return batch
-
-
-class _RecordsDataModule(LightningDataModule):
-    """Batches (lists) of records read from a train file and an optional eval file."""
-
-    def __init__(self, train_file: str, eval_file: str | None = None, batch_size: int = 8,
-                 eval_batch_size: int = 32, shuffle: bool = True) -> None:
-        super().__init__()
-        if batch_size < 1 or eval_batch_size < 1:
-            raise RecipeConfigError(f"batch_size and eval_batch_size must be >= 1, got {batch_size}, "
-                                    f"{eval_batch_size}")
-        self.train_file, self.eval_file = train_file, eval_file
-        self.batch_size, self.eval_batch_size, self.shuffle = batch_size, eval_batch_size, shuffle
-        self.train_records: list[Any] = []
-        self.eval_records: list[Any] = []
-
-    def read(self, path: str) -> list[Any]:
-        raise NotImplementedError
-
-    def setup(self, stage: str | None = None) -> None:
-        """Read the files (once)."""
-        if not self.train_records:
-            self.train_records = self.read(self.train_file)
-        if self.eval_file and not self.eval_records:
-            self.eval_records = self.read(self.eval_file)
-
-    def train_dataloader(self) -> DataLoader:
-        records: Any = self.train_records
-        return DataLoader(records, batch_size=self.batch_size, shuffle=self.shuffle, collate_fn=_as_list)
-
-    def val_dataloader(self) -> DataLoader | list[Any]:
-        if not self.eval_records:
-            return []
-        records: Any = self.eval_records
-        return DataLoader(records, batch_size=self.eval_batch_size, collate_fn=_as_list)
-
-
-class ContinuationDataModule(_RecordsDataModule):
+class ContinuationDataModule(JSONLDataModule):
     """Batches of :class:`ContinuationRecord` (``{"prompt", "response"}`` JSONL) for ReFT's continuation NLL.
 
     Args:
@@ -144,7 +102,7 @@ class ContinuationDataModule(_RecordsDataModule):
         return read_continuations(path)
 
 
-class PreferenceDataModule(_RecordsDataModule):
+class PreferenceDataModule(JSONLDataModule):
     """Batches of :class:`PreferenceRecord` (``{"prompt", "chosen", "rejected"}`` JSONL) for BiPO.
 
     Args:

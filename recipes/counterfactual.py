@@ -16,13 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader
 
 from .errors import RecipeConfigError
-from .jsonl import read_json_objects
+from .jsonl import JSONLDataModule, read_json_objects
 
 __all__ = ["CounterfactualDataModule", "CounterfactualRecord", "read_counterfactuals"]
 
@@ -72,11 +68,7 @@ def read_counterfactuals(path: str | Path) -> list[CounterfactualRecord]:
     return records
 
 
-def _as_list(batch: list[CounterfactualRecord]) -> list[CounterfactualRecord]:
-    return batch
-
-
-class CounterfactualDataModule(LightningDataModule):
+class CounterfactualDataModule(JSONLDataModule):
     """Batches of :class:`CounterfactualRecord` (lists: the module tokenizes them with its model's tokenizer).
 
     Args:
@@ -92,27 +84,7 @@ class CounterfactualDataModule(LightningDataModule):
 
     def __init__(self, train_file: str, eval_file: str | None = None, batch_size: int = 16,
                  eval_batch_size: int = 64, shuffle: bool = True) -> None:
-        super().__init__()
-        if batch_size < 1 or eval_batch_size < 1:
-            raise RecipeConfigError(f"batch_size and eval_batch_size must be >= 1, got {batch_size}, "
-                                    f"{eval_batch_size}")
-        self.train_file, self.eval_file = train_file, eval_file
-        self.batch_size, self.eval_batch_size, self.shuffle = batch_size, eval_batch_size, shuffle
-        self.train_records: list[CounterfactualRecord] = []
-        self.eval_records: list[CounterfactualRecord] = []
+        super().__init__(train_file, eval_file, batch_size, eval_batch_size, shuffle)
 
-    def setup(self, stage: str | None = None) -> None:
-        """Read the files (once)."""
-        if not self.train_records:
-            self.train_records = read_counterfactuals(self.train_file)
-        if self.eval_file and not self.eval_records:
-            self.eval_records = read_counterfactuals(self.eval_file)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_records, batch_size=self.batch_size, shuffle=self.shuffle,  # type: ignore[arg-type]
-                          collate_fn=_as_list)
-
-    def val_dataloader(self) -> DataLoader | list[Any]:
-        if not self.eval_records:
-            return []
-        return DataLoader(self.eval_records, batch_size=self.eval_batch_size, collate_fn=_as_list)  # type: ignore[arg-type]
+    def read(self, path: str) -> list[CounterfactualRecord]:
+        return read_counterfactuals(path)

@@ -1,4 +1,5 @@
-"""JSON Lines files of training records: one JSON object per line, blank lines skipped, every error naming its line."""
+"""JSON Lines files of training records (one JSON object per line, blank lines skipped, every error naming its line)
+and the Lightning data module that batches them."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader
+
 from .errors import RecipeConfigError
 
-__all__ = ["read_json_objects"]
+__all__ = ["JSONLDataModule", "read_json_objects"]
 
 
 def read_json_objects(path: str | Path, what: str, shape: str) -> list[tuple[str, dict[str, Any]]]:
@@ -41,3 +45,48 @@ def read_json_objects(path: str | Path, what: str, shape: str) -> list[tuple[str
     if not objects:
         raise RecipeConfigError(f"{path} holds no records")
     return objects
+
+
+def _as_list(batch: list[Any]) -> list[Any]:
+    return batch
+
+
+class JSONLDataModule(LightningDataModule):
+    """Batches (lists) of records read from a JSONL train file and an optional eval file; a subclass says how a
+    file is read (:meth:`read`).
+
+    Raises:
+        RecipeConfigError: ``batch_size`` or ``eval_batch_size`` below 1; (in :meth:`setup`) what :meth:`read` raises.
+    """
+
+    def __init__(self, train_file: str, eval_file: str | None = None, batch_size: int = 8,
+                 eval_batch_size: int = 32, shuffle: bool = True) -> None:
+        super().__init__()
+        if batch_size < 1 or eval_batch_size < 1:
+            raise RecipeConfigError(f"batch_size and eval_batch_size must be >= 1, got {batch_size}, "
+                                    f"{eval_batch_size}")
+        self.train_file, self.eval_file = train_file, eval_file
+        self.batch_size, self.eval_batch_size, self.shuffle = batch_size, eval_batch_size, shuffle
+        self.train_records: list[Any] = []
+        self.eval_records: list[Any] = []
+
+    def read(self, path: str) -> list[Any]:
+        """The records of one file."""
+        raise NotImplementedError(f"{type(self).__name__} must define read(path)")
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read the files (once)."""
+        if not self.train_records:
+            self.train_records = self.read(self.train_file)
+        if self.eval_file and not self.eval_records:
+            self.eval_records = self.read(self.eval_file)
+
+    def train_dataloader(self) -> DataLoader:
+        records: Any = self.train_records
+        return DataLoader(records, batch_size=self.batch_size, shuffle=self.shuffle, collate_fn=_as_list)
+
+    def val_dataloader(self) -> DataLoader | list[Any]:
+        if not self.eval_records:
+            return []
+        records: Any = self.eval_records
+        return DataLoader(records, batch_size=self.eval_batch_size, collate_fn=_as_list)
