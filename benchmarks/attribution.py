@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="EAP-IG steps (default %(default)s)")
     parser.add_argument("--edges", type=int, default=64, help="edges patched exactly (default %(default)s)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: nodes,speed,edges,memory")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu; the memory part is CPU-only)")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child:
@@ -224,13 +225,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     skip = set(filter(None, args.skip.split(",")))
     start = time.perf_counter()
-    model, tokenizer = load_embedded_model()
-    batch = load_batch(tokenizer, args.task, args.n)
+    model, tokenizer = load_embedded_model(device=args.device)
+    batch = load_batch(tokenizer, args.task, args.n).to(args.device)
     pg = PatchableGraph(model, batch.clean[:1].expand(2, -1), use_cache=False)
     positions = list(range(first_difference(batch), batch.length))
     report: dict[str, Any] = {
         "task": args.task, "prompts": batch.size, "tokens": batch.length, "positions": positions,
-        "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor()},
+        "machine": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor(),
+                    "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None},
     }
     if "nodes" not in skip:
         report["nodes"] = {kind: node_kind(pg, batch, kind, positions, args.rows) for kind in args.kinds.split(",")}

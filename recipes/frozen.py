@@ -21,6 +21,7 @@ from torch import nn
 from gradpatch import PatchableGraph
 from gradpatch.errors import NonFiniteError
 from gradpatch.finite import StepGuard, non_finite_names
+from gradpatch.model_io import model_device
 
 from .data import left_pad, pad_token_id
 from .errors import RecipeConfigError
@@ -126,7 +127,8 @@ class FrozenGraphModule(LightningModule):
         """Extract ``model``'s graph on a left-padded example batch (so the graphs serve padded batches) and attach
         it (:meth:`attach_graph`); ``call_kwargs`` are the forward's constant arguments (``use_cache=False``)."""
         token = next(i for i in range(len(self.tokenizer)) if i != self.pad_id)
-        example = left_pad([[token] * 3, [token] * 4], self.pad_id)
+        device = model_device(model)
+        example = {name: t.to(device) for name, t in left_pad([[token] * 3, [token] * 4], self.pad_id).items()}
         with torch.no_grad():
             pg = PatchableGraph(model, example["input_ids"], attention_mask=example["attention_mask"],
                                 position_ids=example["position_ids"], **call_kwargs)

@@ -78,3 +78,28 @@ def test_no_second_copy_of_the_weights():
     pg = PatchableGraph(model, torch.randint(0, 1000, (1, 10), device="cuda"), use_cache=False)
     assert torch.cuda.memory_allocated() - before <= 1.05 * weights
     del pg
+
+
+def test_intervention_training_on_a_model_already_on_the_gpu(tmp_path: Path):
+    """The left-padded example batch that extracts the graph follows the model onto its device (it was built on the
+    CPU, and extraction failed on a CUDA model); Lightning then trains the DAS patch on the GPU."""
+    import json
+
+    from lightning.pytorch import Trainer
+
+    from recipes import CounterfactualDataModule, InterventionModule
+
+    cities = {"Paris": "France", "Rome": "Italy", "Berlin": "Germany", "Madrid": "Spain"}
+    records = [{"base": f"the city {a} is in the country", "source": f"a big city {b} is in", "label": cities[b],
+                "base_subject": a, "source_subject": b} for a in cities for b in cities if a != b]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    model, tokenizer = tiny_backbone()
+    module = InterventionModule.from_model(model.to("cuda"), tokenizer, lr=0.05, interventions=[
+        {"node": "model.layers_0.output", "kind": "rotated", "dim": 4}])
+    before = module.patches[0].R.detach().clone()
+    Trainer(accelerator="gpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0).fit(
+        module, datamodule=CounterfactualDataModule(str(tmp_path / "train.jsonl"), batch_size=6))
+    after = module.patches[0].R.detach()
+    assert after.device.type == "cuda" and float((after - before.to(after.device)).abs().max()) > 0
+    assert 0.0 <= float(module.iia(module.trainer.datamodule.train_records)) <= 1.0

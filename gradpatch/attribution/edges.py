@@ -114,11 +114,11 @@ def eap(pg: PatchableGraph, batch: PromptBatch, metric: Metric = logit_differenc
         base, grads, m_base = _gradients(runner, graph, runner.base_ids)
     else:
         base, m_base = _record(runner, graph, runner.base_ids)
-        grads = torch.zeros(graph.n_down, *base.shape[1:])
+        grads = torch.zeros(graph.n_down, *base.shape[1:], device=base.device)
         for k in range(1, steps + 1):
             embeddings = source[0] + (k / steps) * (base[0] - source[0])
             grads += _gradients(runner, graph, runner.base_ids, embeddings)[1] / steps
-    scores = (source - base).flatten(1) @ grads.flatten(1).T  # [n_up, n_down]
+    scores = ((source - base).flatten(1) @ grads.flatten(1).T).cpu()  # [n_up, n_down]
     allowed = graph.reach()
     scores = scores.masked_fill(~allowed, 0.0)
     up, down = graph.upstream_names(), graph.downstream_names()
@@ -145,7 +145,7 @@ def _masked_deltas(graph: EdgeGraph, source: torch.Tensor, masks: torch.Tensor, 
         for v in range(chosen.shape[0]):
             current = torch.stack([u[v * rows:(v + 1) * rows] for u in upstream])  # [count, rows, seq, d]
             difference = (source[:count] - current).flatten(1)  # [count, rows * seq * d]
-            blocks.append((chosen[v].T.to(difference.dtype) @ difference).reshape(
+            blocks.append((chosen[v].T.to(difference.device, difference.dtype) @ difference).reshape(
                 chosen.shape[2], rows, *upstream[0].shape[1:]))  # [n, rows, seq, d]
         return torch.cat(blocks, dim=1).permute(1, 2, 0, 3)  # [variants * rows, seq, n, d]
     return deltas
