@@ -10,6 +10,7 @@ step (see :meth:`FrozenGraphModule.step_guard`).
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from typing import Any, Literal
@@ -28,9 +29,10 @@ from .errors import RecipeConfigError
 #: ``model_label`` of the embedded model (``model_path`` None).
 EMBEDDED_MODEL_LABEL = "embedded SmolLM2-135M-Instruct"
 
-__all__ = ["FrozenGraphModule", "OptimizerName", "GRAPH_ATTRIBUTE"]
+__all__ = ["DtypeName", "FrozenGraphModule", "OptimizerName", "GRAPH_ATTRIBUTE", "call_constants"]
 
 OptimizerName = Literal["adam", "adamw", "sgd"]
+DtypeName = Literal["float32", "bfloat16", "float16"]
 
 #: Attribute (and ``state_dict`` prefix) under which the frozen graph is registered.
 GRAPH_ATTRIBUTE = "pg"
@@ -270,6 +272,15 @@ class FrozenGraphModule(LightningModule):
         if missing:
             raise RecipeConfigError(f"checkpoint lacks trainable tensors {missing}: load it with the configuration "
                                     f"it was trained with (its hyper_parameters)")
+
+
+def call_constants(model: nn.Module) -> dict[str, Any]:
+    """Constant keyword arguments of every graph call: ``use_cache=False``, and ``logits_to_keep=1`` (only the last
+    position's logits: the recipes score nothing else) when the model's ``forward`` takes it."""
+    constants: dict[str, Any] = {"use_cache": False}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        constants["logits_to_keep"] = 1
+    return constants
 
 
 def _without_graph(state: dict[str, Any]) -> dict[str, Any]:

@@ -1,12 +1,15 @@
-"""DeltaModule trained under Lightning against the same training written by hand in this test: the model's own forward
-with a hook adding the delta, the objective's terms summed here, Adam and the max_norm clamp (tiny random Llama)."""
+"""DeltaModule, InterventionModule's additive special case: trained under Lightning against the same training written
+by hand in this test (the model's own forward with a hook adding the delta, the objective's terms summed here, Adam
+and the max_norm clamp), and what it inherits (tiny random Llama)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from recipes import DeltaModule, DeltaSpec, Objective, TargetSpec
+from recipes import DeltaModule, DeltaSpec, InterventionModule, Objective, RecipeConfigError, TargetSpec
+from recipes.counterfactual import CounterfactualRecord
 from recipes.data import KIND_KL, KIND_STEER, KIND_TARGET, build_rows, collate_rows, left_pad, single_token_ids
 from recipes.objectives import away_loss, kl_loss, target_nll, towards_loss
 from recipes.testing import tiny_backbone
@@ -88,4 +91,30 @@ def test_delta_module_trains_as_the_hand_written_loop():
     assert expected_losses[-1] < expected_losses[0]  # the run trains: the comparison is not of a flat curve
     torch.testing.assert_close(torch.tensor(recorder.losses), torch.tensor(expected_losses), atol=1e-6, rtol=0)
     torch.testing.assert_close(module.deltas[0].detach(), expected_delta, atol=1e-6, rtol=0)
-    assert float(module.deltas[0].norm()) <= MAX_NORM + 1e-6
+    assert float(module.deltas[0].detach().norm()) <= MAX_NORM + 1e-6
+
+
+def test_delta_module_is_the_additive_intervention_module_and_loads_its_export(tmp_path):
+    torch.set_num_threads(1)
+    config = dict(deltas=[DeltaSpec("model.layers_1.output", "last"), DeltaSpec("model.layers_0.output", -2)],
+                  objective=OBJECTIVE)
+    module = DeltaModule.from_model(*tiny_backbone(), **config)
+    assert isinstance(module, InterventionModule) and module.patches == module.delta_patches
+    with torch.no_grad():
+        for i, delta in enumerate(module.deltas):
+            delta.copy_(torch.randn(delta.shape, generator=torch.Generator().manual_seed(i)))
+    module.export_intervention(tmp_path / "deltas")
+    fresh = DeltaModule.from_model(*tiny_backbone(), **config)
+    assert all(float(delta.detach().abs().max()) == 0 for delta in fresh.deltas)
+    fresh.load_intervention(tmp_path / "deltas")
+    for loaded, saved in zip(fresh.deltas, module.deltas):
+        torch.testing.assert_close(loaded.detach(), saved.detach(), atol=0, rtol=0)
+
+
+def test_interchange_methods_refuse_deltas():
+    module = DeltaModule.from_model(*tiny_backbone(), deltas=[DeltaSpec("model.layers_1.output")], objective=OBJECTIVE)
+    records = [CounterfactualRecord(base="the dog", source="my friend", label=" is")]
+    with pytest.raises(RecipeConfigError, match="AddPatch patches, which read no source"):
+        module.iia(records)
+    with pytest.raises(RecipeConfigError, match="AddPatch patches, which read no source"):
+        module.evaluate(records)
