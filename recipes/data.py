@@ -22,14 +22,11 @@ from torch.utils.data import Dataset
 from gradpatch.model_io import pad_token_id
 
 from .errors import RecipeConfigError
+from .objectives import KIND_KL, KIND_STEER, KIND_TARGET
 from .specs import Objective
 
 __all__ = ["KIND_KL", "KIND_STEER", "KIND_TARGET", "PromptRows", "Row", "build_rows", "collate_rows", "encode",
            "left_pad", "pad_token_id", "single_token_ids"]
-
-KIND_TARGET = 0
-KIND_STEER = 1
-KIND_KL = 2
 
 
 @dataclass(frozen=True)

@@ -19,37 +19,38 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import torch
+from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
 
-from gradpatch import AddPatch, Intervention, PatchableGraph
+from gradpatch import AddPatch, PatchableGraph
 from gradpatch.finite import StepGuard
+from gradpatch.patches import Patch
 
-from .data import (KIND_KL, KIND_STEER, KIND_TARGET, PromptRows, RowCollator, build_rows, encode, left_pad,
-                   single_token_ids)
+from .data import PromptRows, RowCollator, build_rows, encode, left_pad, single_token_ids
 from .errors import RecipeConfigError
-from .frozen import EMBEDDED_MODEL_LABEL, FrozenGraphModule, OptimizerName
+from .frozen import EMBEDDED_MODEL_LABEL, DtypeName, FrozenGraphModule, OptimizerName
 from .generation import graph_logits, greedy_generate
-from .objectives import away_loss, kl_loss, l2_penalty, target_nll, towards_loss
+from .intervention_module import InterventionModule
 from .specs import DeltaSpec, Objective, as_spec, position_slice, spec_dict
 
 __all__ = ["DeltaModule", "DtypeName", "EMBEDDED_MODEL_LABEL"]
 
-DtypeName = Literal["float32", "bfloat16", "float16"]
 
+class DeltaModule(InterventionModule):
+    """Learn AddPatch deltas (an :class:`gradpatch.Intervention`) at NodePaths of a frozen causal LM: the additive
+    special case of :class:`~recipes.intervention_module.InterventionModule`.
 
-class DeltaModule(FrozenGraphModule):
-    """Learn AddPatch deltas (an :class:`gradpatch.Intervention`) at NodePaths of a frozen causal LM.
-
-    The model is wrapped in a :class:`gradpatch.PatchableGraph` built on the first training batch (left-padded
-    ``input_ids``, ``attention_mask``, ``position_ids``; ``use_cache=False``) and frozen (see
+    Its patches are ``AddPatch`` deltas at fixed positions (one per :class:`~recipes.specs.DeltaSpec`), its objective
+    is the :class:`~recipes.specs.Objective` (:func:`recipes.objectives.delta_loss_terms`) and its data are the
+    objective's own prompts (:meth:`train_dataloader`), not counterfactual records (the interchange methods refuse
+    deltas). The model is wrapped in a :class:`gradpatch.PatchableGraph` extracted on a left-padded example
+    (``input_ids``, ``attention_mask``, ``position_ids``; ``use_cache=False``) and frozen (see
     :class:`~recipes.frozen.FrozenGraphModule`). Each delta starts at zero; a step runs the patched model on a
-    batch of rows (see :mod:`recipes.data`) and minimises the :class:`~recipes.specs.Objective` at their last
-    position. The training data comes from the objective's prompts: :meth:`train_dataloader`.
+    batch of rows (see :mod:`recipes.data`) and minimises the objective at their last position.
 
     Args:
         deltas: where the deltas go (:class:`~recipes.specs.DeltaSpec` or mappings of its fields); each delta has the
@@ -71,6 +72,8 @@ class DeltaModule(FrozenGraphModule):
         KeyError: a NodePath that is not in the model's graph (the message lists the closest ones).
     """
 
+    spec_type: ClassVar[type] = DeltaSpec
+
     def __init__(
         self,
         deltas: list[DeltaSpec],
@@ -84,57 +87,52 @@ class DeltaModule(FrozenGraphModule):
         *,
         _backbone: tuple[nn.Module, Any] | None = None,
     ) -> None:
-        super().__init__(lr=lr, optimizer=optimizer)
-        self.delta_specs = [as_spec(DeltaSpec, spec) for spec in deltas]
-        self.objective = as_spec(Objective, objective)
-        if not self.delta_specs:
+        specs = [as_spec(DeltaSpec, spec) for spec in deltas]
+        objective = as_spec(Objective, objective)
+        if not specs:
             raise RecipeConfigError("no deltas configured: add at least one {node: ..., position: ...} to deltas")
         if batch_size is not None and batch_size < 1:
             raise RecipeConfigError(f"batch_size must be >= 1 or null (all rows in one batch), got {batch_size}")
-        self.term_names = self.objective.term_names()
+        term_names = objective.term_names()  # validates before the model is loaded
+        super().__init__(interventions=specs, objective=objective, model_path=model_path, lr=lr, optimizer=optimizer,
+                         dtype=dtype, _backbone=_backbone)
+        self.term_names = term_names
         self.model_path = model_path
         self.batch_size = batch_size
         self.max_norm = max_norm
-        self.save_hyperparameters(ignore=["_backbone"], logger=False)
-        self.hparams["deltas"] = spec_dict(self.delta_specs)  # plain data: checkpoints stay loadable weights_only
+        # InterventionModule saved its own arguments too: keep DeltaModule's, as plain data (checkpoints stay
+        # loadable with weights_only and give this constructor's arguments back).
+        self.remove_ignored_hparams(sorted(set(inspect.signature(InterventionModule.__init__).parameters)
+                                           - set(inspect.signature(DeltaModule.__init__).parameters)))
+        self.hparams["deltas"] = spec_dict(self.specs)
         self.hparams["objective"] = spec_dict(self.objective)
-
-        model = self.load_backbone(model_path, dtype, _backbone)
-        tokenizer = self.tokenizer
-        self.rows = build_rows(tokenizer, self.objective)
-        self.call_kwargs = _call_constants(model)
-        example = RowCollator(self.pad_id)(self.rows[: self.batch_size or len(self.rows)])
-        with torch.no_grad():
-            pg = PatchableGraph(model, example["input_ids"], attention_mask=example["attention_mask"],
-                                position_ids=example["position_ids"], **self.call_kwargs)
-        self.example_batch_size = int(example["input_ids"].shape[0])
-        self.attach_graph(pg)
-
-        self.delta_patches: list[AddPatch] = []
-        patches: dict[str, list[AddPatch]] = {}
-        for spec in self.delta_specs:
-            patch = AddPatch(value=torch.zeros(_delta_shape(pg, spec.node)), slice=position_slice(spec.position))
-            patches.setdefault(spec.node, []).append(patch)
-            self.delta_patches.append(patch)
-        self.intervention = Intervention(patches)  # turns each value into an nn.Parameter (patch.value)
-        self.register_buffer("towards_ids", torch.tensor(single_token_ids(tokenizer, self.objective.towards),
+        self.rows = build_rows(self.tokenizer, self.objective)
+        self.register_buffer("towards_ids", torch.tensor(single_token_ids(self.tokenizer, self.objective.towards),
                                                          dtype=torch.long), persistent=False)
-        self.register_buffer("away_ids", torch.tensor(single_token_ids(tokenizer, self.objective.away),
+        self.register_buffer("away_ids", torch.tensor(single_token_ids(self.tokenizer, self.objective.away),
                                                       dtype=torch.long), persistent=False)
         self.kl_reference: torch.Tensor | None = None  # [n_kl_prompts, V], computed on first use
 
-    @classmethod
-    def from_model(cls, model: nn.Module, tokenizer: Any, **config: Any) -> "DeltaModule":
-        """A DeltaModule on a model already in memory (tests, notebooks).
+    def build_patches(self, pg: nn.Module, spec: Any) -> list[Patch]:
+        """One zero ``AddPatch`` delta at ``spec.node`` and ``spec.position`` (a :class:`~recipes.specs.DeltaSpec`).
 
-        Args:
-            model: a causal LM (``eval()`` mode is kept).
-            tokenizer: its tokenizer.
-            config: the other constructor arguments (``deltas``, ``objective``, ``lr``, ...).
+        Raises:
+            RecipeConfigError: a node whose activation is not ``[batch, seq, ...]``, an unknown position.
+            NodePathError: an unknown NodePath.
         """
-        return cls(**config, _backbone=(model, tokenizer))
+        return [AddPatch(value=torch.zeros(_delta_shape(pg, spec.node)), slice=position_slice(spec.position))]
 
     # --- deltas --------------------------------------------------------------------------------------------
+
+    @property
+    def delta_specs(self) -> list[DeltaSpec]:
+        """The :class:`~recipes.specs.DeltaSpec` of each delta, in the order of ``deltas``."""
+        return self.specs
+
+    @property
+    def delta_patches(self) -> list[AddPatch]:
+        """The ``AddPatch`` of each delta, in the order of ``deltas``."""
+        return self.patches  # type: ignore[return-value]
 
     @property
     def deltas(self) -> list[nn.Parameter]:
@@ -145,26 +143,6 @@ class DeltaModule(FrozenGraphModule):
     def delta_names(self) -> list[str]:
         """``"<node>@<position>"`` per delta (TensorBoard tags)."""
         return [f"{spec.node}@{spec.position}" for spec in self.delta_specs]
-
-    def export_intervention(self, directory: str | Path) -> Path:
-        """Write the trained intervention in the engine's format (``intervention.json`` + ``.safetensors``,
-        atomically, with the model's fingerprint).
-
-        Load it back with ``Intervention.load(directory, graph=pg, model=model)`` and apply it with
-        ``pg.patch(...)``; it gives the outputs this module's patched model gives.
-
-        Returns:
-            ``directory``.
-
-        Raises:
-            NonFiniteError: a delta holds NaN or inf (nothing is written).
-        """
-        return self.intervention.save(directory, model=self.__dict__["_model"])
-
-    @property
-    def model(self) -> nn.Module:
-        """The wrapped model (frozen)."""
-        return self.__dict__["_model"]
 
     def step_guard(self) -> StepGuard:
         """Non-finite steps are reported as ``DeltaModule`` errors whose fix names ``lr`` and ``max_norm``."""
@@ -212,50 +190,20 @@ class DeltaModule(FrozenGraphModule):
 
     # --- objective -----------------------------------------------------------------------------------------
 
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        """One step as :class:`~recipes.frozen.FrozenGraphModule` runs it (the loss on the progress bar); the terms
+        reach TensorBoard through :class:`~recipes.logger.InterventionLogger`, not InterventionModule's
+        ``train/<term>`` logging."""
+        return FrozenGraphModule.training_step(self, batch, batch_idx)
+
+    #: No validation loop (Lightning sees LightningModule's own hook): the data are the objective's rows, and
+    #: InterventionModule's validation step scores IIA on counterfactual records.
+    validation_step = LightningModule.validation_step
+
     def logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Logits of the graph on a left-padded batch (patches active in the caller apply): ``[B, S', V]`` where
         ``S'`` is 1 when the model supports ``logits_to_keep`` (only the last position is computed), else ``S``."""
         return graph_logits(self.graph, batch, self.call_kwargs)
-
-    def loss_terms(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The objective on one batch of rows (see :func:`recipes.data.collate_rows`).
-
-        Returns:
-            ``loss`` (weighted sum), the unweighted terms present in the batch (``nll``, ``towards``, ``away``,
-            ``kl``, ``l2``), the probabilities ``p_target``, ``p_towards``, ``p_away`` (detached) and
-            ``norm/<i>``, the L2 norm of delta ``i`` (detached).
-        """
-        with self.graph.patch(self.intervention):
-            logits = self.logits(batch)
-        log_probs = torch.log_softmax(logits[:, -1].float(), dim=-1)  # [B, V]
-        kind = batch["kind"]
-        objective = self.objective
-        terms: dict[str, torch.Tensor] = {}
-        loss = log_probs.new_zeros(())
-        rows = kind == KIND_TARGET
-        if "nll" in self.term_names and bool(rows.any()):
-            terms["nll"], terms["p_target"] = target_nll(log_probs[rows], batch["target"][rows], batch["weight"][rows])
-            loss = loss + objective.nll_weight * terms["nll"]
-        rows = kind == KIND_STEER
-        if bool(rows.any()):
-            if "towards" in self.term_names:
-                terms["towards"], terms["p_towards"] = towards_loss(log_probs[rows], self.towards_ids)
-                loss = loss + objective.towards_weight * terms["towards"]
-            if "away" in self.term_names:
-                terms["away"], terms["p_away"] = away_loss(log_probs[rows], self.away_ids)
-                loss = loss + objective.away_weight * terms["away"]
-        rows = kind == KIND_KL
-        if "kl" in self.term_names and bool(rows.any()):
-            reference = self.reference_log_probs()[batch["kl_index"][rows]]
-            terms["kl"] = kl_loss(reference, log_probs[rows])
-            loss = loss + objective.kl_weight * terms["kl"]
-        if "l2" in self.term_names:
-            terms["l2"] = l2_penalty(self.deltas)
-            loss = loss + objective.l2_weight * terms["l2"]
-        for i, delta in enumerate(self.deltas):
-            terms[f"norm/{i}"] = delta.detach().norm()
-        terms["loss"] = loss
-        return terms
 
     @torch.no_grad()
     def reference_log_probs(self) -> torch.Tensor:
@@ -265,7 +213,7 @@ class DeltaModule(FrozenGraphModule):
         if self.kl_reference is None or self.kl_reference.device != device:
             sequences = [encode(self.tokenizer, prompt) for prompt in self.objective.kl_prompts]
             count = len(sequences)
-            sequences += [sequences[0]] * max(0, min(self.example_batch_size, 2) - count)  # keep the size class
+            sequences += [sequences[0]] * max(0, 2 - count)  # the size class of the graph's example: no new variant
             batch = {key: value.to(device) for key, value in left_pad(sequences, self.pad_id).items()}
             logits = self.logits(batch)[:count, -1]
             self.kl_reference = torch.log_softmax(logits.float(), dim=-1)
@@ -325,15 +273,6 @@ class DeltaModule(FrozenGraphModule):
 def _seed() -> int:
     """The seed set by ``seed_everything`` (``PL_GLOBAL_SEED``), else 0."""
     return int(os.environ.get("PL_GLOBAL_SEED", "0"))
-
-
-def _call_constants(model: nn.Module) -> dict[str, Any]:
-    """Constant keyword arguments of every graph call: ``use_cache=False``, and ``logits_to_keep=1`` (only the last
-    position's logits: the recipes score nothing else) when the model's ``forward`` takes it."""
-    constants: dict[str, Any] = {"use_cache": False}
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        constants["logits_to_keep"] = 1
-    return constants
 
 
 def _delta_shape(pg: PatchableGraph, node_path: str) -> torch.Size:

@@ -1,6 +1,7 @@
 """A LightningModule that optimises a few tensors against a frozen PatchableGraph.
 
-:class:`FrozenGraphModule` is the base of :class:`~recipes.delta_module.DeltaModule` and
+:class:`FrozenGraphModule` is the base of :class:`~recipes.intervention_module.InterventionModule` (and of its
+additive case :class:`~recipes.delta_module.DeltaModule`), :class:`~recipes.reft_module.ReFTModule` and
 :class:`~recipes.objective_module.ObjectiveModule`. It holds the graph with every model weight frozen (no gradients,
 no optimizer state, no checkpoint entry) and keeps it in ``eval()`` whatever Lightning does with the training flag;
 subclasses register the trainable tensors and implement :meth:`FrozenGraphModule.loss_terms`. Training stops at
@@ -10,6 +11,7 @@ step (see :meth:`FrozenGraphModule.step_guard`).
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from typing import Any, Literal
@@ -29,9 +31,10 @@ from .errors import RecipeConfigError
 #: ``model_label`` of the embedded model (``model_path`` None).
 EMBEDDED_MODEL_LABEL = "embedded SmolLM2-135M-Instruct"
 
-__all__ = ["FrozenGraphModule", "OptimizerName", "GRAPH_ATTRIBUTE"]
+__all__ = ["DtypeName", "FrozenGraphModule", "OptimizerName", "GRAPH_ATTRIBUTE", "call_constants"]
 
 OptimizerName = Literal["adam", "adamw", "sgd"]
+DtypeName = Literal["float32", "bfloat16", "float16"]
 
 #: Attribute (and ``state_dict`` prefix) under which the frozen graph is registered.
 GRAPH_ATTRIBUTE = "pg"
@@ -272,6 +275,15 @@ class FrozenGraphModule(LightningModule):
         if missing:
             raise RecipeConfigError(f"checkpoint lacks trainable tensors {missing}: load it with the configuration "
                                     f"it was trained with (its hyper_parameters)")
+
+
+def call_constants(model: nn.Module) -> dict[str, Any]:
+    """Constant keyword arguments of every graph call: ``use_cache=False``, and ``logits_to_keep=1`` (only the last
+    position's logits: the recipes score nothing else) when the model's ``forward`` takes it."""
+    constants: dict[str, Any] = {"use_cache": False}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        constants["logits_to_keep"] = 1
+    return constants
 
 
 def _without_graph(state: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,10 @@ one forward pass with the patches interchanging at the records' positions (:func
 and minimises the objective (:class:`~recipes.intervention_objectives.IITObjective` by default). IIA on the eval
 file is the validation metric ``iia``; the loss terms, ``iia``, the Boundless boundary width and the mask density go
 to the trainer's logger (TensorBoard in the configs).
+
+The module trains whatever patches its specs build (:meth:`InterventionModule.build_patches`) against whatever its
+objective returns: :class:`~recipes.delta_module.DeltaModule` is the additive special case (``AddPatch`` deltas at
+fixed positions, the delta :class:`~recipes.specs.Objective`, rows of prompts as data).
 """
 
 from __future__ import annotations
@@ -24,23 +28,22 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from gradpatch import Intervention
 from gradpatch.files import atomic_write_text
-from gradpatch.finite import StepGuard
 from gradpatch.interchange import InterchangeSide, Position, check_interchange_node, interchange, interchange_logits
+from gradpatch.patches import Patch
 from gradpatch.subspace import (BoundlessSubspacePatch, FullInterchangePatch, RotatedSubspacePatch,
                                 SigmoidMaskPatch, TrainablePatch)
 
 from .counterfactual import CounterfactualRecord
 from .data import left_pad, single_token_ids
-from .delta_module import DtypeName, _call_constants
 from .errors import RecipeConfigError
-from .frozen import FrozenGraphModule, OptimizerName
+from .frozen import DtypeName, FrozenGraphModule, OptimizerName, call_constants
 from .intervention_objectives import IITObjective, InterventionObjective
 from .specs import as_spec, spec_dict
 
@@ -101,6 +104,10 @@ def build_patch(spec: InterchangeSpec, width: int) -> TrainablePatch:
 class InterventionModule(FrozenGraphModule):
     """Train trainable interchange patches at NodePaths of a frozen causal LM on counterfactual records.
 
+    A subclass trains other patches by naming its spec type (:attr:`spec_type`) and overriding
+    :meth:`build_patches` (see :class:`~recipes.delta_module.DeltaModule`); the interchange methods
+    (:meth:`interchange_log_probs`, :meth:`iia`, :meth:`evaluate`) need patches that read a source.
+
     Args:
         interventions: where and which patches (:class:`InterchangeSpec` or mappings of its fields); all read the
             record's source.
@@ -122,12 +129,15 @@ class InterventionModule(FrozenGraphModule):
         NodePathError: an unknown NodePath (the message lists the closest ones).
     """
 
+    #: The dataclass of ``interventions`` (mappings are converted to it).
+    spec_type: ClassVar[type] = InterchangeSpec
+
     def __init__(self, interventions: list[InterchangeSpec], objective: InterventionObjective | None = None,
                  model_path: str | None = None, lr: float = 1e-3, optimizer: OptimizerName = "adam",
                  position: Position = "last", temperature_start: float = 50.0, temperature_end: float = 0.1,
                  shared_batch: bool = True, dtype: DtypeName = "float32", *, _backbone: tuple[nn.Module, Any] | None = None) -> None:
         super().__init__(lr=lr, optimizer=optimizer)
-        self.specs = [as_spec(InterchangeSpec, spec) for spec in interventions]
+        self.specs = [as_spec(self.spec_type, spec) for spec in interventions]
         if not self.specs:
             raise RecipeConfigError("no interventions configured: add at least one {node: ..., kind: ..., dim: ...}")
         if not (temperature_start > 0 and temperature_end > 0):
@@ -139,12 +149,26 @@ class InterventionModule(FrozenGraphModule):
         self.save_hyperparameters(ignore=["_backbone", "objective"], logger=False)
         self.hparams["interventions"] = spec_dict(self.specs)
         model = self.load_backbone(model_path, dtype, _backbone)
-        self.call_kwargs = _call_constants(model)
+        self.call_kwargs = call_constants(model)
         pg = self.attach_left_padded_graph(model, **self.call_kwargs)
-        patches: dict[str, list[TrainablePatch]] = {}
+        self.built_patches: list[Patch] = []  # in the order of the specs
+        patches: dict[str, list[Patch]] = {}
         for spec in self.specs:
-            patches.setdefault(spec.node, []).append(build_patch(spec, check_interchange_node(pg, spec.node)))
-        self.intervention = Intervention(patches)
+            built = self.build_patches(pg, spec)
+            patches.setdefault(spec.node, []).extend(built)
+            self.built_patches.extend(built)
+        self.intervention = Intervention(patches)  # tensor values become nn.Parameters, trainable patches submodules
+
+    def build_patches(self, pg: nn.Module, spec: Any) -> list[Patch]:
+        """The patches of one spec at ``spec.node`` of ``pg`` (here one :func:`build_patch` of an
+        :class:`InterchangeSpec`).
+
+        Raises:
+            SubspaceConfigError: a node whose activation is not ``[batch, seq, d]``, a subspace wider than its node.
+            RecipeConfigError: an unknown kind.
+            NodePathError: an unknown NodePath.
+        """
+        return [build_patch(spec, check_interchange_node(pg, spec.node))]
 
     @classmethod
     def from_model(cls, model: nn.Module, tokenizer: Any, **config: Any) -> "InterventionModule":
@@ -152,17 +176,28 @@ class InterventionModule(FrozenGraphModule):
         return cls(**config, _backbone=(model, tokenizer))
 
     @property
-    def patches(self) -> list[TrainablePatch]:
-        """The trainable patches, in the order of ``interventions``."""
-        return list(self.intervention.trainable)  # type: ignore[arg-type]
+    def patches(self) -> list[Patch]:
+        """The patches, in the order of ``interventions``."""
+        return list(self.built_patches)
+
+    def interchange_patches(self) -> list[TrainablePatch]:
+        """:attr:`patches`, checked to read a source.
+
+        Raises:
+            RecipeConfigError: a patch that is not a :class:`~gradpatch.subspace.TrainablePatch` (an ``AddPatch``
+                delta reads no source: there is nothing to interchange).
+        """
+        others = sorted({type(p).__name__ for p in self.patches if not isinstance(p, TrainablePatch)})
+        if others:
+            raise RecipeConfigError(f"{type(self).__name__} holds {', '.join(others)} patches, which read no source: "
+                                    f"interchange and IIA need interchange patches (InterchangeSpec kinds "
+                                    f"'rotated', 'boundless', 'mask', 'full') in an InterventionModule")
+        return self.patches  # type: ignore[return-value]
 
     @property
     def model(self) -> nn.Module:
         """The wrapped model (frozen)."""
         return self.__dict__["_model"]
-
-    def step_guard(self) -> StepGuard:
-        return StepGuard("InterventionModule", f"lower the learning rate (lr={self.lr:g}); nothing was exported")
 
     # --- data ----------------------------------------------------------------------------------------------
 
@@ -211,7 +246,7 @@ class InterventionModule(FrozenGraphModule):
     def interchange_log_probs(self, encoded: Encoded, patches: Sequence[TrainablePatch] | None = None) -> torch.Tensor:
         """Next-token log-probabilities at each base prompt's end with the patches interchanging: ``[B, V]``
         float32 (``patches``: others than :attr:`patches` at the same nodes, e.g. full interchange)."""
-        chosen = self.patches if patches is None else list(patches)
+        chosen = self.interchange_patches() if patches is None else list(patches)
         mapping: dict[str, list[TrainablePatch]] = {}
         for spec, patch in zip(self.specs, chosen):
             mapping.setdefault(spec.node, []).append(patch)
@@ -239,9 +274,12 @@ class InterventionModule(FrozenGraphModule):
         return start + (end - start) * fraction
 
     def loss_terms(self, batch: Any) -> dict[str, torch.Tensor]:
+        """The objective's terms on ``batch`` (:meth:`InterventionObjective.loss_terms`), with τ of the trainable
+        patches set to :meth:`temperature` first."""
         tau = self.temperature()
         for patch in self.patches:
-            patch.temperature = tau
+            if isinstance(patch, TrainablePatch):
+                patch.temperature = tau
         return self.objective.loss_terms(self, batch)
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
@@ -251,7 +289,8 @@ class InterventionModule(FrozenGraphModule):
         logged = {f"train/{name}": value for name, value in result["terms"].items() if value.numel() == 1}
         logged["temperature"] = torch.tensor(self.temperature())
         for i, patch in enumerate(self.patches):
-            logged.update({f"{name}/{i}": torch.tensor(value) for name, value in patch.stats().items()})
+            if isinstance(patch, TrainablePatch):
+                logged.update({f"{name}/{i}": torch.tensor(value) for name, value in patch.stats().items()})
         self.log_dict(logged, on_step=True, on_epoch=False, batch_size=len(batch))
         return result
 
@@ -278,8 +317,9 @@ class InterventionModule(FrozenGraphModule):
             ``{"iia", "full_interchange_iia", "examples", "node", "kind", "dim"}`` (``dim``: the subspace size, the
             learned boundary width for Boundless DAS, the number of mask entries above 0.5 for a sigmoid mask).
         """
-        full = [FullInterchangePatch(patch.width) for patch in self.patches]
-        first, spec = self.patches[0], self.specs[0]
+        patches = self.interchange_patches()
+        full = [FullInterchangePatch(patch.width) for patch in patches]
+        first, spec = patches[0], self.specs[0]
         dim = (spec.dim if spec.kind == "rotated" else round(first.stats()["boundary_width"]) if spec.kind ==
                "boundless" else int((first.mask() > 0.5).sum()) if spec.kind == "mask" else first.width)
         return {"iia": float(self.iia(records)), "full_interchange_iia": float(self.iia(records, full)),
@@ -312,5 +352,4 @@ class InterventionModule(FrozenGraphModule):
             FingerprintMismatchError: saved for another model.
         """
         loaded = Intervention.load(directory, graph=self.graph, like=self.intervention)
-        for patch, saved in zip(self.patches, loaded.trainable):
-            patch.load_state_dict(saved.state_dict())
+        self.intervention.load_state_dict(loaded.state_dict())

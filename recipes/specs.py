@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar, Union
 
+import torch
+
 from .errors import RecipeConfigError
+from .objectives import delta_loss_terms
 
 __all__ = ["DeltaSpec", "Objective", "TargetSpec", "as_spec", "position_slice", "spec_dict"]
 
@@ -50,6 +53,10 @@ class TargetSpec:
 @dataclass
 class Objective:
     """What the deltas are trained to do; every term is scored at the last position of its prompt.
+
+    It is the objective of :class:`~recipes.delta_module.DeltaModule`: :meth:`loss_terms` has the interface of
+    :class:`~recipes.intervention_objectives.InterventionObjective` (not its subclass: LightningCLI reads a plain
+    dataclass as its fields, ``objective.targets``..., and a subclass as ``class_path``/``init_args``).
 
     ``loss = nll_weight·NLL + towards_weight·L_towards + away_weight·L_away + kl_weight·KL + l2_weight·Σ‖δ‖²``
     (terms without prompts are left out).
@@ -110,6 +117,11 @@ class Objective:
         if self.l2_weight:
             names.append("l2")
         return names
+
+    def loss_terms(self, module: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The terms on one batch of rows of a :class:`~recipes.delta_module.DeltaModule`
+        (:func:`recipes.objectives.delta_loss_terms`)."""
+        return delta_loss_terms(self, module, batch)
 
 
 def position_slice(position: Position) -> Any:

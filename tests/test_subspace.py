@@ -11,7 +11,7 @@ import torch
 from gradpatch import Intervention, PatchableGraph, ProbePatch
 from gradpatch.errors import FingerprintMismatchError, InterventionLoadError, SubspaceConfigError
 from gradpatch.interchange import InterchangeSide, interchange, interchange_logits, last_token_of
-from gradpatch.subspace import BoundlessSubspacePatch, RotatedSubspacePatch, SigmoidMaskPatch
+from gradpatch.subspace import BoundlessSubspacePatch, FullInterchangePatch, RotatedSubspacePatch, SigmoidMaskPatch
 from recipes.testing import tiny_backbone
 
 NODE = "model.layers_0.output"
@@ -184,3 +184,52 @@ def test_split_source_pass_stops_at_the_last_patched_node(backbone) -> None:
     with pg.patch({"model.layers_1.output": later}):
         _run(pg, tokenizer, RotatedSubspacePatch(64, 4), shared_batch=False)
     assert [tuple(a.shape) for a in later.activations] == [(2, 6, 64)]  # the base pass only: the source pass stopped
+
+
+MLP_NODE = "model.layers_1.mlp.output"
+SECOND_SOURCES = ["my friend", "the dog is very"]
+
+
+def _recorded(pg, tokenizer, prompt: str, node: str) -> torch.Tensor:
+    """The activation ``[d]`` at ``node`` and the last token of ``prompt`` run alone (a ProbePatch)."""
+    ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+    probe = ProbePatch(slice=(slice(None), -1))
+    with pg.patch({node: probe}):
+        pg(ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(ids.shape[1])[None], use_cache=False)
+    return probe.activation[0]
+
+
+def _replaced_by_hand(pg, tokenizer, sources_of: dict[str, list[str]]) -> torch.Tensor:
+    """Last-token logits ``[B, V]`` of each base run alone with a ReplacePatch at each node's last token holding
+    what that node's source prompt recorded there."""
+    from gradpatch import ReplacePatch
+
+    logits = []
+    for i, base in enumerate(BASES):
+        patches = {node: ReplacePatch(value=_recorded(pg, tokenizer, prompts[i], node), slice=(slice(None), -1))
+                   for node, prompts in sources_of.items()}
+        ids = torch.tensor([tokenizer(base, add_special_tokens=False)["input_ids"]])
+        with pg.patch(patches):
+            out = pg(ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(ids.shape[1])[None],
+                     use_cache=False)
+        logits.append(out.logits[0, -1])
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("shared_batch", [True, False])
+def test_two_nodes_each_read_their_own_source(backbone, shared_batch: bool) -> None:
+    """Several sources per base: the residual stream after layer 0 from the first source, layer 1's MLP output from
+    the second (prompts of other lengths than the base's and each other's), against the recorded-then-replaced
+    computation. The MLP output is added to the residual stream, so both interchanges reach the last logits."""
+    pg, tokenizer = backbone
+    base = InterchangeSide.encode(tokenizer, BASES, "last")
+    sources = [InterchangeSide.encode(tokenizer, prompts, "last") for prompts in (SOURCES, SECOND_SOURCES)]
+    output = interchange(pg, {NODE: FullInterchangePatch(64), MLP_NODE: FullInterchangePatch(64)}, base, sources,
+                         pad_id=tokenizer.pad_token_id, source_of={NODE: 0, MLP_NODE: 1}, shared_batch=shared_batch,
+                         use_cache=False)
+    logits = interchange_logits(output, len(BASES))[:, -1]
+    expected = _replaced_by_hand(pg, tokenizer, {NODE: SOURCES, MLP_NODE: SECOND_SOURCES})
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    # Each interchange matters, and each node's source is its own: other assignments give other logits.
+    for other in ({NODE: SOURCES}, {MLP_NODE: SECOND_SOURCES}, {NODE: SECOND_SOURCES, MLP_NODE: SOURCES}):
+        assert (_replaced_by_hand(pg, tokenizer, other) - expected).abs().max() > 1e-3, other
