@@ -43,6 +43,7 @@ from gradpatch.model_io import model_device, model_dtype, wrapped_model
 
 from .config import MEMITConfig
 from .defaults import DEFAULT_SMOLLM2_NODES
+from .distributed.shards import FactShards
 from .editor import Editor, value_record
 from .edits.batch import BatchEdit
 from .edits.edit import Edit
@@ -131,6 +132,9 @@ class MEMIT(Editor):
         statistics: precomputed ``C`` per layer (same order as ``nodes``) instead of computing / loading them.
         residual_node: NodePath of the residual stream after the last layer's block (default: derived, e.g.
             ``model.layers_6.output``; see :func:`residual_node_of`).
+        shards: the processes the facts are split across (default: this one holds every fact); e.g.
+            :class:`editors.distributed.TorchDistributedShards` under DDP: each rank runs the key passes and the value
+            search of its share, and every rank gets the same edit.
 
     Raises:
         KeyError, LayerKindError: a NodePath is not a linear layer of the graph (the message names it).
@@ -143,7 +147,7 @@ class MEMIT(Editor):
     def __init__(self, pg: nn.Module, tokenizer: Any, nodes: Sequence[str], config: MEMITConfig | None = None,
                  corpus: Corpus | str | os.PathLike[str] | Any | None = None,
                  statistics: Sequence[SecondMoment | torch.Tensor] | None = None,
-                 residual_node: str | None = None) -> None:
+                 residual_node: str | None = None, shards: FactShards | None = None) -> None:
         if not nodes:
             raise ValueError("MEMIT needs at least one NodePath of a linear layer to edit")
         if len(set(nodes)) != len(nodes):
@@ -162,6 +166,7 @@ class MEMIT(Editor):
         super().__init__(pg, tokenizer, layers, config or MEMITConfig(), corpus=corpus, statistics=statistics)
         self.config: MEMITConfig
         self.residual_node = residual_node or residual_node_of(self.layers[-1])
+        self.shards = shards or FactShards()
         search_dtype(self.config.value_dtype)  # a bad name fails here, not after the statistics
         self._search_copy: SearchCopy | None = None
         self.last_values: list[ValueResult] = []
@@ -268,19 +273,23 @@ class MEMIT(Editor):
             SubjectNotFoundError, TokenizationError: a request cannot be encoded (named).
             StatisticsError: a layer's system is singular (named).
             NonFiniteError: the value search went non-finite (the fact is named).
+            EditError: with several processes, fewer facts than processes, or processes given other requests or
+                another model.
         """
         self.check_eval()
         requests = check_requests(requests)
+        fingerprint = model_fingerprint(wrapped_model(self.pg))
+        span = self.shards.span(len(requests))  # this process's facts (all of them in one process)
+        self.shards.agree({"model": fingerprint, "requests": [repr(r) for r in requests]}, "model or requests")
         c, layers, last = self.config, self.layers, self.layers[-1]
         statistics = self.statistics()
         templates = self.templates()
         key_templates, value_templates = templates.subset(c.key_prefixes), templates.subset(c.value_prefixes)
-        fingerprint = model_fingerprint(wrapped_model(self.pg))
         facts = [(r.prompt, r.subject) for r in requests]
         t0 = time.perf_counter()
-        first, at_last, h_start = context_activations(
-            self.pg, self.tokenizer, [layers[0].input_node, last.input_node, self.residual_node], facts,
-            key_templates, max_tokens=c.max_tokens)  # [F, P, d_in], [F, P, d_in_last], [F, P, d_model]
+        first, at_last, h_start = self._gathered(context_activations(
+            self.pg, self.tokenizer, [layers[0].input_node, last.input_node, self.residual_node],
+            facts[span.start:span.stop], key_templates, max_tokens=c.max_tokens), len(facts))  # [F, P, d_in], ...
         at_last, h_start = at_last.mean(dim=1), h_start.mean(dim=1)
         if h_start.shape[-1] != last.d_out:
             raise EditError(f"The residual node {self.residual_node} is {h_start.shape[-1]} wide but {last.path} "
@@ -290,14 +299,17 @@ class MEMIT(Editor):
         t1 = time.perf_counter()
         search_pg = self._search_graph()
         tail = tail_pass_for(search_pg, self.residual_node) if search_pg is not self.pg else None  # the copy only
-        objective = BatchValueObjective(search_pg, self.tokenizer, resolve_layer(search_pg, last.path), requests,
-                                        value_templates, v_init, kl_factor=c.kl_factor, weight_decay=c.weight_decay,
+        objective = BatchValueObjective(search_pg, self.tokenizer, resolve_layer(search_pg, last.path),
+                                        requests[span.start:span.stop], value_templates, v_init[span.start:span.stop],
+                                        kl_factor=c.kl_factor, weight_decay=c.weight_decay,
                                         clamp_factor=c.clamp_factor, max_tokens=c.max_tokens, tail=tail,
                                         true_logit_weight=c.true_logit_weight)
-        results = optimize_values(objective, steps=c.steps, lr=c.lr, early_stop_loss=c.early_stop_loss,
-                                  callback=callback)
+        shifted = None if callback is None else (  # the callback numbers facts in the whole batch
+            lambda step, terms: callback(step, {span.start + fact: value for fact, value in terms.items()}))
+        results = self.shards.gather(optimize_values(objective, steps=c.steps, lr=c.lr,
+                                                     early_stop_loss=c.early_stop_loss, callback=shifted), len(facts))
         self.last_values = results
-        deltas = torch.stack([r.delta for r in results]).to(torch.float64)  # [F, d_out]: z - h^L at the start
+        deltas = torch.stack([r.delta for r in results]).to(h_start.device, torch.float64)  # [F, d_out]: z - h^L
         t2 = time.perf_counter()
         edits: list[Edit] = []
         patches: dict[str, list[Any]] = {}
@@ -306,9 +318,9 @@ class MEMIT(Editor):
             if j == 0:
                 keys, h_now = first, h_start
             else:
-                keys, h_now = context_activations(
-                    self.pg, self.tokenizer, [layer.input_node, self.residual_node], facts, key_templates,
-                    patches=patches, max_tokens=c.max_tokens)
+                keys, h_now = self._gathered(context_activations(
+                    self.pg, self.tokenizer, [layer.input_node, self.residual_node], facts[span.start:span.stop],
+                    key_templates, patches=patches, max_tokens=c.max_tokens), len(facts))
                 h_now = h_now.mean(dim=1)
             keys = keys if c.keys_per_context else keys.mean(dim=1)  # [F, P, d_in] or k* per fact [F, d_in]
             left = deltas - (h_now - h_start).to(torch.float64)  # z - h^L now, [F, d_out]
@@ -324,6 +336,14 @@ class MEMIT(Editor):
         info = self._info(requests, results, statistics, layer_info, key_templates, value_templates,
                           {"keys": t1 - t0, "value": t2 - t1, "update": t3 - t2})
         return BatchEdit(edits=edits, requests=requests, model_fingerprint=fingerprint, info=info)
+
+    def _gathered(self, tensors: Sequence[torch.Tensor], n: int) -> list[torch.Tensor]:
+        """This process's per-fact rows of ``tensors`` (each ``[F_here, ...]``) gathered from every process into
+        ``[F, ...]`` in request order, on the tensors' device (one process: ``tensors`` unchanged)."""
+        if self.shards.world_size == 1:
+            return list(tensors)
+        rows = self.shards.gather(list(zip(*(t.unbind(0) for t in tensors))), n)
+        return [torch.stack([row[j] for row in rows]).to(t.device) for j, t in enumerate(tensors)]
 
     def _info(self, requests: list[EditRequest], results: list[ValueResult], statistics: list[SecondMoment],
               layers: list[dict[str, Any]], key_templates: ContextPrefixes, value_templates: ContextPrefixes,
