@@ -69,8 +69,6 @@ def run_eval_edit(args: argparse.Namespace) -> int:
                                  "--method rome --keys-per-context or drop it")
     if args.true_logit_weight and args.method == "rome":
         return usage_error(NAME, "--true-logit-weight applies to MEMIT and AlphaEdit; drop it for ROME")
-    if not args.true_logit_weight >= 0:
-        return usage_error(NAME, f"--true-logit-weight must be 0 or positive, got {args.true_logit_weight:g}")
     if not args.preserve_weight > 0:
         return usage_error(NAME, f"--preserve-weight must be positive, got {args.preserve_weight:g}")
     try:
