@@ -91,7 +91,7 @@ _EXPORTS: dict[str, str] = {
     "layer_second_moments": "statistics.second_moment",
     "statistics_fingerprint": "statistics.second_moment",
     "ValueObjective": "value.search",
-    "ValueResult": "value.search",
+    "ValueResult": "value.loop",
     "ValueRunner": "value.search",
     "optimize_value": "value.search",
 }

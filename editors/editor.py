@@ -22,7 +22,7 @@ from .layers import LinearLayer
 from .statistics.corpus import Corpus
 from .statistics.keys import ContextPrefixes, load_or_generate_prefixes
 from .statistics.second_moment import SecondMoment, default_cache_dir, layer_second_moments, statistics_fingerprint
-from .value.search import ValueResult
+from .value.loop import ValueResult
 
 __all__ = ["Editor", "as_second_moment", "value_record"]
 

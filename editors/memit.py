@@ -58,7 +58,7 @@ from .statistics.keys import ContextPrefixes, context_activations
 from .statistics.second_moment import SecondMoment
 from .value.batch_objective import BatchValueObjective
 from .value.batch_search import BatchStepCallback, optimize_values
-from .value.search import ValueResult
+from .value.loop import ValueResult
 from .value.search_copy import SearchCopy, search_dtype
 
 __all__ = ["DEFAULT_SMOLLM2_NODES", "MEMIT", "MEMITConfig", "check_requests"]
