@@ -340,7 +340,7 @@ class MEMIT(Editor):
             "converged": all(f["converged"] for f in facts),
             "n_key_prompts": len(key_templates),
             "n_value_prompts": len(value_templates),
-            "statistics": [{"node": s.node, "n_tokens": s.n_tokens, "n_samples": s.n_samples, "corpus": s.corpus}
+            "statistics": [{"node": s.input_node, "n_tokens": s.n_tokens, "n_samples": s.n_samples, "corpus": s.corpus}
                            for s in statistics],
             "layers": layers,
             "facts": facts,

@@ -114,7 +114,7 @@ def evaluate_edits(args: argparse.Namespace) -> dict[str, Any] | int:
         "settings": settings_used(editor.config.to_json(), result["batches"]),
         "preserved": {"file": args.preserve, "n_facts": len(preserved), "weight": args.preserve_weight}
         if preserved else None,
-        "statistics": [{"node": s.node, "n_tokens": s.n_tokens, "n_samples": s.n_samples, "corpus": s.corpus}
+        "statistics": [{"node": s.input_node, "n_tokens": s.n_tokens, "n_samples": s.n_samples, "corpus": s.corpus}
                        for s in statistics],
         "seconds": {"load": t1 - t0, "statistics_and_templates": t2 - t1, "load_and_statistics": t2 - t0,
                     "evaluation": t3 - t2},

@@ -1,0 +1,36 @@
+"""Renamed public names: the old name still works for one release and warns once per process (a fresh interpreter
+per check, so no earlier use has warned already)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHECK = """
+import warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+{body}
+messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+print(repr(messages))
+"""
+
+
+def _deprecations(body: str) -> list[str]:
+    """The DeprecationWarning messages that ``body`` (indented into a ``with`` block) raises in a fresh Python."""
+    code = CHECK.format(body="\n".join("    " + line for line in body.strip().splitlines()))
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return eval(result.stdout.strip().splitlines()[-1])  # a list of str literals, printed above
+
+
+def test_second_moment_node_is_input_node_and_warns_once() -> None:
+    messages = _deprecations("""
+import torch
+from editors.statistics import SecondMoment
+m = SecondMoment(matrix=torch.eye(2), n_tokens=3, n_samples=1, input_node="a.b.input", fingerprint="f", corpus=None)
+assert m.node == "a.b.input" and m.node == m.input_node
+""")
+    assert messages == ["SecondMoment.node is deprecated (it goes in the next release): use SecondMoment.input_node"]
