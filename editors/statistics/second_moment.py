@@ -40,18 +40,9 @@ from ..layers import LinearLayer, resolve_layer
 from ..passes.capture import node_activations
 from .corpus import Corpus, open_corpus
 
-__all__ = [
-    "SecondMoment",
-    "SecondMomentSums",
-    "compute_second_moment",
-    "compute_second_moments",
-    "default_cache_dir",
-    "layer_second_moment",
-    "layer_second_moments",
-    "save_second_moment",
-    "second_moment_cache_file",
-    "statistics_fingerprint",
-]
+__all__ = ["SecondMoment", "SecondMomentSums", "compute_second_moment", "compute_second_moments", "default_cache_dir",
+           "layer_second_moment", "layer_second_moments", "save_second_moment", "second_moment_cache_file",
+           "statistics_fingerprint"]
 
 
 def default_cache_dir() -> Path:
