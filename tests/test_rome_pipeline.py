@@ -179,7 +179,7 @@ def _leaves(record, prefix=""):
 def test_eval_rome_command(tmp_path) -> None:
     """``eval-rome`` is ``eval-edit --method rome``: eval-rome's JSON fields, and the values of the case-by-case
     evaluation it replaced (``evaluate_rome``, the Lightning value runner) within 1e-5."""
-    from gradpatch.models import load_model
+    from gradpatch.loaders import load_model
     from recipes.cli import main
     from recipes.rome_recipe import evaluate_rome
     from recipes.rome_value import LightningValueRunner

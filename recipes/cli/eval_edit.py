@@ -66,7 +66,7 @@ def evaluate_edits(args: argparse.Namespace) -> dict[str, Any] | int:
         The JSON record (see the module docstring), or 2 after printing a usage error that names the fix.
     """
     from editors import config_for, editable_graph, editor_for, evaluate_sequential, load_cases
-    from gradpatch.models import default_device, load_model
+    from gradpatch.loaders import default_device, load_model
 
     command = getattr(args, "command", None) or NAME
     nodes = _nodes(args, command)

@@ -44,7 +44,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from editors import LayerKindError, editable_graph
     from gradpatch.errors import NonFiniteError
-    from gradpatch.models import load_model
+    from gradpatch.loaders import load_model
 
     from ..errors import StatisticsJobError
     from ..stats_job import SecondMomentJob, run_statistics_job
