@@ -41,10 +41,10 @@ from ..passes.token_log_probs import token_log_probs
 from ..passes.tokens import EncodedPrompt, encode_prompt_target, encode_subject_prompt, format_with_span
 from ..requests import EditRequest
 from ..statistics.keys import ContextPrefixes
-from .loop import ValueResult, frozen_parameters, search_values
+from .loop import ValueResult, ValueSearch, frozen_parameters, run_search
 
 __all__ = ["StepCallback", "ValueObjective", "ValuePrompts", "ValueResult", "ValueRunner", "encode_value_prompts",
-           "frozen_parameters", "optimize_value", "value_step_guard", "value_terms"]
+           "frozen_parameters", "one_fact_search", "optimize_value", "value_step_guard", "value_terms"]
 
 KL_PROMPT = "{} is a"
 
@@ -283,9 +283,29 @@ def optimize_value(
         NonFiniteError: a loss term, the gradient of ``δ`` or ``δ`` after an update is NaN or inf (the message names
             the step and the terms), or the update overflows (a learning rate such as 1e38).
     """
+    return run_search(one_fact_search(objective, lr=lr, early_stop_loss=early_stop_loss, callback=callback), steps)[0]
+
+
+def one_fact_search(objective: ValueObjective, *, lr: float, early_stop_loss: float,
+                    callback: StepCallback | None = None, backward: Callable[[torch.Tensor], None] | None = None,
+                    optimizer_step: Callable[[], object] | None = None) -> ValueSearch:
+    """The :class:`~editors.value.loop.ValueSearch` of one fact (the batch of one, ``δ`` ``[1, d_out]``) that both
+    :class:`ValueRunner` s run: :func:`optimize_value` and ``recipes.rome_value.LightningValueRunner``.
+
+    Args:
+        objective: the fact's loss (a :class:`ValueObjective`, or any object with its ``pg``, ``v_init``
+            ``[d_out]``, ``loss(δ)`` and ``project_(δ)``).
+        lr, early_stop_loss: as :func:`optimize_value`.
+        callback: called with ``(step, terms)`` after each evaluation.
+        backward, optimizer_step: as :class:`~editors.value.loop.ValueSearch`.
+
+    Raises:
+        ValueError: ``lr`` is not a finite positive number.
+    """
     batch_callback = None if callback is None else (lambda step, terms: callback(step, terms[0]))
-    return search_values(_OneFact(objective), steps=steps, lr=lr, early_stop_loss=early_stop_loss,
-                         guard=lambda fact: value_step_guard(lr), callback=batch_callback)[0]
+    return ValueSearch(_OneFact(objective), lr=lr, early_stop_loss=early_stop_loss,
+                       guard=lambda fact: value_step_guard(lr), callback=batch_callback, backward=backward,
+                       optimizer_step=optimizer_step)
 
 
 class _OneFact:
