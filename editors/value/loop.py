@@ -1,11 +1,13 @@
 """The value search's one optimiser loop: Adam on the ``δ`` rows of ``F`` facts at once, each fact stopping on its own
 (Meng et al. 2022, §3.1, eq. 4; MEMIT's batched search, Meng et al. 2023, §4.3, eq. 16).
 
-:func:`search_values` is the loop of both searches: MEMIT's batch (:func:`editors.value.batch_search.optimize_values`
-over a :class:`~editors.value.batch_objective.BatchValueObjective`) and ROME's one fact
-(:func:`editors.value.search.optimize_value`: a :class:`~editors.value.search.ValueObjective` as a batch of one). The
-early stop (a fact whose loss is below ``early_stop_loss`` stops before stepping and keeps its ``δ``), the norm clamp
-after each step and the non-finite checks (:class:`gradpatch.finite.StepGuard`) live here only.
+:class:`ValueSearch` (one step at a time; :func:`search_values` runs it to the end) is the loop of every value search:
+MEMIT's batch (:func:`editors.value.batch_search.optimize_values` over a
+:class:`~editors.value.batch_objective.BatchValueObjective`) and ROME's one fact as a batch of one
+(:func:`editors.value.search.one_fact_search`), run by :func:`editors.value.search.optimize_value` or, one training step
+per step, by ``recipes.rome_value.LightningValueRunner``. The early stop (a fact whose loss is below
+``early_stop_loss`` stops before stepping and keeps its ``δ``), the norm clamp after each step and the non-finite checks
+(:class:`gradpatch.finite.StepGuard`) live here only.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ key), and ``v* = v₀ + δ``. :class:`ValueObjective` computes the terms (``loss
 :class:`ValueRunner` minimises it. Two runners share that one objective: :func:`optimize_value`, the plain-torch
 loop (Adam, early stop when ``loss < 0.05``; the batched search's loop, :func:`editors.value.loop.search_values`, run
 on a batch of one) that ``editors`` uses when nothing else is given, and
-``recipes.rome_value.fit_value``, the same optimisation as a LightningModule under ``Trainer.fit`` (used by the
-``gradpatch rome`` / ``eval-rome`` commands and the demo, with TensorBoard logging). Both stop at the first
+``recipes.rome_value.LightningValueRunner``, the same loop as a LightningModule under ``Trainer.fit`` (used by the
+``gradpatch rome`` command and the demo, with TensorBoard logging). Both stop at the first
 non-finite loss term, gradient or updated ``δ`` with a :class:`gradpatch.errors.NonFiniteError` naming the step
 (:func:`value_step_guard`), and :meth:`ValueResult.converged` tells whether the search converged.
 
