@@ -63,7 +63,7 @@ _EXPORTS: dict[str, str] = {
     "CounterFactCase": "evaluation.counterfact",
     "load_cases": "evaluation.counterfact",
     "save_cases": "evaluation.counterfact",
-    "evaluate_cases": "evaluation.scores",
+    "evaluate_cases": "evaluation.sequential",
     "score_case": "evaluation.scores",
     "evaluate_sequential": "evaluation.sequential",
     "LinearLayer": "layers",
@@ -91,7 +91,7 @@ _EXPORTS: dict[str, str] = {
     "layer_second_moments": "statistics.second_moment",
     "statistics_fingerprint": "statistics.second_moment",
     "ValueObjective": "value.search",
-    "ValueResult": "value.search",
+    "ValueResult": "value.loop",
     "ValueRunner": "value.search",
     "optimize_value": "value.search",
 }

@@ -11,7 +11,7 @@ from typing import Any
 
 from .defaults import DEFAULT_MAX_LENGTH, DEFAULT_MAX_TOKENS, DEFAULT_MOM2_RELATIVE_WEIGHT, DEFAULT_N_SAMPLES, LENGTH_PARAMS
 
-__all__ = ["MEMITConfig", "ROMEConfig"]
+__all__ = ["MEMITConfig", "ROMEConfig", "check_true_logit_weight"]
 
 
 @dataclass
@@ -134,6 +134,16 @@ class MEMITConfig(ROMEConfig):
         if self.mom2_update_weight is not None and not self.mom2_update_weight >= 0:
             raise ValueError(f"mom2_update_weight must be 0 or positive (or None: relative to the statistics), got "
                              f"{self.mom2_update_weight}")
-        if not self.true_logit_weight >= 0:
-            raise ValueError(f"true_logit_weight must be 0 (the papers' objective) or positive, got "
-                             f"{self.true_logit_weight}")
+        check_true_logit_weight(self.true_logit_weight)
+
+
+def check_true_logit_weight(weight: float) -> None:
+    """The one check of ``true_logit_weight`` (``λ_true`` of :class:`editors.value.true_answer.TrueAnswerTerm`), made by
+    :class:`MEMITConfig` and by the value search's term when it is built without a configuration.
+
+    Raises:
+        ValueError: ``weight`` is negative or NaN (the message names the setting and the command-line option).
+    """
+    if not weight >= 0:
+        raise ValueError(f"true_logit_weight must be 0 or positive (0: the papers' objective; --true-logit-weight on "
+                         f"the command line), got {weight:g}")

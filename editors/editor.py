@@ -22,7 +22,7 @@ from .layers import LinearLayer
 from .statistics.corpus import Corpus
 from .statistics.keys import ContextPrefixes, load_or_generate_prefixes
 from .statistics.second_moment import SecondMoment, default_cache_dir, layer_second_moments, statistics_fingerprint
-from .value.search import ValueResult
+from .value.loop import ValueResult
 
 __all__ = ["Editor", "as_second_moment", "value_record"]
 
@@ -32,7 +32,7 @@ def as_second_moment(statistic: SecondMoment | torch.Tensor, layer: LinearLayer)
     token count, fingerprint or corpus)."""
     if isinstance(statistic, SecondMoment):
         return statistic
-    return SecondMoment(matrix=statistic.to(torch.float64), n_tokens=0, n_samples=0, node=layer.input_node,
+    return SecondMoment(matrix=statistic.to(torch.float64), n_tokens=0, n_samples=0, input_node=layer.input_node,
                         fingerprint="", corpus=None)
 
 

@@ -59,7 +59,7 @@ from .statistics.keys import ContextPrefixes, context_activations
 from .statistics.second_moment import SecondMoment
 from .value.batch_objective import BatchValueObjective
 from .value.batch_search import BatchStepCallback, optimize_values
-from .value.search import ValueResult
+from .value.loop import ValueResult
 from .value.search_copy import SearchCopy, search_dtype
 
 __all__ = ["DEFAULT_SMOLLM2_NODES", "MEMIT", "MEMITConfig", "check_requests"]
@@ -360,7 +360,7 @@ class MEMIT(Editor):
             "converged": all(f["converged"] for f in facts),
             "n_key_prompts": len(key_templates),
             "n_value_prompts": len(value_templates),
-            "statistics": [{"node": s.node, "n_tokens": s.n_tokens, "n_samples": s.n_samples, "corpus": s.corpus}
+            "statistics": [{"node": s.input_node, "n_tokens": s.n_tokens, "n_samples": s.n_samples, "corpus": s.corpus}
                            for s in statistics],
             "layers": layers,
             "facts": facts,

@@ -32,9 +32,9 @@ from .hierarchy import (
 from .inputs import InputPlan, plan_inputs, substitute
 from .naming import assign_node_names, unique_names
 from .options import ExtractionOptions
-from .patching import LEAF_NAME
+from .patch_table import LEAF_NAME
 from .tracer import ValueTracer, check_traceable, concrete_execution, contains_proxy, resolve_attribute
-from .values import ValueInfo, describe, holds_input
+from .value_info import ValueInfo, describe, holds_input
 
 __all__ = [
     "CompiledGraphModule",

@@ -103,8 +103,16 @@ class StepGuard:
         Raises:
             NonFiniteError: naming the step, the parameters and the loss terms' values.
         """
-        grads = {name: p.grad for name, p in parameters.items() if p.grad is not None}
-        bad = non_finite_names(grads)
+        self.check_gradient_values(step, {name: p.grad for name, p in parameters.items() if p.grad is not None}, terms)
+
+    def check_gradient_values(self, step: int, gradients: Mapping[str, torch.Tensor],
+                              terms: Mapping[str, torch.Tensor | float]) -> None:
+        """:meth:`check_gradients` on gradient tensors themselves (a row of a batched parameter's ``.grad``, say).
+
+        Raises:
+            NonFiniteError: naming the step, the gradients' names and the loss terms' values.
+        """
+        bad = non_finite_names(gradients)
         if bad:
             raise NonFiniteError(f"{self.where}: the gradient of {', '.join(repr(n) for n in bad)} is non-finite at "
                                  f"step {step} although the loss terms are finite ({_scalars(terms)}); {self.fix}")

@@ -6,7 +6,7 @@ keep the original module hierarchy: ``pg._graph_module.model.layers[3].mlp`` wra
 
 Patching cost: a :class:`CompiledGraphModule` runs fx-generated Python code. While no patch is active it runs the
 clean code, with no hook at any node. Entering a patch context generates (once per set of patched nodes, then
-cached) code that calls :func:`~gradpatch.patching.apply_patches` after exactly the patched nodes; the other nodes
+cached) code that calls :func:`~gradpatch.patch_table.apply_patches` after exactly the patched nodes; the other nodes
 cost nothing.
 """
 
@@ -19,8 +19,8 @@ from torch import fx, nn
 
 from ._torch_compat import compile_graph_code
 from .dispatch import Dispatch
-from .patching import PATCH_TABLE_ATTRIBUTE, PatchTable, apply_patches, patched_graph
-from .values import ValueInfo
+from .patch_table import PATCH_TABLE_ATTRIBUTE, PatchTable, apply_patches, patched_graph
+from .value_info import ValueInfo
 
 
 class CompiledGraphModule(fx.GraphModule):

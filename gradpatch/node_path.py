@@ -18,9 +18,9 @@ from .errors import NodePathError
 from .graph_code import graph_code
 from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, UnusedModule
 from .hierarchy import is_container, node_name
-from .patching import leaf_name
+from .patch_table import leaf_name
 from .tracer import OutputRebuilder, check_shape_guard
-from .values import ValueInfo
+from .value_info import ValueInfo
 
 #: The attributes every node has besides its children (graphpatch's names).
 RESERVED = ("_code", "_path", "_shape")

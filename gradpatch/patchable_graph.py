@@ -17,7 +17,7 @@ from .errors import NodePathError, ShapeSpecializationError
 from .node_path import NodeData, NodeTree
 from .options import ExtractionOptions
 from .patches import FiniteCheck, Patch, ProbePatch, RecordPatch, check_value_shape
-from .patching import PatchTable
+from .patch_table import PatchTable
 from .serialization import FileLike, graph_bytes, read, write
 from .variants import GraphVariants
 

@@ -22,7 +22,7 @@ import torch
 
 from .errors import NonFiniteError, PatchShapeError
 from .positions import Tokens
-from .values import ValueInfo
+from .value_info import ValueInfo
 
 #: What a ``slice`` may hold: anything valid inside ``tensor[...]`` (ints, slices, ``Ellipsis``, ``None``,
 #: index tensors, or tuples and lists of those).

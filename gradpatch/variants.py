@@ -31,7 +31,7 @@ from .errors import InputSignatureError
 from .extraction import Extractor
 from .graph_modules import CompiledGraphModule
 from .options import ExtractionOptions
-from .values import holds_input, is_live_object
+from .value_info import holds_input, is_live_object
 
 #: (training, kind of call, class of sizes or None for graphs without size decisions)
 VariantKey = tuple[bool, tuple, Any]

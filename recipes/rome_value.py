@@ -2,7 +2,8 @@
 
 The objective is the editors' own :class:`editors.value.ValueObjective` (Meng et al. 2022, eq. 4: target NLL over
 the context prompts + KL on ``"{subject} is a"`` + weight decay, with ``‖δ‖ ≤ clamp · ‖v₀‖``); this module only
-wraps it, so the plain-torch runner :func:`editors.value.optimize_value` and this one minimise the same code::
+wraps it, and each training step is a step of the value search's one loop (:class:`editors.value.loop.ValueSearch`),
+so the plain-torch runner :func:`editors.value.optimize_value` and this one run the same code::
 
     from editors import ROME
     from recipes.rome_value import LightningValueRunner
@@ -21,23 +22,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
+from torch.utils.data import DataLoader
 
-from editors.value import StepCallback, ValueObjective, ValueResult, frozen_parameters, value_step_guard
-from gradpatch.finite import StepGuard
-from gradpatch.model_io import model_device
+from editors.value import StepCallback, ValueObjective, ValueResult, frozen_parameters, one_fact_search
 
-from .frozen import GRAPH_ATTRIBUTE
 from .logger import InterventionLogger
-from .objective_module import ObjectiveModule
 
 __all__ = ["LightningValueRunner", "ROMEValueModule", "trainer_device_args"]
 
@@ -47,13 +45,14 @@ _QUIET = (r".*does not have many workers.*", r".*`training_step` returned `None`
           r".*no `val_dataloader`.*", r".*`max_epochs` was not set.*", r".*LeafSpec.*")
 
 
-class ROMEValueModule(ObjectiveModule):
-    """Optimise ROME's ``δ`` ``[d_out]`` (added at the subject's last token of every prompt) with Lightning.
-
-    One training step is one evaluation of :meth:`editors.value.ValueObjective.loss` (a forward and backward pass
-    over the context prompts and the KL prompt); after each optimizer step ``δ`` is clamped with
-    :meth:`~editors.value.ValueObjective.project_`; training stops before the update once the loss is below
-    ``early_stop_loss``, as in the reference code.
+class ROMEValueModule(LightningModule):
+    """Optimise ROME's ``δ`` (added at the subject's last token of every prompt) with Lightning, on the value search's
+    one loop: each training step is one :meth:`editors.value.loop.ValueSearch.step` of
+    :func:`editors.value.one_fact_search` (a forward and backward pass over the context prompts and the KL prompt, the
+    Adam step, the clamp :meth:`~editors.value.ValueObjective.project_`, the non-finite checks), so this runner and
+    :func:`editors.value.optimize_value` take the same steps. Lightning runs the steps (manual optimisation: the
+    backward pass is ``manual_backward``, the optimiser Lightning's, which counts ``global_step``); training stops
+    before the update once the loss is below ``early_stop_loss``, as in the reference code.
 
     Args:
         objective: the value objective of one fact.
@@ -62,42 +61,65 @@ class ROMEValueModule(ObjectiveModule):
         callback: called with ``(step, terms as floats)`` after each loss evaluation.
 
     Attributes:
-        history: the terms of every loss evaluation, as floats (``loss``, ``nll``, ``kl``, ``weight_decay``,
-            ``target_prob``).
+        search: the :class:`~editors.value.loop.ValueSearch` (``δ`` is its ``delta``, ``[1, d_out]``).
+
+    Raises:
+        ValueError: ``lr`` is not a finite positive number.
     """
 
     def __init__(self, objective: ValueObjective, lr: float = 0.5, early_stop_loss: float = 0.05,
                  callback: StepCallback | None = None) -> None:
-        super().__init__(objective.pg, {"delta": torch.zeros_like(objective.v_init)}, objective=self._objective,
-                         project=self._project, lr=lr, optimizer="adam", early_stop_loss=early_stop_loss)
+        super().__init__()
+        self.automatic_optimization = False
         self.value_objective = objective
-        self.callback = callback
-        self.history: list[dict[str, float]] = []
+        self.lr, self.early_stop_loss = lr, early_stop_loss
+        self.search = one_fact_search(objective, lr=lr, early_stop_loss=early_stop_loss, callback=callback,
+                                      backward=self.manual_backward, optimizer_step=self._optimizer_step)
+        self.delta = self.search.delta  # registered, so Lightning places it and the logger sees it
 
-    def _objective(self, values: Mapping[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-        terms = self.value_objective.loss(values["delta"])
-        record = {name: float(value.detach()) for name, value in terms.items()}
-        if self.callback is not None:
-            self.callback(len(self.history), record)
-        self.history.append(record)
-        terms["p_target"] = terms.pop("target_prob")  # logged as prob/target
-        return terms
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """The terms of every loss evaluation, as floats (``loss``, ``nll``, ``kl``, ``weight_decay``,
+        ``target_prob``)."""
+        return self.search.histories[0]
 
-    def _project(self, values: Mapping[str, nn.Parameter]) -> None:
-        self.value_objective.project_(values["delta"])
-
-    def step_guard(self) -> StepGuard:
-        """The plain runner's reports (:func:`editors.value.value_step_guard`): both runners fail alike."""
-        return value_step_guard(self.lr)
-
-    def on_train_end(self) -> None:
-        """Let go of the graph before Lightning's teardown, which moves the whole module to the CPU: the edited
-        model stays on its device (and keeps its extracted graphs)."""
-        self._modules.pop(GRAPH_ATTRIBUTE, None)
+    @property
+    def deltas(self) -> list[nn.Parameter]:
+        """``[δ]`` (for :class:`~recipes.logger.InterventionLogger`)."""
+        return [self.delta]
 
     def delta_names(self) -> list[str]:
         """``["<layer output node>@subject_last"]``."""
         return [f"{self.value_objective.layer.output_node}@subject_last"]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """The search's Adam over ``δ``."""
+        return self.search.optimizer
+
+    def _optimizer_step(self) -> None:
+        self.optimizers().step()  # type: ignore[union-attr]
+
+    def train_dataloader(self) -> DataLoader:
+        """Empty batches, one per step (the trainer's ``max_steps`` decides how many run)."""
+        return DataLoader(range(_STEPS_PER_EPOCH), batch_size=1, collate_fn=_no_batch)
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any] | None:
+        """One step of the search; stops training (no update) once the loss is below ``early_stop_loss``.
+
+        Returns:
+            ``{"terms": ...}`` for the logger (the step's terms, ``p_target`` and ``norm/0`` = ``‖δ‖`` when evaluated),
+            or ``None`` when the search stopped.
+
+        Raises:
+            NonFiniteError: a loss term, the gradient or ``δ`` became NaN or inf (:func:`editors.value.value_step_guard`).
+        """
+        norm = float(self.delta.detach().norm())
+        if not self.search.step():
+            self.trainer.should_stop = True
+            return None
+        terms = dict(self.history[-1])
+        terms["p_target"] = terms.pop("target_prob")  # logged as prob/target
+        return {"terms": terms | {"norm/0": norm}}
 
     def describe(self) -> dict[str, Any]:
         """Hyperparameters for TensorBoard: the fact, the node, the loss weights, the optimiser."""
@@ -114,9 +136,17 @@ class ROMEValueModule(ObjectiveModule):
             "weight_decay": objective.weight_decay,
             "clamp_factor": objective.clamp_factor,
             "lr": self.lr,
-            "optimizer": self.optimizer_name,
+            "optimizer": "adam",
             "early_stop_loss": self.early_stop_loss,
         }
+
+
+#: Empty batches per epoch (the trainer's ``max_steps`` stops the fit).
+_STEPS_PER_EPOCH = 1000
+
+
+def _no_batch(items: list[int]) -> dict[str, Any]:
+    return {}
 
 
 @contextlib.contextmanager
@@ -130,12 +160,6 @@ def _quiet_lightning_info(quiet: bool) -> Iterator[None]:
         yield
     finally:
         log.setLevel(level)
-
-
-def _return_to(pg: nn.Module, device: torch.device) -> None:
-    """Move ``pg`` back to ``device`` if Lightning moved it away."""
-    if model_device(pg) != device:
-        pg.to(device)
 
 
 def trainer_device_args(device: torch.device) -> dict[str, Any]:
@@ -197,15 +221,8 @@ class LightningValueRunner:
             for pattern in _QUIET:
                 warnings.filterwarnings("ignore", message=pattern)
             module = ROMEValueModule(objective, lr=lr, early_stop_loss=early_stop_loss, callback=callback)
-            trainer = Trainer(**kwargs)
-            try:
-                with torch.enable_grad():
-                    trainer.fit(module)
-            finally:
-                _return_to(objective.pg, objective.device)  # a failed fit's teardown moved the model to the CPU
-        delta = module.values["delta"].detach().to(objective.v_init.device, objective.v_init.dtype).clone()
-        # Every loss evaluation but an early-stopping one was followed by an optimizer step (Lightning's global_step
-        # also counts the skipped one).
-        steps = len(module.history) - int(module.stopped_early)
-        return ValueResult(delta=delta, v_star=objective.v_init + delta, steps=steps, history=module.history,
-                           log_dir=None if logger is None else logger.log_dir)
+            with torch.enable_grad():  # the graph is no submodule of the module: Lightning never moves the model
+                Trainer(**kwargs).fit(module)
+        (result,) = module.search.results()
+        result.log_dir = None if logger is None else logger.log_dir
+        return result

@@ -247,7 +247,7 @@ class SecondMomentJob(LightningModule):
         for layer, fingerprint, total in zip(self.layers, fields.fingerprints, self.sums.totals):
             strategy.reduce(total, reduce_op="sum")  # in place: d_in² float64 numbers per node, once
             moment = SecondMoment(matrix=total.div_(n_tokens).cpu(), n_tokens=n_tokens, n_samples=n_docs,
-                                  node=layer.input_node, fingerprint=fingerprint, corpus=fields.corpus)
+                                  input_node=layer.input_node, fingerprint=fingerprint, corpus=fields.corpus)
             path = second_moment_cache_file(self.cache_dir, fingerprint, layer.input_node, fields.corpus,
                                             fields.n_samples, fields.max_length, torch.float64)
             if self.trainer.global_rank == 0:
@@ -289,4 +289,4 @@ def run_statistics_job(job: SecondMomentJob, **trainer_kwargs: Any) -> list[Seco
                 torch.distributed.destroy_process_group()
             raise
     return [SecondMoment(matrix=m.matrix.detach().cpu().clone(), n_tokens=m.n_tokens, n_samples=m.n_samples,
-                         node=m.node, fingerprint=m.fingerprint, corpus=m.corpus) for m in job.results]
+                         input_node=m.input_node, fingerprint=m.fingerprint, corpus=m.corpus) for m in job.results]

@@ -101,7 +101,7 @@ def test_statistics_for_several_layers_in_one_pass(tmp_path, monkeypatch):
     for node, moment in zip(nodes, together):
         alone = layer_second_moment(pg, tok, node, corpus=CORPUS, n_samples=16, use_cache=False, progress=False)
         torch.testing.assert_close(moment.matrix, alone.matrix)
-        assert moment.n_tokens == alone.n_tokens and moment.node == node + ".input"
+        assert moment.n_tokens == alone.n_tokens and moment.input_node == node + ".input"
     again = layer_second_moments(pg, tok, nodes + ["model.layers_1.mlp.down_proj"], corpus=CORPUS, n_samples=16,
                                  cache_dir=tmp_path, progress=False)
     assert passes == [2, 1, 1, 1]  # the two single-layer checks, then only the new layer: the others were cached

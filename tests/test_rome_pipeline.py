@@ -14,6 +14,7 @@ from editors import (
     ROMEConfig,
     ValueObjective,
     compute_key,
+    editable_graph,
     evaluate_cases,
     load_cases,
     optimize_value,
@@ -159,8 +160,29 @@ def test_evaluate_cases_restores_between_cases(tmp_path) -> None:
     assert row["logp"]["post"]["new"]["rewrite"] > row["logp"]["pre"]["new"]["rewrite"]
 
 
+#: The fields of eval-rome's JSON before it became an alias of ``eval-edit --method rome`` (what its users read).
+EVAL_ROME_KEYS = {"efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases", "pre", "node", "config",
+                  "statistics", "seconds", "cases", "model"}
+EVAL_ROME_CASE_KEYS = {"case_id", "subject", "prompt", "target_true", "target_new", "efficacy", "paraphrase",
+                       "neighborhood", "pre", "logp", "edit", "seconds"}
+
+
+def _leaves(record, prefix=""):
+    """``{"a.b.0": leaf}`` of a JSON record."""
+    if isinstance(record, dict):
+        return {k: v for key, value in record.items() for k, v in _leaves(value, f"{prefix}{key}.").items()}
+    if isinstance(record, list):
+        return {k: v for i, value in enumerate(record) for k, v in _leaves(value, f"{prefix}{i}.").items()}
+    return {prefix[:-1]: record}
+
+
 def test_eval_rome_command(tmp_path) -> None:
+    """``eval-rome`` is ``eval-edit --method rome``: eval-rome's JSON fields, and the values of ``evaluate_rome`` (the
+    recipe it ran before, with the Lightning value runner) within 1e-5."""
+    from gradpatch.loaders import load_model
     from recipes.cli import main
+    from recipes.rome_recipe import evaluate_rome
+    from recipes.rome_value import LightningValueRunner
 
     tok = byte_level_tokenizer()
     model = tiny_gpt2(len(tok))
@@ -168,7 +190,8 @@ def test_eval_rome_command(tmp_path) -> None:
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     cases_file = tmp_path / "cases.json"
-    cases_file.write_text(json.dumps([CASE]), encoding="utf-8")
+    cases_file.write_text(json.dumps([CASE, {**CASE, "case_id": 8, "requested_rewrite": {
+        **CASE["requested_rewrite"], "target_new": {"str": "Berlin"}}}]), encoding="utf-8")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(list(TOY_SENTENCES) * 4), encoding="utf-8")
     out = tmp_path / "metrics.json"
@@ -177,6 +200,28 @@ def test_eval_rome_command(tmp_path) -> None:
                    "--cache-dir", str(tmp_path / "cache"), "--quiet"])
     assert status == 0
     metrics = json.loads(out.read_text())
-    assert {"efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases", "cases"} <= set(metrics)
-    assert metrics["n_cases"] == 1 and metrics["cases"][0]["case_id"] == 7
+    assert EVAL_ROME_KEYS <= set(metrics) and metrics["method"] == "rome"
+    assert set(metrics["statistics"]) == {"n_tokens", "n_samples", "corpus"}
+    assert {"statistics_and_templates", "cases", "load"} <= set(metrics["seconds"])
+    assert metrics["n_cases"] == 2 and [row["case_id"] for row in metrics["cases"]] == [7, 8]
+    assert all(EVAL_ROME_CASE_KEYS <= set(row) for row in metrics["cases"])
+    assert metrics["node"] == "transformer.h_0.mlp.c_proj"
+
+    loaded, tokenizer = load_model(str(model_dir), device="cpu")
+    pg = editable_graph(loaded, tokenizer)
+    rome = ROME(pg, tokenizer, metrics["node"], ROMEConfig(n_samples=32, cache_dir=str(tmp_path / "cache"),
+                                                           progress=False),
+                corpus=str(corpus), value_runner=LightningValueRunner())
+    before = evaluate_rome(rome, load_cases(cases_file), progress=False)
+    assert set(before) <= set(metrics)
+    got, expected = _leaves(metrics), _leaves(before)
+    timings = [key for key in expected if "seconds" in key or "timings_s" in key]
+    assert len(timings) >= 5
+    for key in sorted(set(expected) - set(timings)):
+        if key.startswith("config."):
+            continue  # eval-edit's configuration (allow_unconverged: every edit is scored, as before)
+        if isinstance(expected[key], float):
+            assert got[key] == pytest.approx(expected[key], abs=1e-5), key
+        else:
+            assert got[key] == expected[key], key
     assert main(["eval-rome", "--cases", str(cases_file), "--out", str(out), "--model", str(model_dir)]) == 2

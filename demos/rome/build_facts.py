@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from gradpatch.models import load_embedded_model
+    from gradpatch.loaders import load_embedded_model
 
     torch.set_grad_enabled(False)
     model, tokenizer = load_embedded_model()

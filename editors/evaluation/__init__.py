@@ -15,7 +15,7 @@ _EXPORTS: dict[str, str] = {
     "save_cases": "counterfact",
     "EDIT_INFO_KEYS": "scores",
     "case_row": "scores",
-    "evaluate_cases": "scores",
+    "evaluate_cases": "sequential",
     "mentions_subject": "scores",
     "neighborhood_fraction": "scores",
     "score_case": "scores",

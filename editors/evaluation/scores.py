@@ -1,8 +1,5 @@
-"""CounterFact evaluation of edits (Meng et al. 2022, section 4.2).
-
-For each case the edit is computed and applied to the model's current (fresh) weights, the prompts are scored,
-and the edit is restored, so cases never see each other's edits. Probabilities are mean token
-log-probabilities of ``prompt + " " + target``:
+"""CounterFact scores of edits (Meng et al. 2022, section 4.2); the loop that edits, scores and restores is
+:mod:`editors.evaluation.sequential`. Probabilities are mean token log-probabilities of ``prompt + " " + target``:
 
 - efficacy: ``P(new) > P(true)`` on the rewrite prompt;
 - paraphrase: the fraction of paraphrase prompts with ``P(new) > P(true)``;
@@ -14,7 +11,6 @@ The scores are means over cases.
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -22,15 +18,12 @@ from torch import nn
 
 from gradpatch import PatchableGraph
 from gradpatch.model_io import model_device
-from gradpatch.progress import ProgressBar
 
-from ..edits.edit import Edit
 from ..passes.scoring import mean_target_logprobs
 from ..passes.selected_logits import target_logprobs_at
-from ..requests import EditRequest
 from .counterfact import CounterFactCase
 
-__all__ = ["EDIT_INFO_KEYS", "case_row", "evaluate_cases", "mentions_subject", "neighborhood_fraction", "score_case",
+__all__ = ["EDIT_INFO_KEYS", "case_row", "mentions_subject", "neighborhood_fraction", "score_case",
            "score_cases", "score_summary"]
 
 #: The fields of an edit's ``info`` (its value search) that a case row keeps under ``"edit"``.
@@ -146,48 +139,3 @@ def score_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
     """``{"efficacy_score", "paraphrase_score", "neighborhood_score"}``: the means over ``rows`` of their
     ``efficacy`` / ``paraphrase`` / ``neighborhood`` (rows without a score are left out; ``None`` if none has one)."""
     return {f"{name}_score": _mean([row[name] for row in rows]) for name in ("efficacy", "paraphrase", "neighborhood")}
-
-
-def evaluate_cases(
-    pg: nn.Module,
-    tokenizer: Any,
-    cases: Sequence[CounterFactCase],
-    compute_edit: Callable[[EditRequest], Edit],
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Edit and score each case on fresh weights; restore after each.
-
-    Args:
-        pg: the model's PatchableGraph.
-        tokenizer: its tokenizer.
-        cases: CounterFact cases.
-        compute_edit: request -> :class:`Edit` (not applied), e.g. ``ROME(pg, tok, node).compute``.
-        progress: show a progress bar and print one line per case.
-
-    Returns:
-        ``{"efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases", "pre": {...}, "cases": [...]}``
-        where ``pre`` holds the same scores on the unedited model and each case row holds ``pre``/``post``
-        scores, the edit's info (steps, whether its value search converged, loss, norms, timings) and ``seconds``.
-        Edits are scored whether or not their value search converged: the scores measure the editor as it is.
-    """
-    rows = []
-    with ProgressBar("cases", unit="case", total=len(cases), enabled=progress) as bar:
-        for i, case in enumerate(cases):
-            t0 = time.perf_counter()
-            pre = score_case(pg, tokenizer, case)
-            edit = compute_edit(case.request)
-            edit.apply(pg, allow_unconverged=True)  # scored as computed (restored below); the row says if it converged
-            try:
-                post = score_case(pg, tokenizer, case)
-            finally:
-                edit.restore(pg)
-            seconds = time.perf_counter() - t0
-            row = {**case_row(case, pre, post), "edit": {k: edit.info.get(k) for k in EDIT_INFO_KEYS},
-                   "seconds": seconds}
-            rows.append(row)
-            if progress:
-                bar.note(f"[{i + 1}/{len(cases)}] {case.request.text!r} -> {case.request.target_new!r}: "
-                         f"efficacy {row['efficacy']:.0f} paraphrase {row['paraphrase']} neighborhood "
-                         f"{row['neighborhood']} ({edit.info.get('steps')} steps, {seconds:.1f} s)")
-            bar.advance()
-    return {**score_summary(rows), "n_cases": len(rows), "pre": score_summary([r["pre"] for r in rows]), "cases": rows}

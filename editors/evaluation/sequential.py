@@ -31,7 +31,7 @@ from ..requests import EditRequest
 from .counterfact import CounterFactCase
 from .scores import EDIT_INFO_KEYS, case_row, mentions_subject, score_cases, score_summary
 
-__all__ = ["AppliedBatch", "BatchApplier", "evaluate_sequential", "batch_applier", "rome_applier"]
+__all__ = ["AppliedBatch", "BatchApplier", "batch_applier", "evaluate_cases", "evaluate_sequential", "rome_applier"]
 
 
 @dataclass
@@ -111,7 +111,7 @@ def evaluate_sequential(
         ``{"efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases", "pre", "batch_size", "sequential",
         "batches", "seconds_per_batch", "cases", "neighborhood_prompts_left_out"}``: ``pre`` the scores before any
         edit; ``batches`` one record per batch (group, facts, seconds, the editor's record); each case row as
-        :func:`editors.evaluate_cases` writes it, with its batch, group and ``neighborhood_left_out`` (above). The
+        :func:`~editors.evaluation.scores.case_row` writes it, with its batch, group and ``neighborhood_left_out`` (above). The
         weights end as they began.
 
     Raises:
@@ -159,3 +159,31 @@ def evaluate_sequential(
             "neighborhood_prompts_left_out": sum(r["neighborhood_left_out"] for r in rows), "batch_size": batch_size,
             "sequential": sequential, "batches": records, "seconds_per_batch": [r["seconds"] for r in records],
             "cases": rows}
+
+
+def evaluate_cases(pg: nn.Module, tokenizer: Any, cases: Sequence[CounterFactCase],
+                   compute_edit: Callable[[EditRequest], Edit], progress: bool = True) -> dict[str, Any]:
+    """Edit and score each case on fresh weights, restoring after each: :func:`evaluate_sequential` with
+    ``batch_size=1`` and :func:`rome_applier` (one CounterFact loop; the unedited model's scores are taken for all
+    cases together, docs/architecture.md, "eval-rome").
+
+    Args:
+        pg: the model's PatchableGraph.
+        tokenizer: its tokenizer.
+        cases: CounterFact cases.
+        compute_edit: request -> :class:`Edit` (not applied), e.g. ``ROME(pg, tok, node).compute``.
+        progress: show a progress bar and print one line per case.
+
+    Returns:
+        ``{"efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases", "pre": {...}, "cases": [...]}``
+        where ``pre`` holds the same scores on the unedited model and each case row holds ``pre``/``post``
+        scores, the edit's info (steps, whether its value search converged, loss, norms, timings), ``seconds`` (the
+        edit's computation and application) and :func:`evaluate_sequential`'s ``batch``, ``group`` and
+        ``neighborhood_left_out``. Edits are scored whether or not their value search converged: the scores measure
+        the editor as it is.
+    """
+    result = evaluate_sequential(pg, tokenizer, cases, rome_applier(pg, compute_edit), progress=progress)
+    seconds = {record["batch"]: record["seconds"] for record in result["batches"]}
+    return {key: result[key] for key in ("efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases",
+                                         "pre")} | {"cases": [row | {"seconds": seconds[row["batch"]]}
+                                                              for row in result["cases"]]}

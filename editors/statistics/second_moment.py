@@ -29,6 +29,7 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from gradpatch import model_fingerprint
+from gradpatch.deprecation import warn_deprecated
 from gradpatch.files import atomic_write_bytes
 from gradpatch.model_io import model_device, pad_token_id, right_pad, wrapped_model
 from gradpatch.progress import ProgressBar
@@ -39,18 +40,9 @@ from ..layers import LinearLayer, resolve_layer
 from ..passes.capture import node_activations
 from .corpus import Corpus, open_corpus
 
-__all__ = [
-    "SecondMoment",
-    "SecondMomentSums",
-    "compute_second_moment",
-    "compute_second_moments",
-    "default_cache_dir",
-    "layer_second_moment",
-    "layer_second_moments",
-    "save_second_moment",
-    "second_moment_cache_file",
-    "statistics_fingerprint",
-]
+__all__ = ["SecondMoment", "SecondMomentSums", "compute_second_moment", "compute_second_moments", "default_cache_dir",
+           "layer_second_moment", "layer_second_moments", "save_second_moment", "second_moment_cache_file",
+           "statistics_fingerprint"]
 
 
 def default_cache_dir() -> Path:
@@ -67,7 +59,8 @@ class SecondMoment:
         matrix: ``C`` ``[d_in, d_in]`` float64 (mean of ``k kᵀ`` over tokens).
         n_tokens: tokens accumulated.
         n_samples: documents read.
-        node: NodePath of the layer input, e.g. ``model.layers_4.mlp.down_proj.input``.
+        input_node: NodePath of the layer input, e.g. ``model.layers_4.mlp.down_proj.input`` (an
+            :class:`~editors.edits.Edit`'s ``node`` is the layer itself, ``model.layers_4.mlp.down_proj``).
         fingerprint: model fingerprint (edited layer left out) the statistics belong to.
         corpus: corpus name (``None`` for an anonymous iterable).
     """
@@ -75,9 +68,15 @@ class SecondMoment:
     matrix: torch.Tensor
     n_tokens: int
     n_samples: int
-    node: str
+    input_node: str
     fingerprint: str
     corpus: str | None
+
+    @property
+    def node(self) -> str:
+        """Deprecated name of :attr:`input_node` (warns once; goes in the next release)."""
+        warn_deprecated("SecondMoment.node", "SecondMoment.input_node")
+        return self.input_node
 
 
 def statistics_fingerprint(model: nn.Module, skip: tuple[str, ...] = ()) -> str:
@@ -118,7 +117,7 @@ def save_second_moment(path: Path, moment: SecondMoment, n_samples: int, max_len
     """
     data = save_safetensors(
         {"second_moment": moment.matrix.to(dtype).cpu().contiguous()},
-        metadata={"node": moment.node, "fingerprint": moment.fingerprint, "corpus": str(moment.corpus),
+        metadata={"node": moment.input_node, "fingerprint": moment.fingerprint, "corpus": str(moment.corpus),
                   "n_samples": str(n_samples), "n_documents": str(moment.n_samples),
                   "n_tokens": str(moment.n_tokens), "max_length": str(max_length)},
     )
@@ -323,7 +322,7 @@ def layer_second_moments(
         if cached is not None:
             matrix, n_tokens, n_docs = cached
             results[i] = SecondMoment(matrix=matrix.to(layer.device), n_tokens=n_tokens, n_samples=n_docs,
-                                      node=layer.input_node, fingerprint=fingerprints[i], corpus=source.name)
+                                      input_node=layer.input_node, fingerprint=fingerprints[i], corpus=source.name)
     missing = [i for i, result in enumerate(results) if result is None]
     if missing:
         matrices, n_tokens, n_docs = compute_second_moments(
@@ -332,7 +331,7 @@ def layer_second_moments(
         )
         for i, matrix in zip(missing, matrices):
             layer, path = layers[i], paths[i]
-            moment = SecondMoment(matrix=matrix, n_tokens=n_tokens, n_samples=n_docs, node=layer.input_node,
+            moment = SecondMoment(matrix=matrix, n_tokens=n_tokens, n_samples=n_docs, input_node=layer.input_node,
                                   fingerprint=fingerprints[i], corpus=source.name)
             if path is not None:
                 # Stored in the accumulation dtype the file name gives (float32 accumulation loses nothing by it).

@@ -111,9 +111,9 @@ class BatchValueObjective:
                              f"(one v₀ per request)")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-        if true_logit_weight < 0:
-            raise ValueError(f"true_logit_weight must be 0 or positive, got {true_logit_weight}")
         self.pg, self.layer, self.requests = pg, layer, list(requests)
+        self.true_answer = (TrueAnswerTerm(tokenizer, self.requests, true_logit_weight) if true_logit_weight
+                            else None)  # checks the weight (editors.config.check_true_logit_weight) before the passes
         self.kl_factor, self.weight_decay, self.clamp_factor = kl_factor, weight_decay, clamp_factor
         self.v_init = v_init.detach()
         self.max_tokens = max_tokens
@@ -131,8 +131,6 @@ class BatchValueObjective:
         self.kl_reference: list[torch.Tensor | None] = [None] * len(self.requests)  # [n_kl, vocab] per fact
         self.tail = tail if self.prefix_cache is not None else None
         self.tail_checked = False  # whether the tail passes were compared with a full pass yet
-        self.true_answer = (TrueAnswerTerm(tokenizer, self.requests, true_logit_weight) if true_logit_weight
-                            else None)
 
     @property
     def n_facts(self) -> int:

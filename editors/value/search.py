@@ -10,9 +10,10 @@ at the subject's last token of every prompt), ROME minimises::
 with ``‖δ‖ ≤ clamp_factor · ‖v₀‖`` enforced after each step (``v₀ = W k* + b``, the output at the averaged
 key), and ``v* = v₀ + δ``. :class:`ValueObjective` computes the terms (``loss(delta) -> dict``); a
 :class:`ValueRunner` minimises it. Two runners share that one objective: :func:`optimize_value`, the plain-torch
-loop (Adam, early stop when ``loss < 0.05``) that ``editors`` uses when nothing else is given, and
-``recipes.rome_value.fit_value``, the same optimisation as a LightningModule under ``Trainer.fit`` (used by the
-``gradpatch rome`` / ``eval-rome`` commands and the demo, with TensorBoard logging). Both stop at the first
+loop (Adam, early stop when ``loss < 0.05``; the batched search's loop, :func:`editors.value.loop.search_values`, run
+on a batch of one) that ``editors`` uses when nothing else is given, and
+``recipes.rome_value.LightningValueRunner``, the same loop as a LightningModule under ``Trainer.fit`` (used by the
+``gradpatch rome`` command and the demo, with TensorBoard logging). Both stop at the first
 non-finite loss term, gradient or updated ``δ`` with a :class:`gradpatch.errors.NonFiniteError` naming the step
 (:func:`value_step_guard`), and :meth:`ValueResult.converged` tells whether the search converged.
 
@@ -23,10 +24,8 @@ The prompts of one fact (:func:`encode_value_prompts`) and the terms computed fr
 
 from __future__ import annotations
 
-import contextlib
-import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -34,7 +33,7 @@ from torch import nn
 
 from gradpatch import AddPatch
 from gradpatch.finite import StepGuard
-from gradpatch.model_io import model_device, pad_token_id, right_pad, wrapped_model
+from gradpatch.model_io import model_device, pad_token_id, right_pad
 
 from ..layers import LinearLayer
 from ..passes.selected_logits import logits_at, output_embedding_input_node
@@ -42,25 +41,12 @@ from ..passes.token_log_probs import token_log_probs
 from ..passes.tokens import EncodedPrompt, encode_prompt_target, encode_subject_prompt, format_with_span
 from ..requests import EditRequest
 from ..statistics.keys import ContextPrefixes
+from .loop import ValueResult, ValueSearch, frozen_parameters, run_search
 
 __all__ = ["StepCallback", "ValueObjective", "ValuePrompts", "ValueResult", "ValueRunner", "encode_value_prompts",
-           "frozen_parameters", "optimize_value", "value_step_guard", "value_terms"]
+           "frozen_parameters", "one_fact_search", "optimize_value", "value_step_guard", "value_terms"]
 
 KL_PROMPT = "{} is a"
-
-
-@contextlib.contextmanager
-def frozen_parameters(model: nn.Module) -> Iterator[None]:
-    """Turn off ``requires_grad`` on every parameter for the block (only the delta gets gradients), then restore."""
-    params = list(wrapped_model(model).parameters())
-    flags = [p.requires_grad for p in params]
-    try:
-        for p in params:
-            p.requires_grad_(False)
-        yield
-    finally:
-        for p, flag in zip(params, flags):
-            p.requires_grad_(flag)
 
 
 @dataclass(frozen=True)
@@ -252,35 +238,6 @@ class ValueObjective:
             delta.mul_(self.max_norm / norm)
 
 
-@dataclass
-class ValueResult:
-    """Outcome of the value optimisation.
-
-    Attributes:
-        delta: optimised ``δ`` ``[d_out]`` (detached).
-        v_star: ``v₀ + δ`` ``[d_out]``.
-        steps: optimiser steps taken.
-        history: per-step loss terms (floats).
-        log_dir: the folder the runner logged the search to (a TensorBoard run of
-            ``recipes.rome_value.LightningValueRunner``), so a caller can add its own records there; ``None``: not
-            logged.
-    """
-
-    delta: torch.Tensor
-    v_star: torch.Tensor
-    steps: int
-    history: list[dict[str, float]] = field(default_factory=list)
-    log_dir: str | None = None
-
-    def converged(self, early_stop_loss: float) -> bool:
-        """Whether the search converged: its last evaluated loss is finite and below ``early_stop_loss`` or below
-        its first loss (an edit from a search that did not converge is not applied unless asked for)."""
-        if not self.history:
-            return False
-        first, last = self.history[0]["loss"], self.history[-1]["loss"]
-        return math.isfinite(last) and (last < early_stop_loss or last < first)
-
-
 def value_step_guard(lr: float) -> StepGuard:
     """How both value runners report a non-finite loss term, gradient or ``δ`` (steps counted from 0)."""
     return StepGuard("ROME value step", f"lower the learning rate (lr={lr:g}) or keep the norm clamp (clamp_factor); "
@@ -326,30 +283,48 @@ def optimize_value(
         NonFiniteError: a loss term, the gradient of ``δ`` or ``δ`` after an update is NaN or inf (the message names
             the step and the terms), or the update overflows (a learning rate such as 1e38).
     """
-    if not (math.isfinite(lr) and lr > 0):
-        raise ValueError(f"lr must be a finite positive number, got {lr}; ROME uses 0.5")
-    delta = nn.Parameter(torch.zeros_like(objective.v_init))
-    optimizer = torch.optim.Adam([delta], lr=lr)
-    guard = value_step_guard(lr)
-    history: list[dict[str, float]] = []
-    taken = 0
-    with frozen_parameters(objective.pg), torch.enable_grad():
-        for step in range(steps):
-            terms = objective.loss(delta)
-            record = {k: float(v.detach()) for k, v in terms.items()}
-            history.append(record)
-            if callback is not None:
-                callback(step, record)
-            guard.check_terms(step, record)
-            if record["loss"] < early_stop_loss:
-                break
-            optimizer.zero_grad(set_to_none=True)
-            terms["loss"].backward()
-            guard.check_gradients(step, {"delta": delta}, record)
-            with guard.update(step, lr):
-                optimizer.step()
-            objective.project_(delta)
-            guard.check_values(step, {"delta": delta})
-            taken += 1
-    final = delta.detach().clone()
-    return ValueResult(delta=final, v_star=objective.v_init + final, steps=taken, history=history)
+    return run_search(one_fact_search(objective, lr=lr, early_stop_loss=early_stop_loss, callback=callback), steps)[0]
+
+
+def one_fact_search(objective: ValueObjective, *, lr: float, early_stop_loss: float,
+                    callback: StepCallback | None = None, backward: Callable[[torch.Tensor], None] | None = None,
+                    optimizer_step: Callable[[], object] | None = None) -> ValueSearch:
+    """The :class:`~editors.value.loop.ValueSearch` of one fact (the batch of one, ``δ`` ``[1, d_out]``) that both
+    :class:`ValueRunner` s run: :func:`optimize_value` and ``recipes.rome_value.LightningValueRunner``.
+
+    Args:
+        objective: the fact's loss (a :class:`ValueObjective`, or any object with its ``pg``, ``v_init``
+            ``[d_out]``, ``loss(δ)`` and ``project_(δ)``).
+        lr, early_stop_loss: as :func:`optimize_value`.
+        callback: called with ``(step, terms)`` after each evaluation.
+        backward, optimizer_step: as :class:`~editors.value.loop.ValueSearch`.
+
+    Raises:
+        ValueError: ``lr`` is not a finite positive number.
+    """
+    batch_callback = None if callback is None else (lambda step, terms: callback(step, terms[0]))
+    return ValueSearch(_OneFact(objective), lr=lr, early_stop_loss=early_stop_loss,
+                       guard=lambda fact: value_step_guard(lr), callback=batch_callback, backward=backward,
+                       optimizer_step=optimizer_step)
+
+
+class _OneFact:
+    """A :class:`ValueObjective` (or any ``loss(δ)`` / ``project_(δ)`` objective of one fact) as the batch of one that
+    :func:`editors.value.loop.search_values` minimises: ``δ`` ``[1, d_out]``, every term ``[1]``."""
+
+    def __init__(self, objective: ValueObjective) -> None:
+        self.objective = objective
+        self.pg = objective.pg
+        self.v_init = objective.v_init.unsqueeze(0)
+
+    def chunks(self, facts: Sequence[int]) -> list[list[int]]:
+        return [list(facts)]
+
+    def loss(self, delta: torch.Tensor, facts: Sequence[int]) -> dict[str, torch.Tensor]:
+        return {name: value.unsqueeze(0) for name, value in self.objective.loss(delta[0]).items()}
+
+    def project_(self, delta: torch.Tensor) -> None:
+        self.objective.project_(delta[0])
+
+    def release(self, facts: Sequence[int]) -> None:
+        return None

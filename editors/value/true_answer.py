@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..config import check_true_logit_weight
 from ..errors import TokenizationError
 from ..passes.tokens import encode_prompt_target, format_with_span
 from ..requests import EditRequest
@@ -37,16 +38,16 @@ class TrueAnswerTerm:
     Args:
         tokenizer: the model's tokenizer.
         requests: the ``F`` facts, each with ``target_true``.
-        weight: ``λ_true`` (> 0).
+        weight: ``λ_true`` (≥ 0; :class:`~editors.value.batch_objective.BatchValueObjective` builds the term only
+            for a positive weight).
 
     Raises:
-        ValueError: ``weight`` is not positive, or a request has no ``target_true`` (the message names it).
+        ValueError: ``weight`` is negative (:func:`editors.config.check_true_logit_weight`), or a request has no ``target_true`` (the message names it).
         TokenizationError: a request's true answer cannot be tokenized after its prompt (named).
     """
 
     def __init__(self, tokenizer: Any, requests: Sequence[EditRequest], weight: float) -> None:
-        if not weight > 0:
-            raise ValueError(f"true_logit_weight must be positive to add the term, got {weight}; 0 leaves it out")
+        check_true_logit_weight(weight)
         self.weight = weight
         token_ids = []
         for i, request in enumerate(requests):

@@ -76,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
     from gradpatch.attribution import AttributionError, prompt_batch, resolve_nodes
     from gradpatch.attribution.methods import run_method
     from gradpatch.errors import NonFiniteError
-    from gradpatch.models import EMBEDDED_MODEL_NAME, default_device, load_model
+    from gradpatch.loaders import EMBEDDED_MODEL_NAME, default_device, load_model
 
     from ..attribution_report import save_attribution
 

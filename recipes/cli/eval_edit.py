@@ -29,72 +29,83 @@ from editors import DEFAULT_MOM2_RELATIVE_WEIGHT, DEFAULT_SMOLLM2_NODE, DEFAULT_
 
 from .options import add_edit_options, usage_error
 
-__all__ = ["NAME", "register", "run_eval_edit", "settings_used"]
+__all__ = ["NAME", "add_evaluation_options", "evaluate_edits", "register", "run_eval_edit", "settings_used",
+           "write_metrics"]
 
 NAME = "eval-edit"
 
 
-def _nodes(args: argparse.Namespace) -> list[str] | None:
+def _nodes(args: argparse.Namespace, command: str) -> list[str] | None:
     """The NodePaths to edit (``--nodes``, or the embedded model's defaults), ``None`` with the fix printed."""
     if args.nodes or args.node:
         nodes = [n.strip() for n in (args.nodes or args.node).split(",") if n.strip()]
     elif args.model is not None:
-        usage_error(NAME, "--model needs --nodes, the NodePaths of the linear layers to edit (comma-separated), e.g. "
-                          "model.layers_2.mlp.down_proj,model.layers_3.mlp.down_proj; `gradpatch graph --model PATH` "
-                          "prints the node tree")
+        usage_error(command, "--model needs --nodes (or --node), the NodePaths of the linear layers to edit "
+                             "(comma-separated), e.g. model.layers_2.mlp.down_proj,model.layers_3.mlp.down_proj; "
+                             "`gradpatch graph --model PATH` prints the node tree")
         return None
     else:
         nodes = [DEFAULT_SMOLLM2_NODE] if args.method == "rome" else list(DEFAULT_SMOLLM2_NODES)
     if args.method == "rome" and len(nodes) != 1:
-        usage_error(NAME, f"ROME edits one layer; got {len(nodes)} in --nodes")
+        usage_error(command, f"ROME edits one layer; got {len(nodes)} in --nodes")
         return None
     return nodes
 
 
 def run_eval_edit(args: argparse.Namespace) -> int:
     """Run ``eval-edit`` (see the module docstring); returns the exit status."""
-    from editors import config_for, editable_graph, editor_for, evaluate_sequential, load_cases
-    from gradpatch.files import atomic_write_text
-    from gradpatch.models import default_device, load_model
+    result = evaluate_edits(args)
+    return result if isinstance(result, int) else write_metrics(args, result)
 
-    nodes = _nodes(args)
+
+def evaluate_edits(args: argparse.Namespace) -> dict[str, Any] | int:
+    """The evaluation ``eval-edit`` runs (and ``eval-rome``, its alias with ``--method rome``): the options checked
+    before the model is loaded, then :func:`editors.evaluate_sequential` with the method's editor.
+
+    Returns:
+        The JSON record (see the module docstring), or 2 after printing a usage error that names the fix.
+    """
+    from editors import config_for, editable_graph, editor_for, evaluate_sequential, load_cases
+    from gradpatch.loaders import default_device, load_model
+
+    command = getattr(args, "command", None) or NAME
+    nodes = _nodes(args, command)
     if nodes is None:
         return 2
     if args.batch_size < 1 or args.sequential < 1:
-        return usage_error(NAME, "--batch-size and --sequential must be at least 1")
+        return usage_error(command, "--batch-size and --sequential must be at least 1")
     if args.preserve is not None and args.method == "rome":
-        return usage_error(NAME, "--preserve applies to MEMIT and AlphaEdit; drop it for ROME")
+        return usage_error(command, "--preserve applies to MEMIT and AlphaEdit; drop it for ROME")
     if args.subject_first_key and (args.method != "rome" or not args.keys_per_context):
-        return usage_error(NAME, "--subject-first-key applies to ROME with --keys-per-context; add "
-                                 "--method rome --keys-per-context or drop it")
+        return usage_error(command, "--subject-first-key applies to ROME with --keys-per-context; add "
+                                    "--method rome --keys-per-context or drop it")
     if args.true_logit_weight and args.method == "rome":
-        return usage_error(NAME, "--true-logit-weight applies to MEMIT and AlphaEdit; drop it for ROME")
-    if not args.true_logit_weight >= 0:
-        return usage_error(NAME, f"--true-logit-weight must be 0 or positive, got {args.true_logit_weight:g}")
+        return usage_error(command, "--true-logit-weight applies to MEMIT and AlphaEdit; drop it for ROME")
     if not args.preserve_weight > 0:
-        return usage_error(NAME, f"--preserve-weight must be positive, got {args.preserve_weight:g}")
+        return usage_error(command, f"--preserve-weight must be positive, got {args.preserve_weight:g}")
     try:
         config = config_for(args.method, **_settings(args))
         cases = load_cases(args.cases)
         preserved = _preserved_facts(args.preserve) if args.preserve is not None else []
     except (OSError, ValueError) as error:
-        return usage_error(NAME, error)
+        return usage_error(command, error)
     if args.n_cases is not None:
         cases = cases[: args.n_cases]
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device or default_device())
     pg = editable_graph(model, tokenizer)
+    t1 = time.perf_counter()
     editor = editor_for(args.method, pg, tokenizer, nodes, config, corpus=args.corpus)
     statistics = editor.layer_statistics()
     if preserved:
         editor.preserve(preserved, weight=args.preserve_weight)  # type: ignore[attr-defined]
     editor.templates()
-    t1 = time.perf_counter()
+    t2 = time.perf_counter()
     result = evaluate_sequential(pg, tokenizer, cases, editor.applier(), batch_size=args.batch_size,
                                  sequential=args.sequential, after_group=editor.forget, progress=not args.quiet)
-    t2 = time.perf_counter()
-    result = {key: result[key] for key in ("efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases",
-                                           "pre", "neighborhood_prompts_left_out")} | {
+    t3 = time.perf_counter()
+    return {key: result[key] for key in ("efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases",
+                                         "pre", "neighborhood_prompts_left_out")} | {
         "method": args.method,
         "nodes": nodes,
         "model": args.model or "embedded:SmolLM2-135M-Instruct",
@@ -103,10 +114,17 @@ def run_eval_edit(args: argparse.Namespace) -> int:
         "settings": settings_used(editor.config.to_json(), result["batches"]),
         "preserved": {"file": args.preserve, "n_facts": len(preserved), "weight": args.preserve_weight}
         if preserved else None,
-        "statistics": [{"node": s.node, "n_tokens": s.n_tokens, "n_samples": s.n_samples, "corpus": s.corpus}
+        "statistics": [{"node": s.input_node, "n_tokens": s.n_tokens, "n_samples": s.n_samples, "corpus": s.corpus}
                        for s in statistics],
-        "seconds": {"load_and_statistics": t1 - t0, "evaluation": t2 - t1},
+        "seconds": {"load": t1 - t0, "statistics_and_templates": t2 - t1, "load_and_statistics": t2 - t0,
+                    "evaluation": t3 - t2},
     } | {key: result[key] for key in ("batch_size", "sequential", "seconds_per_batch", "batches", "cases")}
+
+
+def write_metrics(args: argparse.Namespace, result: dict[str, Any]) -> int:
+    """Write ``result`` to ``--out`` (atomically) and print the scores; returns 0."""
+    from gradpatch.files import atomic_write_text
+
     out = Path(args.out)
     atomic_write_text(out, json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     print(f"{args.method}: efficacy {result['efficacy_score']:.3f}  paraphrase {result['paraphrase_score']:.3f}  "
@@ -184,6 +202,12 @@ def register(subparsers: Any) -> None:
                     "cases after all of them, restore the weights; repeat.",
     )
     p.add_argument("--method", required=True, choices=METHODS, help="the editing algorithm")
+    add_evaluation_options(p)
+    p.set_defaults(func=run_eval_edit)
+
+
+def add_evaluation_options(p: argparse.ArgumentParser) -> None:
+    """Add every ``eval-edit`` option but ``--method`` (``eval-rome`` takes them all, its method fixed to ROME)."""
     p.add_argument("--cases", required=True, metavar="FILE.json", help="CounterFact-format JSON list")
     p.add_argument("--out", required=True, metavar="METRICS.json", help="where to write the scores")
     p.add_argument("--nodes", default=None, metavar="N1,N2,...",
@@ -219,4 +243,3 @@ def register(subparsers: Any) -> None:
                         "development facts, docs/memit.md; default %(default)s: the papers' objective)")
     add_edit_options(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
-    p.set_defaults(func=run_eval_edit)

@@ -1,73 +1,64 @@
-"""``gradpatch eval-rome``: edit every case of a CounterFact file with ROME and write the scores.
+"""``gradpatch eval-rome``: an alias of ``gradpatch eval-edit --method rome`` that writes eval-rome's JSON.
 
 Usage::
 
     gradpatch eval-rome --cases demos/rome/cases.json --out metrics.json [--model PATH] [--node NODEPATH]
 
-Without ``--model`` the embedded SmolLM2-135M-Instruct is edited at :data:`editors.rome.DEFAULT_SMOLLM2_NODE`; with
-``--model``, ``--node`` names the linear layer to edit (e.g. ``transformer.h_5.mlp.c_proj`` for GPT-2).
+Without ``--model`` the embedded SmolLM2-135M-Instruct is edited at :data:`editors.defaults.DEFAULT_SMOLLM2_NODE`;
+with ``--model``, ``--node`` names the linear layer to edit (e.g. ``transformer.h_5.mlp.c_proj`` for GPT-2). Every
+``eval-edit`` option but ``--method`` applies; with the defaults (``--batch-size 1 --sequential 1``) each case is
+edited on fresh weights, scored and restored.
+
+The run is ``eval-edit``'s (:func:`recipes.cli.eval_edit.evaluate_edits`), so the scores are scored as eval-edit
+scores them: the unedited model's in batches of many cases, each edited case alone, and a neighbourhood prompt that
+names the case's own subject left out (docs/architecture.md, "eval-rome"). The JSON has every ``eval-edit`` field,
+with eval-rome's where the two differ: ``node`` (the edited NodePath), ``statistics`` as one record
+(``n_tokens``, ``n_samples``, ``corpus``), ``seconds`` with ``cases`` (the evaluation) beside ``load`` and
+``statistics_and_templates``, and each case row's ``seconds`` (its batch's edit).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import time
-from pathlib import Path
 from typing import Any
 
-from .options import DeprecatedAlias, add_edit_options, usage_error
+from .eval_edit import add_evaluation_options, evaluate_edits, write_metrics
+from .options import DeprecatedAlias
 
-__all__ = ["NAME", "register", "run_eval_rome"]
+__all__ = ["NAME", "eval_rome_record", "register", "run_eval_rome"]
 
 NAME = "eval-rome"
 
 
 def run_eval_rome(args: argparse.Namespace) -> int:
     """Run ``eval-rome`` (see the module docstring); returns the exit status."""
-    from editors import ROME, ROMEConfig, editable_graph, load_cases
-    from gradpatch.files import atomic_write_text
-    from gradpatch.models import default_device, load_model
+    result = evaluate_edits(args)
+    return result if isinstance(result, int) else write_metrics(args, eval_rome_record(result))
 
-    from ..errors import RecipeConfigError
-    from ..rome_recipe import edit_node, evaluate_rome
-    from ..rome_value import LightningValueRunner
 
-    try:
-        node = edit_node(args.model, args.node)
-    except RecipeConfigError as error:
-        return usage_error(NAME, error)
-    cases = load_cases(args.cases)
-    if args.n_cases is not None:
-        cases = cases[: args.n_cases]
-    t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model, device=args.device or default_device())
-    pg = editable_graph(model, tokenizer)
-    config = ROMEConfig(n_samples=args.n_samples, steps=args.steps, cache_dir=args.cache_dir,
-                        progress=not args.quiet)
-    rome = ROME(pg, tokenizer, node, config=config, corpus=args.corpus, value_runner=LightningValueRunner())
-    t1 = time.perf_counter()
-    result = evaluate_rome(rome, cases, progress=not args.quiet)
-    result["model"] = args.model or "embedded:SmolLM2-135M-Instruct"
-    result["seconds"]["load"] = t1 - t0
-    out = atomic_write_text(Path(args.out), json.dumps(result, indent=1, ensure_ascii=False) + "\n")
-    print(f"efficacy {result['efficacy_score']:.3f}  paraphrase {result['paraphrase_score']:.3f}  "
-          f"neighborhood {result['neighborhood_score']:.3f}  ({result['n_cases']} cases) -> {out}")
-    return 0
+def eval_rome_record(result: dict[str, Any]) -> dict[str, Any]:
+    """``eval-edit``'s record of a ROME run (one node) with eval-rome's fields where the two differ (module
+    docstring); the other fields are kept."""
+    (statistics,) = result["statistics"]
+    seconds_of = {record["batch"]: record["seconds"] for record in result["batches"]}
+    return result | {
+        "node": result["nodes"][0],
+        "statistics": {key: statistics[key] for key in ("n_tokens", "n_samples", "corpus")},
+        "seconds": result["seconds"] | {"cases": result["seconds"]["evaluation"]},
+        "cases": [row | {"seconds": seconds_of[row["batch"]]} for row in result["cases"]],
+    }
 
 
 def register(subparsers: Any) -> None:
     """Add the ``eval-rome`` parser to the ``gradpatch`` sub-parsers."""
     p = subparsers.add_parser(
         NAME,
-        help="edit each CounterFact case with ROME and write efficacy / paraphrase / neighborhood scores",
-        description="For each case: compute the ROME edit on fresh weights, score it, restore the weights.",
+        help="edit each CounterFact case with ROME and write efficacy / paraphrase / neighborhood scores "
+             "(eval-edit --method rome)",
+        description="For each case: compute the ROME edit on fresh weights, score it, restore the weights. The same "
+                    "run as `gradpatch eval-edit --method rome`, written in eval-rome's JSON.",
     )
-    p.add_argument("--cases", required=True, metavar="FILE.json", help="CounterFact-format JSON list")
-    p.add_argument("--out", required=True, metavar="METRICS.json", help="where to write the scores")
-    add_edit_options(p)
-    p.add_argument("--n-cases", type=int, default=None, metavar="N", help="only the first N cases")
+    add_evaluation_options(p)
     p.add_argument("--limit", type=int, dest="n_cases", metavar="N", action=DeprecatedAlias, replacement="--n-cases",
                    help="deprecated name of --n-cases (as eval-edit names it)")
-    p.add_argument("--quiet", action="store_true", help="no progress output")
-    p.set_defaults(func=run_eval_rome)
+    p.set_defaults(func=run_eval_rome, method="rome")

@@ -27,7 +27,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     """Run ``gradpatch generate`` (see the module docstring); returns the exit status."""
     from gradpatch import AddPatch, Intervention, PatchableGraph
     from gradpatch.errors import FingerprintMismatchError, InterventionLoadError, SubspaceConfigError
-    from gradpatch.models import default_device, load_model
+    from gradpatch.loaders import default_device, load_model
 
     from ..data import left_pad, pad_token_id
     from ..errors import RecipeConfigError

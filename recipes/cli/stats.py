@@ -44,7 +44,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from editors import LayerKindError, editable_graph
     from gradpatch.errors import NonFiniteError
-    from gradpatch.models import load_model
+    from gradpatch.loaders import load_model
 
     from ..errors import StatisticsJobError
     from ..stats_job import SecondMomentJob, run_statistics_job
@@ -73,7 +73,7 @@ def _run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     if job.trainer.global_rank == 0:
         for moment, path in zip(moments, job.cache_files):
-            print(f"{moment.node}: {moment.n_samples} documents, {moment.n_tokens} tokens -> {path}")
+            print(f"{moment.input_node}: {moment.n_samples} documents, {moment.n_tokens} tokens -> {path}")
         print(f"# {seconds:.1f} s on {job.trainer.world_size} rank(s)", file=sys.stderr)
     return 0
 
