@@ -51,7 +51,7 @@ from gradpatch.attribution import (
     prompt_batch,
     resolve_nodes,
 )
-from gradpatch.models import load_embedded_model
+from gradpatch.loaders import load_embedded_model
 
 DATA = Path(__file__).resolve().parent / "data"
 KW = {"use_cache": False}

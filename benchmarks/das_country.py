@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gradpatch import FullInterchangePatch
-from gradpatch.models import load_embedded_model
+from gradpatch.loaders import load_embedded_model
 from recipes.counterfactual import read_counterfactuals
 from recipes.intervention_module import InterventionModule
 

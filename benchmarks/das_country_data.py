@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gradpatch.files import atomic_write_text
-from gradpatch.models import load_embedded_model
+from gradpatch.loaders import load_embedded_model
 
 TEMPLATE = "{city} is a city in the country of"
 
