@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -265,7 +265,8 @@ class MEMIT(Editor):
 
         Returns:
             The :class:`BatchEdit` (not applied); ``info["facts"]`` holds each fact's value search (steps, converged,
-            losses, target probability, ``‖δ‖``), ``info["timings_s"]`` the phases.
+            losses, target probability, ``‖δ‖``), ``info["timings_s"]`` the phases (this process's),
+            ``info["processes"]`` how many processes split the facts.
 
         Raises:
             EditError: the graph is in training mode, or the residual node is not as wide as the layers' outputs.
@@ -287,7 +288,7 @@ class MEMIT(Editor):
         key_templates, value_templates = templates.subset(c.key_prefixes), templates.subset(c.value_prefixes)
         facts = [(r.prompt, r.subject) for r in requests]
         t0 = time.perf_counter()
-        first, at_last, h_start = self._gathered(context_activations(
+        first, at_last, h_start = self._gathered(lambda: context_activations(
             self.pg, self.tokenizer, [layers[0].input_node, last.input_node, self.residual_node],
             facts[span.start:span.stop], key_templates, max_tokens=c.max_tokens), len(facts))  # [F, P, d_in], ...
         at_last, h_start = at_last.mean(dim=1), h_start.mean(dim=1)
@@ -306,8 +307,8 @@ class MEMIT(Editor):
                                         true_logit_weight=c.true_logit_weight)
         shifted = None if callback is None else (  # the callback numbers facts in the whole batch
             lambda step, terms: callback(step, {span.start + fact: value for fact, value in terms.items()}))
-        results = self.shards.gather(optimize_values(objective, steps=c.steps, lr=c.lr,
-                                                     early_stop_loss=c.early_stop_loss, callback=shifted), len(facts))
+        results = self.shards.collect(lambda: optimize_values(
+            objective, steps=c.steps, lr=c.lr, early_stop_loss=c.early_stop_loss, callback=shifted), len(facts))
         self.last_values = results
         deltas = torch.stack([r.delta for r in results]).to(h_start.device, torch.float64)  # [F, d_out]: z - h^L
         t2 = time.perf_counter()
@@ -318,7 +319,7 @@ class MEMIT(Editor):
             if j == 0:
                 keys, h_now = first, h_start
             else:
-                keys, h_now = self._gathered(context_activations(
+                keys, h_now = self._gathered(lambda: context_activations(
                     self.pg, self.tokenizer, [layer.input_node, self.residual_node], facts[span.start:span.stop],
                     key_templates, patches=patches, max_tokens=c.max_tokens), len(facts))
                 h_now = h_now.mean(dim=1)
@@ -337,13 +338,14 @@ class MEMIT(Editor):
                           {"keys": t1 - t0, "value": t2 - t1, "update": t3 - t2})
         return BatchEdit(edits=edits, requests=requests, model_fingerprint=fingerprint, info=info)
 
-    def _gathered(self, tensors: Sequence[torch.Tensor], n: int) -> list[torch.Tensor]:
-        """This process's per-fact rows of ``tensors`` (each ``[F_here, ...]``) gathered from every process into
-        ``[F, ...]`` in request order, on the tensors' device (one process: ``tensors`` unchanged)."""
+    def _gathered(self, compute: Callable[[], Sequence[torch.Tensor]], n: int) -> list[torch.Tensor]:
+        """``compute()``'s per-fact tensors (each ``[F_here, ...]``, this process's facts) gathered from every process
+        into ``[F, ...]`` in request order, on this process's model device (one process: ``compute()`` unchanged)."""
         if self.shards.world_size == 1:
-            return list(tensors)
-        rows = self.shards.gather(list(zip(*(t.unbind(0) for t in tensors))), n)
-        return [torch.stack([row[j] for row in rows]).to(t.device) for j, t in enumerate(tensors)]
+            return list(compute())
+        rows = self.shards.collect(lambda: list(zip(*(t.unbind(0) for t in compute()))), n)
+        device = model_device(self.pg)
+        return [torch.stack([row[j] for row in rows]).to(device) for j in range(len(rows[0]))]
 
     def _info(self, requests: list[EditRequest], results: list[ValueResult], statistics: list[SecondMoment],
               layers: list[dict[str, Any]], key_templates: ContextPrefixes, value_templates: ContextPrefixes,
@@ -365,6 +367,7 @@ class MEMIT(Editor):
             "layers": layers,
             "facts": facts,
             "timings_s": timings,
+            "processes": self.shards.world_size,
             "config": c.to_json(),
         }
 

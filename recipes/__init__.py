@@ -12,6 +12,7 @@
 - :class:`InterventionLogger`: TensorBoard scalars, histograms, generations and hyperparameters.
 - :class:`DeviceMapStrategy`: train on a model spread over devices by accelerate (``device_map="auto"``).
 - :class:`ShardedFrozenDDPStrategy`: DDP for the trainable patches with the frozen model sharded by FSDP2.
+- :func:`run_distributed_edit`: a MEMIT/AlphaEdit batch edit with its facts split over Lightning-launched processes.
 - :class:`SecondMomentJob` / :func:`run_statistics_job`: second-moment statistics split over the ranks of a Lightning
   strategy (DDP, several nodes), resumable from per-rank checkpoints, written as the editors' cache files.
 - the ``gradpatch`` command (:mod:`recipes.cli`, one module per command): ``gradpatch fit --config
@@ -59,6 +60,7 @@ _EXPORTS: dict[str, str] = {
     "greedy_generate": "generation",
     "left_pad": "data",
     "run_statistics_job": "stats_job",
+    "run_distributed_edit": "distributed_edit",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -43,14 +43,16 @@ class FactShards:
         start = self.rank * per + min(self.rank, extra)
         return range(start, start + per + (1 if self.rank < extra else 0))
 
-    def gather(self, local: Sequence[T], n: int) -> list[T]:
-        """Every rank's ``local`` items (this rank's facts, in order), concatenated in rank order: ``n`` items, the
-        same list on every rank (with several processes, tensors come back on the CPU).
+    def collect(self, compute: Callable[[], Sequence[T]], n: int) -> list[T]:
+        """``compute()`` — this rank's items, one per fact of its :meth:`span`, in order — run here and gathered from
+        every rank in rank order: ``n`` items, the same list on every rank (with several processes, tensors come back
+        on the CPU). An error on one rank is raised on every rank, so none is left waiting in the gather.
 
         Raises:
-            EditError: the ranks' items do not add up to ``n`` (ranks that disagree on the requests).
+            EditError: the items do not add up to ``n`` (ranks given other requests), or another rank failed.
+            Whatever ``compute`` raises, on the rank where it failed.
         """
-        items = list(local)
+        items = list(compute())
         if len(items) != n:
             raise EditError(f"gathered {len(items)} facts, expected {n}")
         return items
@@ -82,10 +84,21 @@ class TorchDistributedShards(FactShards):
         self.rank = torch.distributed.get_rank(group)
         self.world_size = torch.distributed.get_world_size(group)
 
-    def gather(self, local: Sequence[T], n: int) -> list[T]:
+    def collect(self, compute: Callable[[], Sequence[T]], n: int) -> list[T]:
+        error: Exception | None = None
+        try:
+            local: list[Any] = [_to_cpu(item) for item in compute()]
+        except Exception as caught:  # noqa: BLE001 (re-raised below, after the other ranks learn of it)
+            local, error = [], caught
         parts: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(parts, [_to_cpu(item) for item in local], group=self.group)
-        items = [item for part in parts for item in part]
+        torch.distributed.all_gather_object(parts, (local, None if error is None else f"{type(error).__name__}: "
+                                                    f"{error}"), group=self.group)
+        if error is not None:
+            raise error
+        failed = [f"process {rank}: {message}" for rank, (_, message) in enumerate(parts) if message is not None]
+        if failed:
+            raise EditError(f"another process failed, so this one stops too ({'; '.join(failed)})")
+        items = [item for part, _ in parts for item in part]
         if len(items) != n:
             raise EditError(f"the {self.world_size} processes gathered {len(items)} facts, expected {n}: they were "
                             f"given different requests; give every process the same list")
