@@ -23,6 +23,7 @@ from torch import nn
 
 from gradpatch import PatchableGraph
 from gradpatch.dispatch import execution_device
+from gradpatch.optional.quantized import is_quantized_parameter
 from gradpatch.model_io import model_device, pad_token_id, right_pad
 
 from .errors import LayerKindError
@@ -141,7 +142,7 @@ class LinearLayer:
     @property
     def quantized(self) -> bool:
         """Whether the weight is quantized storage (bitsandbytes' 8-bit or 4-bit parameter classes)."""
-        return type(self.weight).__module__.startswith("bitsandbytes")
+        return is_quantized_parameter(self.weight)
 
     @property
     def offloaded(self) -> bool:
