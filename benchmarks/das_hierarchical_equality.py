@@ -135,7 +135,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     pg = PatchableGraph(model, torch.zeros(2, 1, WIDTH))
     pg.requires_grad_(False)
     wx_patch, yz_patch = RotatedSubspacePatch(WIDTH, WIDTH // 2), RotatedSubspacePatch(WIDTH, WIDTH // 2)
-    patches = {NODE: [wx_patch, yz_patch]}
     optimizer = torch.optim.Adam([*wx_patch.parameters(), *yz_patch.parameters()], lr=args.lr)
     train = counterfactuals(args.examples, generator)
     steps, start = 0, time.perf_counter()

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from editors import DEFAULT_SMOLLM2_NODE, ROME, CounterFactCase, Edit, EditRequest, evaluate_cases

@@ -202,6 +202,10 @@ def test_eval_edit_refuses_bad_arguments(tmp_path, capsys):
         assert main(["eval-edit", "--method", method, "--cases", str(cases_file), "--out", out,
                      "--subject-first-key", *extra]) == 2
         assert "--subject-first-key applies to ROME with --keys-per-context" in capsys.readouterr().err
+    for method in ("rome", "memit"):
+        assert main(["eval-edit", "--method", method, "--cases", str(cases_file), "--out", out,
+                     "--nullspace-threshold", "0.01"]) == 2
+        assert "--nullspace-threshold is AlphaEdit's" in capsys.readouterr().err
     unfit = tmp_path / "preserve.json"
     unfit.write_text(json.dumps([{"prompt": "We walked to {}", "subject": "Lyon"},
                                  {"prompt": "No slot", "subject": "x"}]))

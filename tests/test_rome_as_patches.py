@@ -12,7 +12,7 @@ import torch
 from editors import ROME, Corpus, Edit, EditRequest, ROMEConfig, resolve_layer
 from editors.errors import EditError
 from gradpatch import PatchableGraph
-from gradpatch.testing import TOY_SENTENCES, tiny_gpt2, tiny_llama
+from gradpatch.testing import tiny_gpt2, tiny_llama
 from recipes.testing import WORDS, save_tiny_backbone, tiny_backbone, tiny_tokenizer
 
 NODES = {"llama": "model.layers_0.mlp.down_proj", "gpt2": "transformer.h_0.mlp.c_proj"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from editors import ROME, EditRequest, ROMEConfig, load_edits, score_case
+from editors import ROME, ROMEConfig, load_edits, score_case
 from editors.evaluation.counterfact import CounterFactCase
 from editors.rome import DEFAULT_SMOLLM2_NODE
 from gradpatch import ProbePatch

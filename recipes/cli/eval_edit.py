@@ -76,6 +76,9 @@ def evaluate_edits(args: argparse.Namespace) -> dict[str, Any] | int:
         return usage_error(command, "--batch-size and --sequential must be at least 1")
     if args.preserve is not None and args.method == "rome":
         return usage_error(command, "--preserve applies to MEMIT and AlphaEdit; drop it for ROME")
+    if args.nullspace_threshold is not None and args.method != "alphaedit":
+        return usage_error(command, f"--nullspace-threshold is AlphaEdit's; drop it for {args.method} or add "
+                                    f"--method alphaedit")
     if args.subject_first_key and (args.method != "rome" or not args.keys_per_context):
         return usage_error(command, "--subject-first-key applies to ROME with --keys-per-context; add "
                                     "--method rome --keys-per-context or drop it")
@@ -144,7 +147,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         return settings | {"subject_first_key": args.subject_first_key}
     settings |= {"mom2_update_weight": args.mom2_update_weight, "mom2_relative_weight": args.mom2_relative_weight,
                  "value_dtype": args.value_dtype, "true_logit_weight": args.true_logit_weight}
-    if args.method == "alphaedit" and args.nullspace_threshold is not None:
+    if args.nullspace_threshold is not None:
         settings["nullspace_threshold"] = args.nullspace_threshold
     return settings
 
