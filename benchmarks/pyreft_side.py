@@ -2,13 +2,15 @@
 the project). Reads a model folder (config.json, weights.safetensors) and IN.safetensors (token ids, positions, R,
 W, b, the seed of R's assignment, a hidden batch; all in one dtype, which the model takes too); writes
 OUT.safetensors: pyreft's LoreftIntervention output on the hidden batch and its R, the model's logits and block
-output with the intervention at a layer, the losses and seconds per training step.
+output with the intervention at a layer, the losses and seconds per training step, the resident memory before the
+steps and its peak during them (MiB, benchmarks/peak_rss.py).
 
     /work/venvs/pyreft/bin/python benchmarks/pyreft_side.py MODEL_DIR IN.safetensors OUT.safetensors LAYER STEPS
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -19,6 +21,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.peak_rss import peak_mib, reset_peak, resident_mib  # noqa: E402 (after the path)
 
 
 def main() -> None:
@@ -59,6 +64,9 @@ def main() -> None:
     optimizer = torch.optim.Adam(reft.get_trainable_parameters() if hasattr(reft, "get_trainable_parameters")
                                  else intervention.parameters(), lr=1e-3)
     labels, prompt = data["input_ids"].clone(), int(data["prompt_length"])
+    gc.collect()
+    before = resident_mib()
+    reset_peak()
     times, cpu_times, losses = [], [], []
     for _ in range(steps):
         start, cpu = time.perf_counter(), time.process_time()
@@ -71,6 +79,8 @@ def main() -> None:
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu)
         losses.append(float(loss.detach()))
+    out["peak_mib_during_steps"] = torch.tensor(peak_mib(), dtype=torch.float64)
+    out["resident_mib_before_steps"] = torch.tensor(before, dtype=torch.float64)
     out["losses"] = torch.tensor(losses)
     out["seconds_per_step"] = torch.tensor(sorted(times)[len(times) // 2])
     out["cpu_seconds_per_step"] = torch.tensor(sorted(cpu_times)[len(cpu_times) // 2])

@@ -1,15 +1,17 @@
 """The gradpatch side of benchmarks/reft_pyreft.py: LoReFT training steps in a process of their own, so that their
-seconds are measured as pyreft's are (benchmarks/pyreft_side.py, another process).
+seconds and peak memory are measured as pyreft's are (benchmarks/pyreft_side.py, another process).
 
 Reads IN.safetensors (written by benchmarks/reft_pyreft.py: token ids, positions, R, W, b, the seed of R's
 assignment), loads the embedded model in R's dtype, and writes OUT.json: the losses, the median seconds per step
-(forward + backward + Adam; wall and CPU).
+(forward + backward + Adam; wall and CPU), the resident memory before the steps and its peak during them (MiB,
+benchmarks/peak_rss.py).
 
     PYTHONPATH=$PWD python benchmarks/reft_gradpatch_side.py IN.safetensors OUT.json LAYER STEPS POSITIONS
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -21,6 +23,7 @@ from safetensors.torch import load_file
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.peak_rss import peak_mib, reset_peak, resident_mib
 from gradpatch import LoReFTPatch, PatchableGraph
 from gradpatch.models import load_embedded_model
 from gradpatch.reft import reft_patch_map
@@ -54,8 +57,11 @@ def loreft_from(data: dict[str, torch.Tensor], positions: str) -> LoReFTPatch:
 def train_steps(pg: PatchableGraph, node: str, patch: LoReFTPatch, ids: torch.Tensor, prompt_length: int,
                 steps: int) -> dict[str, float | list[float]]:
     """``steps`` Adam steps (lr 1e-3) of the response tokens' NLL ``ids[:, prompt_length:]`` with ``patch`` at the
-    prompt's positions of ``node``: losses, median wall and CPU seconds per step."""
+    prompt's positions of ``node``: losses, median wall and CPU seconds per step, resident MiB before, peak during."""
     optimizer = torch.optim.Adam(patch.parameters(), lr=1e-3)
+    gc.collect()
+    before = resident_mib()
+    reset_peak()
     times, cpu_times, losses = [], [], []
     for _ in range(steps):
         start, cpu = time.perf_counter(), time.process_time()
@@ -69,7 +75,8 @@ def train_steps(pg: PatchableGraph, node: str, patch: LoReFTPatch, ids: torch.Te
         cpu_times.append(time.process_time() - cpu)
         losses.append(float(loss.detach()))
     return {"losses": losses, "seconds_per_step": sorted(times)[len(times) // 2],
-            "cpu_seconds_per_step": sorted(cpu_times)[len(cpu_times) // 2]}
+            "cpu_seconds_per_step": sorted(cpu_times)[len(cpu_times) // 2],
+            "resident_mib_before_steps": before, "peak_mib_during_steps": peak_mib()}
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""LoReFT against pyreft 0.1.0: the same R, W, b give the same outputs; seconds per training step.
+"""LoReFT against pyreft 0.1.0: the same R, W, b give the same outputs; seconds and peak memory per training step.
 
 Runs the embedded SmolLM2-135M-Instruct (in ``--dtype``; its weights and config written into a temporary folder
 from which pyreft's transformers rebuilds it) with :class:`gradpatch.LoReFTPatch` at ``model.layers_{L}.output``
@@ -12,7 +12,8 @@ Prints JSON: the largest differences of R, of the intervention on a random hidde
 output and of the logits with the intervention, the logits' difference without it (the two transformers versions'
 own agreement); then the training steps (forward + backward + Adam, same batch, same positions), each side in a
 process of its own (benchmarks/reft_gradpatch_side.py, benchmarks/pyreft_side.py): median seconds per step (CPU
-time, which the other processes on a shared machine disturb less than wall time, and wall time) and their ratio.
+time, which the other processes on a shared machine disturb less than wall time, and wall time), the resident memory
+before the steps and its peak during them (MiB, the kernel's high-water mark reset before the steps), and ratios.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/reft_pyreft.py --python /work/venvs/pyreft/bin/python
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/reft_pyreft.py --dtype float64
@@ -45,7 +46,7 @@ _CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_
                   "hidden_act", "attention_bias", "mlp_bias")
 
 
-def _save_for_pyreft(model: torch.nn.Module, folder: str) -> None:
+def save_for_pyreft(model: torch.nn.Module, folder: str) -> None:
     """The dequantized weights in their dtype (safetensors, tied lm_head left out) and the config fields (JSON)."""
     config = {name: getattr(model.config, name) for name in _CONFIG_FIELDS}
     config["rope_theta"] = (getattr(model.config, "rope_parameters", None) or {}).get(
@@ -56,14 +57,22 @@ def _save_for_pyreft(model: torch.nn.Module, folder: str) -> None:
 
 
 def _steps_report(ours: dict, theirs: dict[str, torch.Tensor]) -> dict:
-    """Seconds of both sides' training steps, and the ratio gradpatch / pyreft."""
+    """Seconds and memory of both sides' training steps, and the ratios gradpatch / pyreft."""
+    ours_growth = ours["peak_mib_during_steps"] - ours["resident_mib_before_steps"]
+    theirs_growth = float(theirs["peak_mib_during_steps"] - theirs["resident_mib_before_steps"])
     return {
         "losses_gradpatch": ours["losses"], "losses_pyreft": theirs["losses"].tolist(),
         "cpu_seconds_per_step_gradpatch": ours["cpu_seconds_per_step"],
         "cpu_seconds_per_step_pyreft": float(theirs["cpu_seconds_per_step"]),
         "cpu_ratio_gradpatch_over_pyreft": ours["cpu_seconds_per_step"] / float(theirs["cpu_seconds_per_step"]),
         "wall_seconds_per_step_gradpatch": ours["seconds_per_step"],
-        "wall_seconds_per_step_pyreft": float(theirs["seconds_per_step"])}
+        "wall_seconds_per_step_pyreft": float(theirs["seconds_per_step"]),
+        "resident_mib_before_steps_gradpatch": ours["resident_mib_before_steps"],
+        "resident_mib_before_steps_pyreft": float(theirs["resident_mib_before_steps"]),
+        "peak_mib_during_steps_gradpatch": ours["peak_mib_during_steps"],
+        "peak_mib_during_steps_pyreft": float(theirs["peak_mib_during_steps"]),
+        "peak_growth_mib_gradpatch": ours_growth, "peak_growth_mib_pyreft": theirs_growth,
+        "peak_growth_ratio_gradpatch_over_pyreft": ours_growth / theirs_growth}
 
 
 def main() -> None:
@@ -100,7 +109,7 @@ def main() -> None:
     node = f"model.layers_{args.layer}.output"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     with tempfile.TemporaryDirectory() as folder:
-        _save_for_pyreft(model, folder)
+        save_for_pyreft(model, folder)
         save_file(data, f"{folder}/in.safetensors")
         here = Path(__file__).resolve().parent
         subprocess.run([args.python, str(here / "pyreft_side.py"), folder, f"{folder}/in.safetensors",
