@@ -103,8 +103,8 @@ def main() -> None:
     ids = torch.tensor([prompt + response] * 4)
     data = {"R": initial.R.detach().contiguous(), "W": initial.projection.weight.detach(),
             "b": initial.projection.bias.detach(), "h": torch.randn(8, width, dtype=dtype), "input_ids": ids,
-            "positions": torch.tensor(initial.positions.columns(len(prompt))), "prompt_length": torch.tensor(len(prompt)),
-            "seed": torch.tensor(1234)}
+            "positions": torch.tensor(initial.positions.columns(len(prompt))),
+            "prompt_length": torch.tensor(len(prompt)), "seed": torch.tensor(1234)}
     patch = loreft_from(data, args.positions)
     node = f"model.layers_{args.layer}.output"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
