@@ -1,13 +1,16 @@
 """The pyreft side of benchmarks/reft_pyreft.py; runs in a separate virtualenv with pyreft 0.1.0 (never imported by
 the project). Reads a model folder (config.json, weights.safetensors) and IN.safetensors (token ids, positions, R,
-W, b, a hidden batch); writes OUT.safetensors: pyreft's LoreftIntervention output on the hidden batch and its R, the
-model's logits and block output with the intervention at a layer, the losses and seconds per training step.
+W, b, the seed of R's assignment, a hidden batch; all in one dtype, which the model takes too); writes
+OUT.safetensors: pyreft's LoreftIntervention output on the hidden batch and its R, the model's logits and block
+output with the intervention at a layer, the losses and seconds per training step, the resident memory before the
+steps and its peak during them (MiB, benchmarks/peak_rss.py).
 
     /work/venvs/pyreft/bin/python benchmarks/pyreft_side.py MODEL_DIR IN.safetensors OUT.safetensors LAYER STEPS
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -18,38 +21,52 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.peak_rss import peak_mib, reset_peak, resident_mib  # noqa: E402 (after the path)
+
 
 def main() -> None:
     model_dir, source, target, layer, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     data = load_file(source)
     rotation, weight, bias = data["R"], data["W"], data["b"]  # R [r, d]; pyreft's rotate_layer.weight is R^T
     rank, width = rotation.shape
+    dtype = rotation.dtype
     torch.manual_seed(0)
     config = LlamaConfig(**json.loads(Path(model_dir, "config.json").read_text()))
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(dtype)  # the dtype first: load_state_dict copies into the existing dtype
     missing, unexpected = model.load_state_dict(load_file(f"{model_dir}/weights.safetensors"), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
     model.eval()
-    intervention = pyreft.LoreftIntervention(embed_dim=width, low_rank_dimension=rank, dtype=torch.float32)
-    intervention.rotate_layer.weight = rotation.T.contiguous()
+    intervention = pyreft.LoreftIntervention(embed_dim=width, low_rank_dimension=rank, dtype=dtype).to(dtype)
+    with torch.random.fork_rng():  # the right inverse draws R's completion: the same seed as gradpatch's side
+        torch.manual_seed(int(data["seed"]))
+        intervention.rotate_layer.weight = rotation.T.contiguous()
     with torch.no_grad():
         intervention.learned_source.weight.copy_(weight)
         intervention.learned_source.bias.copy_(bias)
-    out = {"edit": intervention(data["h"]).detach(), "R": intervention.rotate_layer.weight.detach().T}
+    # A fresh (aligned) copy: MKL's float32 matmul rounds differently for a buffer not 16-byte aligned, which a
+    # tensor read from a safetensors file may be
+    out = {"edit": intervention(data["h"].clone()).detach(), "R": intervention.rotate_layer.weight.detach().T}
     config = pyreft.ReftConfig(representations=[{"layer": layer, "component": "block_output",
                                                  "low_rank_dimension": rank, "intervention": intervention}])
     reft = pyreft.get_reft_model(model, config, set_device=False)
     ids, positions = data["input_ids"], data["positions"].tolist()
     locations = {"sources->base": (None, [[positions] * ids.shape[0]])}
+    # The logits from the final normed hidden state: transformers 4.45 returns them cast to float32
     with torch.no_grad():
-        out["base_logits"] = model(input_ids=ids).logits
+        out["base_logits"] = model.lm_head(model(input_ids=ids, output_hidden_states=True).hidden_states[-1])
         _, patched = reft({"input_ids": ids, "output_hidden_states": True}, unit_locations=locations)
+        out["logits"] = model.lm_head(patched.hidden_states[-1])
     out["hidden"] = patched.hidden_states[layer + 1]  # the next layer's input: the block output after the edit
-    out["logits"] = patched.logits
+    del patched
     optimizer = torch.optim.Adam(reft.get_trainable_parameters() if hasattr(reft, "get_trainable_parameters")
                                  else intervention.parameters(), lr=1e-3)
     labels, prompt = data["input_ids"].clone(), int(data["prompt_length"])
+    gc.collect()
+    before = resident_mib()
+    reset_peak()
     times, cpu_times, losses = [], [], []
     for _ in range(steps):
         start, cpu = time.perf_counter(), time.process_time()
@@ -62,6 +79,8 @@ def main() -> None:
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu)
         losses.append(float(loss.detach()))
+    out["peak_mib_during_steps"] = torch.tensor(peak_mib(), dtype=torch.float64)
+    out["resident_mib_before_steps"] = torch.tensor(before, dtype=torch.float64)
     out["losses"] = torch.tensor(losses)
     out["seconds_per_step"] = torch.tensor(sorted(times)[len(times) // 2])
     out["cpu_seconds_per_step"] = torch.tensor(sorted(cpu_times)[len(cpu_times) // 2])

@@ -1,4 +1,4 @@
-"""LoReFT against the full-vector additive baseline at the same positions, on a held-out answer-format task.
+"""LoReFT and DiReFT against the full-vector additive baseline at the same positions, on a held-out answer-format task.
 
 Task (benchmarks/build_reft_data.py): "Which country is the city of X in? Answer in one word.\\n" -> "<country>" on
 the embedded SmolLM2-135M-Instruct; 96 training cities, 64 held-out cities (their countries occur in training).
@@ -51,6 +51,12 @@ def _accuracy(module: ReFTModule, records: list, generate: bool) -> dict[str, fl
         from recipes.reft_generation import generate_with_patches
 
         texts = generate_with_patches(module.graph, module.tokenizer, {}, prompts, 5, 16)
+    return score(texts, records)
+
+
+def score(texts: list[str], records: list) -> dict[str, float | list[str]]:
+    """Held-out accuracy of continuations ``texts`` of ``records``' prompts: ``exact`` (the country alone, a final
+    period allowed), ``starts`` (begins with the country), and the first three continuations."""
     exact = sum(t.strip().rstrip(".") == r.response for t, r in zip(texts, records))
     starts = sum(t.strip().startswith(r.response) for t, r in zip(texts, records))
     return {"exact": exact / len(records), "starts": starts / len(records), "examples": texts[:3]}
@@ -71,6 +77,7 @@ def main() -> None:
     runs = {"none": None,
             "add_f3+l3": {"node": node, "kind": "add", "positions": "f3+l3"},
             "loreft_r1_f3+l3": {"node": node, "kind": "loreft", "rank": 1, "positions": "f3+l3"},
+            "direft_r1_f3+l3": {"node": node, "kind": "direft", "rank": 1, "positions": "f3+l3"},
             "loreft_r4_f3+l3_untied": {"node": node, "kind": "loreft", "rank": 4, "positions": "f3+l3",
                                        "tied": False}}
     for name, spec in runs.items():

@@ -36,6 +36,19 @@ def test_loreft_and_direft_compute_the_paper_formulas() -> None:
     torch.testing.assert_close(lo.edit(h), h, rtol=0, atol=1e-5)
 
 
+def test_loreft_edit_is_pyreft_s_expression_bit_for_bit() -> None:
+    """pyreft 0.1.0's LoreftIntervention stores Rᵀ ``[d, r]`` (contiguous) and computes
+    h + (W h + b − h Rᵀ) (Rᵀ)ᵀ in this order (benchmarks/reft_pyreft.py compares the two packages on the real model)."""
+    torch.manual_seed(0)
+    patch = LoReFTPatch(576, 4)
+    h = torch.randn(2, 6, 576)
+    with torch.no_grad():
+        tall = patch.R.T.contiguous()
+        learned = torch.nn.functional.linear(h, patch.projection.weight, patch.projection.bias)
+        expected = h + torch.matmul(learned - torch.matmul(h, tall), tall.T)
+        assert torch.equal(patch.edit(h), expected)
+
+
 def test_positions_parse_and_columns() -> None:
     positions = ReFTPositions.parse("f2+l3")
     assert (positions.first, positions.last, str(positions)) == (2, 3, "f2+l3")
