@@ -17,11 +17,10 @@ import json
 import time
 from pathlib import Path
 
-import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback
 
-from gradpatch.models import load_embedded_model
+from gradpatch.loaders import load_embedded_model
 from recipes import ContinuationDataModule, ReFTModule
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -39,7 +39,7 @@ if __package__ in (None, ""):
 from benchmarks.peak_rss import peak_mib, reset_peak, resident_mib
 from benchmarks.reft_country import DATA, score
 from benchmarks.reft_pyreft import save_for_pyreft
-from gradpatch.models import load_embedded_model
+from gradpatch.loaders import load_embedded_model
 from gradpatch.reft import ReFTPositions
 from recipes import ContinuationDataModule, ReFTModule
 from recipes.data import encode, left_pad, pad_token_id

@@ -25,7 +25,7 @@ if __package__ in (None, ""):
 
 from benchmarks.peak_rss import peak_mib, reset_peak, resident_mib
 from gradpatch import LoReFTPatch, PatchableGraph
-from gradpatch.models import load_embedded_model
+from gradpatch.loaders import load_embedded_model
 from gradpatch.reft import reft_patch_map
 
 

@@ -37,7 +37,7 @@ if __package__ in (None, ""):
 
 from benchmarks.reft_gradpatch_side import loreft_from
 from gradpatch import LoReFTPatch, PatchableGraph, ProbePatch
-from gradpatch.models import load_embedded_model
+from gradpatch.loaders import load_embedded_model
 from gradpatch.reft import reft_patch_map
 
 #: The LlamaConfig fields pyreft's transformers (4.45) needs to rebuild the model (5.24 renamed rope_theta).
