@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import NodePathError
+from ..model_io import model_dtype
 from ..patchable_graph import PatchableGraph
 from ..patches import CustomPatch
 from .errors import AttributionError
@@ -29,7 +30,7 @@ from .nodes import Node, Unit, as_nodes, detect_family, units
 from .prompts import PromptBatch
 from .records import AttributionResult, NodeScore
 from .runner import Progress, Runner, check_positions
-from .suffix import PositionPrefix, position_prefix, quiet_extraction, repeat_rows
+from .suffix import PositionPrefix, position_prefix, quiet_extraction, repeat_rows, same_metric
 
 __all__ = ["block_inputs", "exact_sweep", "variant_patches"]
 
@@ -48,6 +49,21 @@ def block_inputs(pg: PatchableGraph, nodes: Sequence[Node]) -> dict[int, str] | 
     except (AttributionError, NodePathError):
         return None
     return paths  # type: ignore[return-value]
+
+
+def _blocks_shared(runner: Runner, starts: Mapping[int, str], base_value: float) -> bool:
+    """Whether the base rows can run the blocks before the earliest patched one and be repeated there: one whole pass
+    of the base prompts split that way into two copies must give the base metric in both. It fails where the
+    blocks take a value of the base rows' batch size besides the hidden states (an attention mask materialised by
+    eager attention or a sliding window, ``[rows, 1, seq, seq]``); the sweep then runs every block on every row."""
+    rows = runner.batch.size
+    try:
+        with torch.no_grad():
+            logits = runner.logits(runner.base_ids, {starts[min(starts)]: repeat_rows(2)})
+            values = [float(runner.value(logits[c * rows:(c + 1) * rows])) for c in (0, 1)]
+    except RuntimeError:  # the batch sizes do not broadcast
+        return False
+    return all(same_metric(value, base_value, model_dtype(runner.pg)) for value in values)
 
 
 def variant_patches(chunk: Sequence[Unit], rows: int, source: Mapping[str, torch.Tensor]) -> dict[str, CustomPatch]:
@@ -127,8 +143,9 @@ def exact_sweep(pg: PatchableGraph, batch: PromptBatch, nodes: str | Sequence[st
     Returns:
         An :class:`AttributionResult` with one :class:`NodeScore` per unit, in the order of
         :func:`~gradpatch.attribution.nodes.units`. Passes: 2 recordings + ceil(units / variants) without the cache;
-        with it 2 recordings + 1 pass filling the cache + 1 or 2 checks of it + ceil(units at p / variants) per position
-        ``p`` > 0, each of ``seq - p`` tokens (``forward_tokens`` sums the tokens of every pass).
+        with it 2 recordings + 1 pass filling the cache + 1 to 3 checks of it + ceil(units at p / variants) per position
+        ``p`` > 0, each of ``seq - p`` tokens (``forward_tokens`` sums the tokens of every pass); 1 more (a check) where
+        blocks are shared.
 
     Raises:
         AttributionError: bad nodes, positions, direction, metric or batch size (before any forward pass).
@@ -146,6 +163,8 @@ def exact_sweep(pg: PatchableGraph, batch: PromptBatch, nodes: str | Sequence[st
     todo = units(resolved, chosen)
     per_pass = max(1, batch_size // batch.size)
     starts = block_inputs(pg, resolved) if share_prefix else None
+    if starts is not None and not _blocks_shared(runner, starts, base_value):
+        starts = None
     prefix: PositionPrefix | None = None
     if share_prefix:
         prefix = position_prefix(runner, chosen, base_value)

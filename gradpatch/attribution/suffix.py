@@ -36,7 +36,7 @@ from ..patches import CustomPatch
 from ..values import holds_input
 from .runner import Runner
 
-__all__ = ["PositionPrefix", "causal_mask", "position_prefix", "quiet_extraction", "repeat_rows"]
+__all__ = ["PositionPrefix", "causal_mask", "position_prefix", "quiet_extraction", "repeat_rows", "same_metric"]
 
 
 def repeat_rows(copies: int) -> CustomPatch:
@@ -66,6 +66,12 @@ def causal_mask(prefix: int, suffix: int, dtype: torch.dtype, device: torch.devi
     key = torch.arange(prefix + suffix, device=device)[None, :]
     mask = torch.zeros(suffix, prefix + suffix, dtype=dtype, device=device)
     return mask.masked_fill(key > query, torch.finfo(dtype).min)[None, None]
+
+
+def same_metric(value: float, base_value: float, dtype: torch.dtype) -> bool:
+    """Whether a metric computed another way (on a cache, on shared rows) equals the base run's up to float rounding
+    in ``dtype``: within ``max(1e-4, 8 eps) * (1 + |base|)``."""
+    return abs(value - base_value) <= max(1e-4, 8 * torch.finfo(dtype).eps) * (1 + abs(base_value))
 
 
 def _cache_class() -> Any:
@@ -177,8 +183,7 @@ def position_prefix(runner: Runner, positions: Sequence[int], base_value: float)
         warnings.warn(f"exact_sweep: the position-prefix cache does not work for this model ({type(error).__name__}: "
                       f"{error}); every pass runs the whole prompt", stacklevel=3)
         return None
-    tolerance = max(1e-4, 8 * torch.finfo(dtype).eps) * (1 + abs(base_value))
-    wrong = [(position, value) for position, value in values if abs(value - base_value) > tolerance]
+    wrong = [(position, value) for position, value in values if not same_metric(value, base_value, dtype)]
     if int(cache.get_seq_length()) != length or wrong:
         warnings.warn(f"exact_sweep: suffix passes on the position-prefix cache gave the metric (from position, value) "
                       f"{wrong} where the whole prompt gives {base_value:.6g} (the model's attention is not the causal "
