@@ -12,8 +12,8 @@ base rows and only the later layers are repeated.
 A suffix pass gets an explicit additive causal mask ``[1, 1, suffix, p + suffix]`` (0 where a token may attend, the
 dtype's minimum where not), the form transformers' eager and SDPA attention take as a prepared 4-D mask; its batch
 dimension of 1 broadcasts over base rows and variant rows alike. The mask and the cache must reproduce the whole
-prompt's computation: before the sweep, :func:`position_prefix` runs the base prompts' suffix from the first patched
-position (two copies, split at the first patched block as the sweep splits them) and compares the metric with the
+prompt's computation: before the sweep, :func:`position_prefix` runs one suffix pass of the base prompts for each
+class of sizes the sweep will use (1 or more cached tokens, 1 or more suffix tokens) and compares its metric with the
 base run's. Where that fails (an attention this mask does not describe: sliding windows, ALiBi, a bidirectional
 model), where the model's ``forward`` takes no cache or no ``attention_mask``, or where the call's keyword arguments
 hold tensors of the whole prompt, :func:`position_prefix` returns ``None`` and every pass runs the whole prompt.
