@@ -69,11 +69,15 @@ def test_the_cached_sweep_of_node_paths_and_queries_equals_the_whole_computation
     assert not warned
 
 
-def test_eager_attention_uses_the_cache_but_shares_no_blocks():
-    """Eager attention materialises its causal mask for the base rows' batch, so the blocks before the first patched
-    one cannot run on the base rows alone (the check finds it); the suffix passes' own mask broadcasts."""
-    cached, whole, warned = _sweeps(_graph("llama", attn_implementation="eager"), ["resid", "mlp"])
+def test_eager_attention_uses_the_cache_but_whole_passes_share_no_blocks():
+    """Eager attention materialises its causal mask for the base rows' batch, so in whole-prompt passes the blocks
+    before the first patched one cannot run on the base rows alone (the check finds it); the suffix passes' own mask
+    broadcasts, so without position 0 they share blocks."""
+    pg = _graph("llama", attn_implementation="eager")
+    cached, whole, warned = _sweeps(pg, ["resid", "mlp"])
     assert not warned and cached.forward_tokens < whole.forward_tokens
+    cached, whole, warned = _sweeps(pg, ["resid", "mlp"], positions=[2, 3, 5])
+    assert not warned and cached.forward == 2 + 1 + 2 + 3 * 2  # no check of the shared blocks
 
 
 class CausalMixer(nn.Module):

@@ -52,7 +52,8 @@ def block_inputs(pg: PatchableGraph, nodes: Sequence[Node]) -> dict[int, str] | 
 
 
 def _blocks_shared(runner: Runner, starts: Mapping[int, str], base_value: float) -> bool:
-    """Whether the base rows can run the blocks before the earliest patched one and be repeated there: one whole pass
+    """Whether, in whole-prompt passes, the base rows can run the blocks before the earliest patched one and be
+    repeated there: one whole pass
     of the base prompts split that way into two copies must give the base metric in both. It fails where the
     blocks take a value of the base rows' batch size besides the hidden states (an attention mask materialised by
     eager attention or a sliding window, ``[rows, 1, seq, seq]``); the sweep then runs every block on every row."""
@@ -145,7 +146,7 @@ def exact_sweep(pg: PatchableGraph, batch: PromptBatch, nodes: str | Sequence[st
         :func:`~gradpatch.attribution.nodes.units`. Passes: 2 recordings + ceil(units / variants) without the cache;
         with it 2 recordings + 1 pass filling the cache + 1 to 3 checks of it + ceil(units at p / variants) per position
         ``p`` > 0, each of ``seq - p`` tokens (``forward_tokens`` sums the tokens of every pass); 1 more (a check) where
-        blocks are shared.
+        blocks are shared in whole-prompt passes (no cache, or position 0 patched).
 
     Raises:
         AttributionError: bad nodes, positions, direction, metric or batch size (before any forward pass).
@@ -162,12 +163,11 @@ def exact_sweep(pg: PatchableGraph, batch: PromptBatch, nodes: str | Sequence[st
     del clean_acts, corrupted_acts
     todo = units(resolved, chosen)
     per_pass = max(1, batch_size // batch.size)
+    prefix: PositionPrefix | None = position_prefix(runner, chosen, base_value) if share_prefix else None
     starts = block_inputs(pg, resolved) if share_prefix else None
-    if starts is not None and not _blocks_shared(runner, starts, base_value):
+    whole_passes = prefix is None or 0 in chosen  # the suffix passes' own mask broadcasts over base and variant rows
+    if starts is not None and whole_passes and not _blocks_shared(runner, starts, base_value):
         starts = None
-    prefix: PositionPrefix | None = None
-    if share_prefix:
-        prefix = position_prefix(runner, chosen, base_value)
     values: dict[int, float] = {}
     with torch.no_grad(), quiet_extraction():
         for cached, indices in _passes(todo, per_pass, prefix is not None):
