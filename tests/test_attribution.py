@@ -67,8 +67,11 @@ def test_the_batched_sweep_equals_one_at_a_time_patching(gpt2_graph, direction):
     batch = _batch()
     result = exact_sweep(gpt2_graph, batch, ["heads", "mlp"], positions=[2, 5], direction=direction, batch_size=15,
                          forward_kwargs=KW)
-    # 2 layers x 2 positions x (4 heads + 1 mlp) = 20 units, 5 variants of 3 rows per pass: 4 passes + 2 recordings
-    assert len(result.scores) == 20 and result.forward == 6
+    # 2 layers x 2 positions x (4 heads + 1 mlp) = 20 units, 5 variants of 3 rows per pass: 2 recordings, 1 pass
+    # filling the base run's KV cache, 2 checks of it (from position 2 and from 5), then 2 passes of the 4 tokens from
+    # position 2 and 2 passes of the last token (no whole-prompt pass: the shared blocks need no check)
+    assert len(result.scores) == 20 and result.forward == 2 + 1 + 2 + 4
+    assert result.forward_tokens == 2 * 6 + 6 + (4 + 1) + 2 * 4 + 2 * 1
     expected = _one_at_a_time(gpt2_graph, batch, result, direction)
     torch.testing.assert_close(torch.tensor([s.score for s in result.scores]), torch.tensor(expected),
                                atol=1e-5, rtol=1e-4)

@@ -50,7 +50,10 @@ def test_attribute_writes_scores_heatmaps_and_tensorboard(model_dir, tmp_path, m
     last = next(n for n in scores["nodes"] if n["node"] == "transformer.h_1.output" and n["position"] == 5)
     if method == "exact":  # the last block's output at the last position carries the whole corrupted run
         assert last["score"] == pytest.approx(scores["metric"]["corrupted"] - scores["metric"]["clean"], abs=1e-4)
-        assert scores["passes"] == {"forward": 2 + 18, "backward": 0}  # 72 units, 4 variants of 2 prompts per pass
+        # 72 units, 12 per position, 4 variants of 2 prompts per pass: 2 recordings, 1 check of the shared blocks,
+        # 1 pass filling the KV cache, 3 checks of it (from positions 1, 2 and 5: one per class of sizes), 3 passes
+        # per position
+        assert scores["passes"] == {"forward": 2 + 1 + 1 + 3 + 18, "backward": 0}
     else:
         assert scores["passes"] == {"forward": 2, "backward": 1}
     for kind in ("resid", "heads", "mlp"):

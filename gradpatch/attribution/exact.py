@@ -2,10 +2,14 @@
 
 Each patched variant is one copy of the base prompts along the batch dimension, so one forward pass of
 ``variants * batch`` rows scores ``variants`` units (Meng et al. 2022 batch their causal-tracing restorations the
-same way). Blocks before the earliest patched block compute the same values in every variant, so for Llama-style and
-GPT-2 models the pass runs them on the base prompts once and repeats the rows at that block's input. The score of a unit is ``M(base with the unit's source value) − M(base)``: noising (the default) runs the
-clean prompts with one corrupted activation; denoising runs the corrupted prompts with one clean activation (Heimersheim
-& Nanda 2024, "How to use and interpret activation patching").
+same way). Two savings make a pass do less arithmetic than one forward per variant, both exact in a causal model:
+blocks before the pass's earliest patched block compute the same values in every variant, so for Llama-style and
+GPT-2 models the pass runs them on the base prompts once and repeats the rows at that block's input; and positions
+before the patched one are the base run's at every layer, so the variants patched at position ``p`` run only tokens
+``[p, end)`` on the base run's KV cache (:mod:`gradpatch.attribution.suffix`). The score of a unit is
+``M(base with the unit's source value) − M(base)``: noising (the default) runs the clean prompts with one corrupted
+activation; denoising runs the corrupted prompts with one clean activation (Heimersheim & Nanda 2024, "How to use and
+interpret activation patching").
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import NodePathError
+from ..model_io import model_dtype
 from ..patchable_graph import PatchableGraph
 from ..patches import CustomPatch
 from .errors import AttributionError
@@ -25,6 +30,7 @@ from .nodes import Node, Unit, as_nodes, detect_family, units
 from .prompts import PromptBatch
 from .records import AttributionResult, NodeScore
 from .runner import Progress, Runner, check_positions
+from .suffix import PositionPrefix, position_prefix, quiet_extraction, repeat_rows, same_metric
 
 __all__ = ["block_inputs", "exact_sweep", "variant_patches"]
 
@@ -45,16 +51,28 @@ def block_inputs(pg: PatchableGraph, nodes: Sequence[Node]) -> dict[int, str] | 
     return paths  # type: ignore[return-value]
 
 
-def _repeat_rows(copies: int) -> CustomPatch:
-    def op(value: torch.Tensor) -> torch.Tensor:
-        return value.repeat(copies, *([1] * (value.dim() - 1)))
-
-    return CustomPatch(custom_op=op, requires_clone=False)
+def _blocks_shared(runner: Runner, starts: Mapping[int, str], base_value: float) -> bool:
+    """Whether, in whole-prompt passes, the base rows can run the blocks before the earliest patched one and be
+    repeated there: one whole pass
+    of the base prompts split that way into two copies must give the base metric in both. It fails where the
+    blocks take a value of the base rows' batch size besides the hidden states (an attention mask materialised by
+    eager attention or a sliding window, ``[rows, 1, seq, seq]``); the sweep then runs every block on every row."""
+    rows = runner.batch.size
+    try:
+        with torch.no_grad():
+            logits = runner.logits(runner.base_ids, {starts[min(starts)]: repeat_rows(2)})
+            values = [float(runner.value(logits[c * rows:(c + 1) * rows])) for c in (0, 1)]
+    except RuntimeError:  # the batch sizes do not broadcast
+        return False
+    return all(same_metric(value, base_value, model_dtype(runner.pg)) for value in values)
 
 
 def variant_patches(chunk: Sequence[Unit], rows: int, source: Mapping[str, torch.Tensor]) -> dict[str, CustomPatch]:
     """The patches that give row block ``v`` (rows ``v*rows`` to ``(v+1)*rows``) of a ``len(chunk) * rows`` batch the
     source value of unit ``chunk[v]`` and leave every other block alone.
+
+    A pass may run only the last tokens of the prompts (a suffix pass on a KV cache): an activation of ``s < seq``
+    positions holds positions ``seq - s`` to ``seq - 1``, and the patch indexes it accordingly.
 
     Args:
         chunk: one unit per variant.
@@ -74,13 +92,31 @@ def variant_patches(chunk: Sequence[Unit], rows: int, source: Mapping[str, torch
 
         def op(activation: torch.Tensor) -> torch.Tensor:
             flat = node.flat(activation)
+            offset = value.shape[1] - flat.shape[1]  # positions before the pass's first token (cached)
             blocks = flat.reshape(mask.shape[0], rows, *flat.shape[1:])
-            patched = torch.where(mask, value.to(activation.dtype).unsqueeze(0), blocks).reshape(flat.shape)
-            return node.unflat(patched)
+            patched = torch.where(mask[:, :, offset:], value[:, offset:].to(activation.dtype).unsqueeze(0), blocks)
+            return node.unflat(patched.reshape(flat.shape))
 
         return CustomPatch(custom_op=op, requires_clone=False)
 
     return {path: replace(path, mask) for path, mask in masks.items()}
+
+
+def _passes(todo: Sequence[Unit], per_pass: int, by_position: bool) -> list[tuple[int, list[int]]]:
+    """``(prefix, unit indices)`` of each pass of at most ``per_pass`` units: in order (prefix 0) or, ``by_position``,
+    the units of one position together (prefix = that position), each position's units sorted by block so that a
+    pass's earliest patched block is as late as it can be."""
+    if not by_position:
+        indices = list(range(len(todo)))
+        return [(0, indices[first:first + per_pass]) for first in range(0, len(todo), per_pass)]
+    groups: dict[int, list[int]] = {}
+    for index, unit in enumerate(todo):
+        groups.setdefault(unit.position, []).append(index)
+    passes = []
+    for position in sorted(groups):
+        group = sorted(groups[position], key=lambda index: todo[index].node.layer or 0)
+        passes += [(position, group[first:first + per_pass]) for first in range(0, len(group), per_pass)]
+    return passes
 
 
 def exact_sweep(pg: PatchableGraph, batch: PromptBatch, nodes: str | Sequence[str] | Sequence[Node] = "all",
@@ -99,11 +135,18 @@ def exact_sweep(pg: PatchableGraph, batch: PromptBatch, nodes: str | Sequence[st
         batch_size: rows per forward pass; ``max(1, batch_size // batch.size)`` variants run at once.
         forward_kwargs: keyword arguments of every call of ``pg`` (those it was built with).
         progress: ``progress(done, total)`` over units.
-        share_prefix: run the blocks before a pass's first patched block once, on the base rows (Llama-style and
-            GPT-2 kinds); ``False`` runs every variant's whole forward (the same scores, for comparisons).
+        share_prefix: compute once what the variants share: the blocks before a pass's first patched block run on the
+            base rows (Llama-style and GPT-2 kinds), and the variants patched at position ``p`` run tokens
+            ``[p, end)`` on the base run's KV cache (models whose ``forward`` takes a transformers cache, checked
+            first: :func:`~gradpatch.attribution.suffix.position_prefix`); ``False`` runs every variant's whole
+            forward over the whole prompt (the same scores, for comparisons).
 
     Returns:
-        An :class:`AttributionResult` with one :class:`NodeScore` per unit; passes = 2 + ceil(units / variants).
+        An :class:`AttributionResult` with one :class:`NodeScore` per unit, in the order of
+        :func:`~gradpatch.attribution.nodes.units`. Passes: 2 recordings + ceil(units / variants) without the cache;
+        with it 2 recordings + 1 pass filling the cache + 1 to 3 checks of it + ceil(units at p / variants) per position
+        ``p`` > 0, each of ``seq - p`` tokens (``forward_tokens`` sums the tokens of every pass); 1 more (a check) where
+        blocks are shared in whole-prompt passes (no cache, or position 0 patched).
 
     Raises:
         AttributionError: bad nodes, positions, direction, metric or batch size (before any forward pass).
@@ -120,24 +163,29 @@ def exact_sweep(pg: PatchableGraph, batch: PromptBatch, nodes: str | Sequence[st
     del clean_acts, corrupted_acts
     todo = units(resolved, chosen)
     per_pass = max(1, batch_size // batch.size)
+    prefix: PositionPrefix | None = position_prefix(runner, chosen, base_value) if share_prefix else None
     starts = block_inputs(pg, resolved) if share_prefix else None
-    scores: list[NodeScore] = []
-    with torch.no_grad():
-        for first in range(0, len(todo), per_pass):
-            chunk = todo[first:first + per_pass]
+    whole_passes = prefix is None or 0 in chosen  # the suffix passes' own mask broadcasts over base and variant rows
+    if starts is not None and whole_passes and not _blocks_shared(runner, starts, base_value):
+        starts = None
+    values: dict[int, float] = {}
+    with torch.no_grad(), quiet_extraction():
+        for cached, indices in _passes(todo, per_pass, prefix is not None):
+            chunk = [todo[index] for index in indices]
             patches: dict[str, Any] = dict(variant_patches(chunk, batch.size, source))
+            layer = 0
             if starts is None:
                 ids = runner.base_ids.repeat(len(chunk), 1)
             else:  # the blocks before the first patched one run once, on the base rows
-                ids = runner.base_ids
-                patches[starts[min(unit.node.layer for unit in chunk)]] = _repeat_rows(len(chunk))  # type: ignore
-            logits = runner.logits(ids, patches)
-            for v, unit in enumerate(chunk):
-                value = float(runner.value(logits[v * batch.size:(v + 1) * batch.size]))
-                scores.append(NodeScore(unit.node.path, unit.position, unit.head, value - base_value, unit.node.kind,
-                                        unit.node.layer))
+                ids, layer = runner.base_ids, min(unit.node.layer for unit in chunk)  # type: ignore[type-var]
+                patches[starts[layer]] = repeat_rows(len(chunk))
+            call = None if prefix is None or cached == 0 else prefix.call_kwargs(cached, len(chunk), layer)
+            logits = runner.logits(ids[:, cached:], patches, call)
+            for v, index in enumerate(indices):
+                values[index] = float(runner.value(logits[v * batch.size:(v + 1) * batch.size]))
             if progress is not None:
-                progress(first + len(chunk), len(todo))
+                progress(len(values), len(todo))
+    scores = [NodeScore(unit.node.path, unit.position, unit.head, values[index] - base_value, unit.node.kind,
+                        unit.node.layer) for index, unit in enumerate(todo)]
     return AttributionResult("exact", direction, m_clean, m_corrupted, forward=runner.forwards, backward=0,
-                             seconds=time.perf_counter() - start, scores=scores)
-
+                             seconds=time.perf_counter() - start, scores=scores, forward_tokens=runner.forward_tokens)

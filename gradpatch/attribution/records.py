@@ -56,6 +56,9 @@ class AttributionResult:
         forward: forward passes run (a batched pass counts once).
         backward: backward passes run.
         seconds: wall-clock time of the run.
+        forward_tokens: the exact sweep's token count: each forward pass counts the tokens of its call (``seq`` for
+            a whole-prompt pass, ``seq - p`` for a pass on the KV cache of the first ``p`` tokens); 0 for the other
+            methods (not counted).
         scores: one record per node unit.
         edges: one record per edge (edge methods only).
         faithfulness: ``[(k, faithfulness)]`` of the top-k-edge circuits (edge methods only).
@@ -68,6 +71,7 @@ class AttributionResult:
     forward: int = 0
     backward: int = 0
     seconds: float = 0.0
+    forward_tokens: int = 0
     scores: list[NodeScore] = field(default_factory=list)
     edges: list[EdgeScore] = field(default_factory=list)
     faithfulness: list[tuple[int, float]] = field(default_factory=list)

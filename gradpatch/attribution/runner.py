@@ -71,6 +71,7 @@ class Runner:
         self.forward_kwargs = dict(forward_kwargs or {})
         self.forwards = 0
         self.backwards = 0
+        self.forward_tokens = 0
         try:
             pg.node(LOGITS_INPUT)
             self.cut: str | None = LOGITS_INPUT
@@ -89,9 +90,11 @@ class Runner:
         """``[batch, seq]``: the run whose values are patched in (corrupted for noising)."""
         return self.batch.corrupted if self.direction == "noise" else self.batch.clean
 
-    def logits(self, ids: torch.Tensor, patches: Mapping[str, Patch | list[Patch]] | None = None) -> torch.Tensor:
+    def logits(self, ids: torch.Tensor, patches: Mapping[str, Patch | list[Patch]] | None = None,
+               call_kwargs: Mapping[str, Any] | None = None) -> torch.Tensor:
         """Last-position logits ``[rows, vocab]`` of ``ids`` ``[rows, seq]`` with ``patches`` applied (counted as one
-        forward pass)."""
+        forward pass of ``seq`` tokens in :attr:`forward_tokens`); ``call_kwargs`` add to or replace the
+        ``forward_kwargs`` of this call (a KV cache, say)."""
         patch_map: dict[str, Any] = dict(patches or {})
         if self.cut is not None:
             cut = CustomPatch(custom_op=_keep_last_position, requires_clone=False)
@@ -99,8 +102,9 @@ class Runner:
             before = [*existing] if isinstance(existing, list) else [existing] if existing else []
             patch_map[self.cut] = [*before, cut]
         with self.pg.patch(patch_map):
-            output = self.pg(ids, **self.forward_kwargs)
+            output = self.pg(ids, **{**self.forward_kwargs, **(call_kwargs or {})})
         self.forwards += 1
+        self.forward_tokens += int(ids.shape[-1])
         logits = output.logits if hasattr(output, "logits") else output
         return logits[:, -1]
 
