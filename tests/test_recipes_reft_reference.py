@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 from torch import nn
 
-from recipes import BiPOObjective, ContinuationDataModule, PreferenceDataModule, ReFTModule
+from recipes import BiPOObjective, ContinuationDataModule, InterventionModule, PreferenceDataModule, RecipeConfigError
+from recipes import ReFTModule
+from recipes.counterfactual import CounterfactualRecord
 from recipes.data import left_pad
 from recipes.testing import tiny_backbone
 
@@ -149,6 +152,7 @@ def test_loreft_continuation_nll_trains_as_the_hand_written_loop(tmp_path: Path)
     lr, weight_decay = 0.05, 0.1
     module = ReFTModule.from_model(model, tokenizer, lr=lr, weight_decay=weight_decay, interventions=[
         {"node": NODE, "kind": "loreft", "rank": 2, "positions": "f1+l2", "tied": False}])
+    assert isinstance(module, InterventionModule)
     initial = _patch_states(module)
     assert len(initial) == 2 and all("rotation.parametrizations.weight.original" in s for s in initial)
     expected_losses, expected_states = _loreft_by_hand(model, tokenizer, initial, lr, weight_decay)
@@ -206,6 +210,7 @@ def test_bipo_steering_vector_trains_as_the_hand_written_loop(tmp_path: Path) ->
     lr, beta, weight_decay = 0.05, 0.5, 0.05
     module = ReFTModule.from_model(model, tokenizer, lr=lr, weight_decay=weight_decay, objective=BiPOObjective(beta),
                                    interventions=[{"node": NODE, "kind": "steer"}])
+    assert isinstance(module, InterventionModule)
     data = PreferenceDataModule(_write(tmp_path / "train.jsonl", PREFERENCES), batch_size=BATCH, shuffle=False)
     recorder = _fit(module, data, STEPS)
     # d is drawn from torch's generator in the module; the loop by hand replays the drawn sequence
@@ -216,3 +221,10 @@ def test_bipo_steering_vector_trains_as_the_hand_written_loop(tmp_path: Path) ->
     assert float(expected_vector.norm()) > 0.05  # it trains
     torch.testing.assert_close(patch.value.detach(), expected_vector, atol=1e-6, rtol=0)
 
+
+def test_interchange_methods_refuse_reft_patches() -> None:
+    module = ReFTModule.from_model(*tiny_backbone(), interventions=[{"node": NODE, "kind": "loreft", "rank": 2,
+                                                                     "positions": "f1+l1"}])
+    assert isinstance(module, InterventionModule)
+    with pytest.raises(RecipeConfigError, match="LoReFTPatch patches, which read no source"):
+        module.iia([CounterfactualRecord(base="the dog", source="my friend", label=" is")])
