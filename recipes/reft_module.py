@@ -16,8 +16,8 @@ Kinds (:class:`ReFTSpec`): ``loreft`` (:class:`~gradpatch.reft.LoReFTPatch`), ``
 (:class:`~gradpatch.reft.DiReFTPatch`), ``add`` (:class:`~gradpatch.reft.AddVectorPatch`, the full-vector
 baseline at the same positions), each at the first/last prompt tokens, tied or untied across them; and ``steer``
 (an ``AddPatch`` vector ``[d]`` at every token, what BiPO trains and CAA computes). The objective is pluggable
-(:mod:`recipes.reft_objectives`, :class:`~recipes.intervention_objectives.InterventionObjective` s): continuation NLL
-with teacher forcing (default) or BiPO's preference loss. The module is an
+(:mod:`recipes.reft_objectives`, each an :class:`~recipes.intervention_objectives.InterventionObjective`):
+continuation NLL with teacher forcing (default) or BiPO's preference loss. The module is an
 :class:`~recipes.intervention_module.InterventionModule` whose :meth:`~ReFTModule.build_patches` builds these patches:
 it inherits the model loading, the frozen graph, the objective hook, the checks of the data module's records before
 training, the ``train/<term>`` logging and the export; it opts out of the interchange methods (its patches read no
@@ -106,6 +106,10 @@ def build_reft_patches(spec: ReFTSpec, width: int) -> list[Patch]:
 class ReFTModule(InterventionModule):
     """Train ReFT patches or steering vectors at NodePaths of a frozen causal LM on continuation or preference data:
     the :class:`~recipes.intervention_module.InterventionModule` of patches that edit the representation itself.
+
+    Its data are continuation or preference records, not counterfactual ones: :meth:`encode`, :meth:`evaluate` and
+    :meth:`write_metrics` take them, and the interchange methods (``iia``, ``interchange_log_probs``) refuse its
+    patches, which read no source.
 
     Args:
         interventions: :class:`ReFTSpec` (or mappings of its fields).
