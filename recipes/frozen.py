@@ -1,7 +1,7 @@
 """A LightningModule that optimises a few tensors against a frozen PatchableGraph.
 
 :class:`FrozenGraphModule` is the base of :class:`~recipes.intervention_module.InterventionModule` (and of its
-additive case :class:`~recipes.delta_module.DeltaModule`), :class:`~recipes.reft_module.ReFTModule` and
+subclasses :class:`~recipes.delta_module.DeltaModule` and :class:`~recipes.reft_module.ReFTModule`) and of
 :class:`~recipes.objective_module.ObjectiveModule`. It holds the graph with every model weight frozen (no gradients,
 no optimizer state, no checkpoint entry) and keeps it in ``eval()`` whatever Lightning does with the training flag;
 subclasses register the trainable tensors and implement :meth:`FrozenGraphModule.loss_terms`. Training stops at

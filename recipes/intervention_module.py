@@ -19,7 +19,9 @@ to the trainer's logger (TensorBoard in the configs).
 
 The module trains whatever patches its specs build (:meth:`InterventionModule.build_patches`) against whatever its
 objective returns: :class:`~recipes.delta_module.DeltaModule` is the additive special case (``AddPatch`` deltas at
-fixed positions, the delta :class:`~recipes.specs.Objective`, rows of prompts as data).
+fixed positions, the delta :class:`~recipes.specs.Objective`, rows of prompts as data), and
+:class:`~recipes.reft_module.ReFTModule` trains patches that edit the representation itself (LoReFT, DiReFT, steering
+vectors) on continuation NLL or BiPO's preference loss.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from gradpatch import Intervention
 from gradpatch.files import atomic_write_text
 from gradpatch.interchange import InterchangeSide, Position, check_interchange_node, interchange, interchange_logits
 from gradpatch.patches import Patch
+from gradpatch.reft import ReFTPatch
 from gradpatch.subspace import (BoundlessSubspacePatch, FullInterchangePatch, RotatedSubspacePatch,
                                 SigmoidMaskPatch, TrainablePatch)
 
@@ -105,8 +108,9 @@ class InterventionModule(FrozenGraphModule):
     """Train trainable interchange patches at NodePaths of a frozen causal LM on counterfactual records.
 
     A subclass trains other patches by naming its spec type (:attr:`spec_type`) and overriding
-    :meth:`build_patches` (see :class:`~recipes.delta_module.DeltaModule`); the interchange methods
-    (:meth:`interchange_log_probs`, :meth:`iia`, :meth:`evaluate`) need patches that read a source.
+    :meth:`build_patches` (see :class:`~recipes.delta_module.DeltaModule`, :class:`~recipes.reft_module.ReFTModule`);
+    the interchange methods (:meth:`interchange_log_probs`, :meth:`iia`, :meth:`evaluate`) need patches that read a
+    source.
 
     Args:
         interventions: where and which patches (:class:`InterchangeSpec` or mappings of its fields); all read the
@@ -149,7 +153,7 @@ class InterventionModule(FrozenGraphModule):
         self.save_hyperparameters(ignore=["_backbone", "objective"], logger=False)
         self.hparams["interventions"] = spec_dict(self.specs)
         model = self.load_backbone(model_path, dtype, _backbone)
-        self.call_kwargs = call_constants(model)
+        self.call_kwargs = self.graph_call_kwargs(model)
         pg = self.attach_left_padded_graph(model, **self.call_kwargs)
         self.built_patches: list[Patch] = []  # in the order of the specs
         patches: dict[str, list[Patch]] = {}
@@ -158,6 +162,12 @@ class InterventionModule(FrozenGraphModule):
             patches.setdefault(spec.node, []).extend(built)
             self.built_patches.extend(built)
         self.intervention = Intervention(patches)  # tensor values become nn.Parameters, trainable patches submodules
+
+    def graph_call_kwargs(self, model: nn.Module) -> dict[str, Any]:
+        """The constant keyword arguments of every graph call, fixed when the graph is extracted
+        (:func:`~recipes.frozen.call_constants`: ``use_cache=False`` and, where the model takes it,
+        ``logits_to_keep=1``: the interchange objectives score the last position only)."""
+        return call_constants(model)
 
     def build_patches(self, pg: nn.Module, spec: Any) -> list[Patch]:
         """The patches of one spec at ``spec.node`` of ``pg`` (here one :func:`build_patch` of an
@@ -184,10 +194,12 @@ class InterventionModule(FrozenGraphModule):
         """:attr:`patches`, checked to read a source.
 
         Raises:
-            RecipeConfigError: a patch that is not a :class:`~gradpatch.subspace.TrainablePatch` (an ``AddPatch``
-                delta reads no source: there is nothing to interchange).
+            RecipeConfigError: a patch that is not a :class:`~gradpatch.subspace.TrainablePatch` or is a
+                :class:`~gradpatch.reft.ReFTPatch` (an ``AddPatch`` delta, a LoReFT edit read no source: there is
+                nothing to interchange).
         """
-        others = sorted({type(p).__name__ for p in self.patches if not isinstance(p, TrainablePatch)})
+        others = sorted({type(p).__name__ for p in self.patches
+                         if not isinstance(p, TrainablePatch) or isinstance(p, ReFTPatch)})
         if others:
             raise RecipeConfigError(f"{type(self).__name__} holds {', '.join(others)} patches, which read no source: "
                                     f"interchange and IIA need interchange patches (InterchangeSpec kinds "
@@ -283,16 +295,22 @@ class InterventionModule(FrozenGraphModule):
         return self.objective.loss_terms(self, batch)
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        """One step (see :class:`~recipes.frozen.FrozenGraphModule`), logging ``train/<term>``, ``temperature`` and
-        each patch's statistics (``boundary_width/<i>``, ``mask_density/<i>``) to the logger."""
+        """One step (see :class:`~recipes.frozen.FrozenGraphModule`), logging ``train/<term>`` and
+        :meth:`step_statistics` to the logger."""
         result = super().training_step(batch, batch_idx)
         logged = {f"train/{name}": value for name, value in result["terms"].items() if value.numel() == 1}
-        logged["temperature"] = torch.tensor(self.temperature())
+        logged.update(self.step_statistics())
+        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=len(batch))
+        return result
+
+    def step_statistics(self) -> dict[str, torch.Tensor]:
+        """What each step logs beside the loss terms: ``temperature`` and each patch's statistics
+        (``boundary_width/<i>``, ``mask_density/<i>``), scalars."""
+        logged = {"temperature": torch.tensor(self.temperature())}
         for i, patch in enumerate(self.patches):
             if isinstance(patch, TrainablePatch):
                 logged.update({f"{name}/{i}": torch.tensor(value) for name, value in patch.stats().items()})
-        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=len(batch))
-        return result
+        return logged
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """IIA of the batch (logged as ``iia``, averaged over the eval file)."""
@@ -303,6 +321,7 @@ class InterventionModule(FrozenGraphModule):
             batch_size: int = 64) -> torch.Tensor:
         """Interchange intervention accuracy: the fraction of records whose interchanged prediction (argmax at the
         base prompt's end) is the label (scalar)."""
+        patches = self.interchange_patches() if patches is None else patches  # refused before any encoding
         hits = 0
         for start in range(0, len(records), batch_size):
             encoded = self.encode(records[start:start + batch_size])

@@ -16,23 +16,27 @@ Kinds (:class:`ReFTSpec`): ``loreft`` (:class:`~gradpatch.reft.LoReFTPatch`), ``
 (:class:`~gradpatch.reft.DiReFTPatch`), ``add`` (:class:`~gradpatch.reft.AddVectorPatch`, the full-vector
 baseline at the same positions), each at the first/last prompt tokens, tied or untied across them; and ``steer``
 (an ``AddPatch`` vector ``[d]`` at every token, what BiPO trains and CAA computes). The objective is pluggable
-(:mod:`recipes.reft_objectives`): continuation NLL with teacher forcing (default) or BiPO's preference loss. The
-module shares :class:`~recipes.frozen.FrozenGraphModule` (frozen graph, finiteness checks, checkpoints with the
-intervention only) and the objective interface with :class:`~recipes.intervention_module.InterventionModule`.
+(:mod:`recipes.reft_objectives`, each an :class:`~recipes.intervention_objectives.InterventionObjective`):
+continuation NLL with teacher forcing (default) or BiPO's preference loss. The module is an
+:class:`~recipes.intervention_module.InterventionModule` whose :meth:`~ReFTModule.build_patches` builds these patches:
+it inherits the model loading, the frozen graph, the objective hook, the checks of the data module's records before
+training, the ``train/<term>`` logging and the export; it opts out of the interchange methods (its patches read no
+source) and of the temperature annealing's statistics.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
-from gradpatch import AddPatch, Intervention
+from gradpatch import AddPatch
 from gradpatch.files import atomic_write_text
 from gradpatch.interchange import check_interchange_node
 from gradpatch.patches import Patch
@@ -40,12 +44,12 @@ from gradpatch.reft import (AddVectorPatch, DiReFTPatch, LoReFTPatch, ReFTPatch,
                             reft_patch_map)
 
 from .data import encode, left_pad
-from .delta_module import DtypeName
 from .errors import RecipeConfigError
-from .frozen import FrozenGraphModule, OptimizerName
+from .frozen import DtypeName, OptimizerName
+from .intervention_module import InterventionModule
 from .intervention_objectives import InterventionObjective
 from .reft_generation import generate_with_patches
-from .specs import as_spec, spec_dict
+from .specs import spec_dict
 
 __all__ = ["ReFTKind", "ReFTModule", "ReFTSpec", "Tokenized", "build_reft_patches"]
 
@@ -99,8 +103,13 @@ def build_reft_patches(spec: ReFTSpec, width: int) -> list[Patch]:
             for part in positions.parts(spec.tied)]
 
 
-class ReFTModule(FrozenGraphModule):
-    """Train ReFT patches or steering vectors at NodePaths of a frozen causal LM on continuation or preference data.
+class ReFTModule(InterventionModule):
+    """Train ReFT patches or steering vectors at NodePaths of a frozen causal LM on continuation or preference data:
+    the :class:`~recipes.intervention_module.InterventionModule` of patches that edit the representation itself.
+
+    Its data are continuation or preference records, not counterfactual ones: :meth:`encode`, :meth:`evaluate` and
+    :meth:`write_metrics` take them, and the interchange methods (``iia``, ``interchange_log_probs``) refuse its
+    patches, which read no source.
 
     Args:
         interventions: :class:`ReFTSpec` (or mappings of its fields).
@@ -116,44 +125,45 @@ class ReFTModule(FrozenGraphModule):
         _backbone: ``(model, tokenizer)`` already loaded (see :meth:`from_model`).
 
     Raises:
-        RecipeConfigError: no interventions, an unknown kind.
+        RecipeConfigError: no interventions, an unknown kind, a weight decay that is not a finite number >= 0.
         SubspaceConfigError: a node that is not ``[batch, seq, d]``, a rank ≥ d, bad positions.
         NodePathError: an unknown NodePath.
     """
+
+    spec_type: ClassVar[type] = ReFTSpec
 
     def __init__(self, interventions: list[ReFTSpec], objective: InterventionObjective | None = None,
                  model_path: str | None = None, lr: float = 4e-3, optimizer: OptimizerName = "adamw",
                  append_eos: bool = True, weight_decay: float = 0.0, dtype: DtypeName = "float32", *,
                  _backbone: tuple[nn.Module, Any] | None = None) -> None:
-        super().__init__(lr=lr, optimizer=optimizer)
-        self.specs = [as_spec(ReFTSpec, spec) for spec in interventions]
-        if not self.specs:
+        if not interventions:
             raise RecipeConfigError("no interventions configured: add at least one {node: ..., kind: loreft, rank: 4}")
+        if not (isinstance(weight_decay, (int, float)) and 0.0 <= weight_decay < float("inf")):
+            raise RecipeConfigError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
         from .reft_objectives import ContinuationNLLObjective
 
-        self.objective = objective if objective is not None else ContinuationNLLObjective()
+        super().__init__(interventions=interventions,
+                         objective=objective if objective is not None else ContinuationNLLObjective(),
+                         model_path=model_path, lr=lr, optimizer=optimizer, dtype=dtype, _backbone=_backbone)
         self.append_eos = append_eos
-        if not 0.0 <= weight_decay < float("inf"):
-            raise RecipeConfigError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
         self.weight_decay = float(weight_decay)
-        self.save_hyperparameters(ignore=["_backbone", "objective"], logger=False)
-        self.hparams["interventions"] = spec_dict(self.specs)
-        model = self.load_backbone(model_path, dtype, _backbone)
-        pg = self.attach_left_padded_graph(model, use_cache=False)
-        patches: dict[str, list[Patch]] = {}
-        for spec in self.specs:
-            patches.setdefault(spec.node, []).extend(build_reft_patches(spec, check_interchange_node(pg, spec.node)))
-        self.intervention = Intervention(patches)
+        # InterventionModule saved its own arguments too: keep ReFTModule's (checkpoints give them back).
+        self.remove_ignored_hparams(sorted(set(inspect.signature(InterventionModule.__init__).parameters)
+                                           - set(inspect.signature(ReFTModule.__init__).parameters)))
 
-    @classmethod
-    def from_model(cls, model: nn.Module, tokenizer: Any, **config: Any) -> "ReFTModule":
-        """A ReFTModule on a model already in memory (the other constructor arguments in ``config``)."""
-        return cls(**config, _backbone=(model, tokenizer))
+    def graph_call_kwargs(self, model: nn.Module) -> dict[str, Any]:
+        """``use_cache=False`` only: the continuation objectives score every response token (all logits)."""
+        return {"use_cache": False}
 
-    @property
-    def model(self) -> nn.Module:
-        """The wrapped model (frozen)."""
-        return self.__dict__["_model"]
+    def build_patches(self, pg: nn.Module, spec: Any) -> list[Patch]:
+        """:func:`build_reft_patches` of a :class:`ReFTSpec` at ``spec.node`` of ``pg``.
+
+        Raises:
+            SubspaceConfigError: a node that is not ``[batch, seq, d]``, a rank ≥ d, bad positions.
+            RecipeConfigError: an unknown kind.
+            NodePathError: an unknown NodePath.
+        """
+        return build_reft_patches(spec, check_interchange_node(pg, spec.node))
 
     def parameter_count(self) -> int:
         """Number of trained parameters (LoReFT: 2·r·d + r per patch; a vector: d)."""
@@ -182,7 +192,8 @@ class ReFTModule(FrozenGraphModule):
         return tokenized
 
     def check_records(self, records: Sequence[Any]) -> None:
-        """Encode every record (continuation or preference) so that bad input fails before training.
+        """Encode every record (continuation or preference) so that bad input fails before training
+        (:meth:`~recipes.intervention_module.InterventionModule.on_fit_start` calls it on the train and eval records).
 
         Raises:
             RecipeConfigError, SubspaceConfigError: as :meth:`encode`.
@@ -190,12 +201,6 @@ class ReFTModule(FrozenGraphModule):
         for record in records:
             for response in _responses(record):
                 self.encode([record.prompt], [response])
-
-    def on_fit_start(self) -> None:
-        """Check the data module's records (train and eval) before the first step."""
-        data = getattr(self.trainer, "datamodule", None)
-        for name in ("train_records", "eval_records"):
-            self.check_records(getattr(data, name, None) or [])
 
     # --- forward passes ------------------------------------------------------------------------------------
 
@@ -236,7 +241,7 @@ class ReFTModule(FrozenGraphModule):
         mapping = {} if sign is None else self.patch_map(tokenized, sign)
         with self.graph.patch(mapping):
             output = self.graph(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                                position_ids=batch["position_ids"].to(device), use_cache=False)
+                                position_ids=batch["position_ids"].to(device), **self.call_kwargs)
         logits = output.logits if hasattr(output, "logits") else output[0]
         log_probs = torch.log_softmax(logits[:, width - longest - 1:width - 1].float(), dim=-1)
         targets = batch["input_ids"][:, width - longest:].to(device)
@@ -252,15 +257,9 @@ class ReFTModule(FrozenGraphModule):
 
     # --- training ------------------------------------------------------------------------------------------
 
-    def loss_terms(self, batch: Any) -> dict[str, torch.Tensor]:
-        return self.objective.loss_terms(self, batch)
-
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        """One step (see :class:`~recipes.frozen.FrozenGraphModule`), logging ``train/<term>`` to the logger."""
-        result = super().training_step(batch, batch_idx)
-        logged = {f"train/{name}": value for name, value in result["terms"].items() if value.numel() == 1}
-        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=len(batch))
-        return result
+    def step_statistics(self) -> dict[str, torch.Tensor]:
+        """Nothing beside the loss terms (no temperature is annealed, the ReFT patches have no statistics)."""
+        return {}
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """The objective's terms on the eval batch, logged as ``val_<term>`` (averaged over the eval file)."""
@@ -268,14 +267,6 @@ class ReFTModule(FrozenGraphModule):
             terms = self.objective.loss_terms(self, batch)
         self.log_dict({f"val_{name}": value for name, value in terms.items() if value.numel() == 1},
                       on_step=False, on_epoch=True, batch_size=len(batch))
-
-    def export_intervention(self, directory: str | Path) -> Path:
-        """Write the trained patches (``intervention.json`` + ``.safetensors``, with the model's fingerprint).
-
-        Raises:
-            NonFiniteError: a parameter holds NaN or inf (nothing is written).
-        """
-        return self.intervention.save(directory, model=self.model)
 
     def load_intervention(self, directory: str | Path) -> None:
         """Load an intervention trained with this configuration into the module.
@@ -285,8 +276,7 @@ class ReFTModule(FrozenGraphModule):
             FingerprintMismatchError: saved for another model.
         """
         check_saved_reft(directory, self.intervention.patch_map())
-        loaded = Intervention.load(directory, graph=self.graph, like=self.intervention)
-        self.intervention.load_state_dict(loaded.state_dict())
+        super().load_intervention(directory)
 
     @torch.no_grad()
     def evaluate(self, records: Sequence[Any], batch_size: int = 16) -> dict[str, Any]:
