@@ -49,7 +49,7 @@ from .frozen import DtypeName, OptimizerName
 from .intervention_module import InterventionModule
 from .intervention_objectives import InterventionObjective
 from .reft_generation import generate_with_patches
-from .specs import spec_dict
+from .specs import as_spec, spec_dict
 
 __all__ = ["ReFTKind", "ReFTModule", "ReFTSpec", "Tokenized", "build_reft_patches"]
 
@@ -125,7 +125,8 @@ class ReFTModule(InterventionModule):
         _backbone: ``(model, tokenizer)`` already loaded (see :meth:`from_model`).
 
     Raises:
-        RecipeConfigError: no interventions, an unknown kind, a weight decay that is not a finite number >= 0.
+        RecipeConfigError: no interventions, an unknown kind, a weight decay that is not a finite number >= 0, BiPO on
+            a kind other than ``steer`` (only steering vectors take BiPO's signed direction).
         SubspaceConfigError: a node that is not ``[batch, seq, d]``, a rank ≥ d, bad positions.
         NodePathError: an unknown NodePath.
     """
@@ -140,8 +141,13 @@ class ReFTModule(InterventionModule):
             raise RecipeConfigError("no interventions configured: add at least one {node: ..., kind: loreft, rank: 4}")
         if not (isinstance(weight_decay, (int, float)) and 0.0 <= weight_decay < float("inf")):
             raise RecipeConfigError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
-        from .reft_objectives import ContinuationNLLObjective
+        from .reft_objectives import BiPOObjective, ContinuationNLLObjective
 
+        unsigned = sorted({as_spec(ReFTSpec, spec).kind for spec in interventions} - {"steer"})
+        if isinstance(objective, BiPOObjective) and unsigned:
+            raise RecipeConfigError(f"BiPO trains steering vectors (kind 'steer', whose sign it flips at random each "
+                                    f"step); kinds {unsigned} take no sign: use kind steer, or the continuation "
+                                    f"objective for them")
         super().__init__(interventions=interventions,
                          objective=objective if objective is not None else ContinuationNLLObjective(),
                          model_path=model_path, lr=lr, optimizer=optimizer, dtype=dtype, _backbone=_backbone)

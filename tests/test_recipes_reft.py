@@ -54,6 +54,10 @@ def test_bad_configuration_fails_before_training(tmp_path: Path) -> None:
     model, tokenizer = tiny_backbone()
     with pytest.raises(SubspaceConfigError, match="rank"):
         ReFTModule.from_model(model, tokenizer, interventions=[{"node": NODE, "kind": "loreft", "rank": 64}])
+    for kind in ("add", "loreft"):  # BiPO flips the sign of steering vectors only; these would train unsigned
+        with pytest.raises(RecipeConfigError, match=rf"BiPO trains steering vectors .*\['{kind}'\]"):
+            ReFTModule.from_model(model, tokenizer, objective=BiPOObjective(),
+                                  interventions=[{"node": NODE, "kind": kind}])
     module = ReFTModule.from_model(model, tokenizer, interventions=[
         {"node": NODE, "kind": "loreft", "rank": 2, "positions": "f4+l4"}])  # prompts have 6 tokens
     data = ContinuationDataModule(_write(tmp_path / "train.jsonl", _continuations()), batch_size=2)
