@@ -105,7 +105,8 @@ class MEMITConfig(ROMEConfig):
             ``kᵀC⁻¹k`` at each layer (:func:`editors.solve.multi_update.relative_update_weight`).
         mom2_relative_weight: that multiple. ``kᵀC⁻¹k`` is dimensionless (``d_in`` on average for keys like the
             corpus's), so one value writes the same fraction of a fact's residual whatever the model's width and key
-            scale; chosen on the development facts (docs/memit.md, "A covariance weight relative to the statistics").
+            scale; 0.6, chosen on the development split (docs/memit.md, "The relative weight swept on the development
+            split").
         max_tokens: tokens per forward pass of the batched value search and the key passes.
         value_dtype: ``"bfloat16"`` (or ``"float16"``, ``"float32"``) runs the batched value search on a copy of the
             model in that dtype (:class:`editors.value.search_copy.SearchCopy`: the model's current weights, cast;

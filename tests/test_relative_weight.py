@@ -97,5 +97,7 @@ def test_memit_resolves_lambda_from_the_edited_keys_on_two_model_shapes(hidden, 
     recorded = batch.info["layers"][0]["mom2_update_weight"]
     assert recorded == pytest.approx(config.mom2_relative_weight * float(mahalanobis_norms(keys, c).mean()), rel=1e-6)
     written = torch.diagonal(batch.edits[0].u.T @ keys.T)  # the fraction of each fact's residual written
-    # three facts share the update; on average each gets about 1 / (1 + 1.2) of its residual, whatever the width
-    assert 0.3 < float(written.mean()) < 0.6, written
+    # one fact alone would get m / (λ + m), on average about 1 / (1 + weight) (less where its m is below the mean;
+    # three facts share the update), whatever the width: 0.62 at width 64 and 0.51 at 160 with the default 0.6
+    alone = 1 / (1 + config.mom2_relative_weight)
+    assert 0.7 * alone < float(written.mean()) < 1.05 * alone, written
