@@ -281,11 +281,14 @@ class MEMIT(Editor):
         requests = check_requests(requests)
         fingerprint = model_fingerprint(wrapped_model(self.pg))
         span = self.shards.span(len(requests))  # this process's facts (all of them in one process)
-        self.shards.agree({"model": fingerprint, "requests": [repr(r) for r in requests]}, "model or requests")
+        self.shards.agree({"model": fingerprint, "requests": [repr(r) for r in requests]},
+                          "model or requests (every process must load the same model and get the same requests)")
         c, layers, last = self.config, self.layers, self.layers[-1]
         statistics = self.statistics()
         templates = self.templates()
         key_templates, value_templates = templates.subset(c.key_prefixes), templates.subset(c.value_prefixes)
+        self.shards.agree(list(templates.prefixes), "context prefixes (sampled from the model: seed every process "
+                                                    "alike, or let them read the prefix cache)")
         facts = [(r.prompt, r.subject) for r in requests]
         t0 = time.perf_counter()
         first, at_last, h_start = self._gathered(lambda: context_activations(

@@ -1,5 +1,6 @@
 """MEMIT and AlphaEdit with the facts split over 2 CPU processes (Lightning's DDP launcher, gloo; tiny Llama): the
-edit equals one process's, and a process given other requests stops both with the reason (no process left waiting).
+edit equals one process's, and a process given other requests or sampling other context prefixes stops both with the
+reason (no process left waiting).
 
 Each run starts a script in a subprocess (Lightning's launcher re-runs it for rank 1). ``timeout=`` on the subprocess
 only turns a hang into a failed test instead of a stuck suite.
@@ -56,7 +57,8 @@ SCRIPT = textwrap.dedent('''
             options = dict(progress=False, use_cache=False, clamp_factor=500.0,
                            context_length_params=((5, 4), (10, 4)), steps=8)
             cls, config = (AlphaEdit, AlphaEditConfig) if method == "alphaedit" else (MEMIT, MEMITConfig)
-            torch.manual_seed(0)  # the context prefixes are sampled from the model
+            if sys.argv[4] == "prefixes" and os.environ.get("LOCAL_RANK", "0") == "1":
+                options["template_seed"] = 1  # the context prefixes are sampled from the model with this seed
             return cls(pg, tok, NODES, config(**options), statistics=stats, shards=shards)
         return make
 
@@ -98,10 +100,13 @@ def test_two_processes_compute_the_one_process_edit(tmp_path: Path, method: str)
     assert [f["steps"] for f in two.info["facts"]] == [f["steps"] for f in one.info["facts"]]
 
 
-def test_a_process_given_other_requests_stops_every_process_with_the_reason(tmp_path: Path) -> None:
-    out = _run(tmp_path, "disagree", 2, mode="disagree")
+@pytest.mark.parametrize("mode,reason", [("disagree", "other model or requests"),
+                                         ("prefixes", "other context prefixes")])
+def test_a_process_given_other_inputs_stops_every_process_with_the_reason(tmp_path: Path, mode: str,
+                                                                          reason: str) -> None:
+    out = _run(tmp_path, mode, 2, mode=mode)
     for rank in (0, 1):
-        assert "other model or requests" in (out / f"error{rank}.txt").read_text()
+        assert reason in (out / f"error{rank}.txt").read_text()
     assert not (out / "edit").exists()
 
 

@@ -61,7 +61,8 @@ class FactShards:
         """Check that every rank holds the same ``value`` (JSON-serialisable), before any work.
 
         Raises:
-            EditError: a rank differs (the message names ``what`` and the ranks). One process has nothing to compare.
+            EditError: a rank differs (the message names the ranks and ``what``, which should say how to fix it). One
+                process has nothing to compare.
         """
 
 
@@ -110,8 +111,7 @@ class TorchDistributedShards(FactShards):
         torch.distributed.all_gather_object(digests, digest, group=self.group)
         differ = [rank for rank, other in enumerate(digests) if other != digests[0]]
         if differ:
-            raise EditError(f"processes {differ} hold other {what} than process 0; every process must load the same "
-                            f"model and requests")
+            raise EditError(f"processes {differ} hold other {what} than process 0")
 
 
 def _to_cpu(item: Any) -> Any:
