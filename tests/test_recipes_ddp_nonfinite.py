@@ -43,9 +43,13 @@ SCRIPT = textwrap.dedent('''
             trainer.fit(module)
         except Exception as error:
             record.update(error=type(error).__name__, message=str(error), step=trainer.global_step)
-            torch.distributed.destroy_process_group()
         with open(f"{sys.argv[1]}/rank{rank}.json", "w") as handle:
             json.dump(record, handle)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Leave without tearing the process group down: gloo's destroy_process_group on one rank was seen to wait
+        # forever once the other rank had exited (the failure here is the step's, already recorded above).
+        os._exit(0)
 ''')
 
 
