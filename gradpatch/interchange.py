@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .errors import SubspaceConfigError
+from .model_io import left_pad, model_device
 from .patches import Patch
 from .subspace import TrainablePatch
 
@@ -178,14 +179,8 @@ class _Recorder(Patch):
 def _padded(sides: Sequence[InterchangeSide], pad_id: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
     """Left-padded ``input_ids``, ``attention_mask``, ``position_ids`` ``[rows, S]`` of all sides' rows, and per
     side the column of each position ``[B, P]``."""
-    rows = [row for side in sides for row in side.input_ids]
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row):] = 1
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    batch = left_pad([row for side in sides for row in side.input_ids], pad_id)
+    width = batch["input_ids"].shape[1]
     columns = []
     for side in sides:
         if all(not p for p in side.positions):
@@ -193,7 +188,7 @@ def _padded(sides: Sequence[InterchangeSide], pad_id: int) -> tuple[dict[str, to
         else:
             columns.append(torch.tensor([[width - len(row) + p for p in pos]
                                          for row, pos in zip(side.input_ids, side.positions)], dtype=torch.long))
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids}, columns
+    return batch, columns
 
 
 def check_sides(base: InterchangeSide, sources: Sequence[InterchangeSide]) -> None:
@@ -286,7 +281,7 @@ def interchange(pg: nn.Module, patches: Mapping[str, TrainablePatch | Sequence[T
     """
     sources = [sources] if isinstance(sources, InterchangeSide) else list(sources)
     check_sides(base, sources)
-    device = next((p.device for p in pg.parameters()), torch.device("cpu"))
+    device = model_device(pg)
 
     def run(batch: dict[str, torch.Tensor]) -> Any:
         return pg(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),

@@ -1,5 +1,5 @@
 """What a model takes and gives, whatever wraps it: the model behind a :class:`~gradpatch.PatchableGraph`, the
-device and dtype its inputs need, the logits in its output, and right-padded token batches for a tokenizer.
+device and dtype its inputs need, the logits in its output, and right- and left-padded token batches.
 
 General helpers the editors and the recipes share; nothing here knows about edits.
 """
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["logits_of", "model_device", "model_dtype", "pad_token_id", "right_pad", "wrapped_model"]
+__all__ = ["left_pad", "logits_of", "model_device", "model_dtype", "pad_token_id", "right_pad", "wrapped_model"]
 
 
 def wrapped_model(target: nn.Module) -> nn.Module:
@@ -82,3 +82,25 @@ def right_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Te
         ids[i, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
     lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
     return ids, lengths
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Left-pad token id sequences into a batch.
+
+    Args:
+        sequences: ``B`` non-empty sequences of token ids.
+        pad_id: id written at padded positions.
+
+    Returns:
+        ``input_ids``, ``attention_mask`` (1 on real tokens) and ``position_ids`` (``cumsum(mask) - 1``, 0 on
+        padding), each ``[B, S]`` int64 with ``S`` the longest length.
+    """
+    length = max(len(seq) for seq in sequences)
+    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if len(seq):
+            ids[i, length - len(seq):] = torch.tensor(list(seq), dtype=torch.long)
+            mask[i, length - len(seq):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions}

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from gradpatch.model_io import pad_token_id
+from gradpatch.model_io import left_pad, pad_token_id
 
 from .errors import RecipeConfigError
 from .objectives import KIND_KL, KIND_STEER, KIND_TARGET
@@ -103,28 +103,6 @@ def build_rows(tokenizer: Any, objective: Objective) -> list[Row]:
     for index, prompt_text in enumerate(objective.kl_prompts):
         rows.append(Row(tuple(encode(tokenizer, prompt_text)), KIND_KL, kl_index=index))
     return rows
-
-
-def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Left-pad token id sequences into a batch.
-
-    Args:
-        sequences: ``B`` non-empty sequences of token ids.
-        pad_id: id written at padded positions.
-
-    Returns:
-        ``input_ids``, ``attention_mask`` (1 on real tokens) and ``position_ids`` (``cumsum(mask) - 1``, 0 on
-        padding), each ``[B, S]`` int64 with ``S`` the longest length.
-    """
-    length = max(len(seq) for seq in sequences)
-    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), length), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        if len(seq):
-            ids[i, length - len(seq):] = torch.tensor(list(seq), dtype=torch.long)
-            mask[i, length - len(seq):] = 1
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
 
 
 class PromptRows(Dataset):
