@@ -33,7 +33,7 @@ import torch
 from ..generation import cache_argument
 from ..model_io import model_dtype, wrapped_model
 from ..patches import CustomPatch
-from ..values import holds_input
+from ..value_info import holds_input
 from .runner import Runner
 
 __all__ = ["PositionPrefix", "causal_mask", "position_prefix", "quiet_extraction", "repeat_rows", "same_metric"]
