@@ -61,6 +61,21 @@ def score(texts: list[str], records: list) -> dict[str, float | list[str]]:
     return {"exact": exact / len(records), "starts": starts / len(records), "examples": texts[:3]}
 
 
+def country_data() -> ContinuationDataModule:
+    """The held-out country task (``loreft_country_{train,eval}.jsonl``), set up, batches of 8."""
+    data = ContinuationDataModule(str(DATA / "loreft_country_train.jsonl"), str(DATA / "loreft_country_eval.jsonl"),
+                                  batch_size=8)
+    data.setup()
+    return data
+
+
+def fit_steps(module: ReFTModule, data: ContinuationDataModule, steps: int, callbacks: list[Callback]) -> None:
+    """``steps`` training steps under Lightning's Trainer, without logger, checkpoints, progress bar or validation."""
+    Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+            callbacks=callbacks).fit(module, datamodule=data)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -69,9 +84,7 @@ def main() -> None:
     parser.add_argument("--runs", nargs="*", default=None, help="run names to do (default: all)")
     args = parser.parse_args()
     model, tokenizer = load_embedded_model()
-    data = ContinuationDataModule(str(DATA / "loreft_country_train.jsonl"), str(DATA / "loreft_country_eval.jsonl"),
-                                  batch_size=8)
-    data.setup()
+    data = country_data()
     node = f"model.layers_{args.layer}.output"
     runs = {"none": None,
             "add_f3+l3": {"node": node, "kind": "add", "positions": "f3+l3"},
@@ -88,9 +101,7 @@ def main() -> None:
         result: dict = {"run": name, "node": node, "steps": 0, "lr": args.lr}
         if spec is not None:
             losses = _Losses()
-            Trainer(max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                    callbacks=[losses]).fit(module, datamodule=data)
+            fit_steps(module, data, args.steps, [losses])
             result.update(steps=args.steps, parameters=module.parameter_count(), losses=losses.losses,
                           cpu_seconds_per_step=sorted(losses.seconds)[len(losses.seconds) // 2],
                           nan=any(l != l for l in losses.losses))

@@ -37,11 +37,11 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.peak_rss import peak_mib, reset_peak, resident_mib
-from benchmarks.reft_country import DATA, score
+from benchmarks.reft_country import country_data, fit_steps, score
 from benchmarks.reft_pyreft import save_for_pyreft
 from gradpatch.loaders import load_embedded_model
 from gradpatch.reft import ReFTPositions
-from recipes import ContinuationDataModule, ReFTModule
+from recipes import ReFTModule
 from recipes.data import encode, left_pad, pad_token_id
 
 
@@ -97,9 +97,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=4e-3)
     args = parser.parse_args()
     model, tokenizer = load_embedded_model()
-    data = ContinuationDataModule(str(DATA / "loreft_country_train.jsonl"), str(DATA / "loreft_country_eval.jsonl"),
-                                  batch_size=8)
-    data.setup()
+    data = country_data()
     node = f"model.layers_{args.layer}.output"
     seed_everything(0, verbose=False)
     module = ReFTModule.from_model(model, tokenizer, lr=args.lr, interventions=[
@@ -112,9 +110,7 @@ def main() -> None:
     recorder = _Batches()
     before = resident_mib()
     reset_peak()
-    Trainer(max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-            callbacks=[recorder]).fit(module, datamodule=data)
+    fit_steps(module, data, args.steps, [recorder])
     peak = peak_mib()
     records = data.eval_records
     ours = {"losses": [round(x, 4) for x in recorder.losses], "cpu_seconds_per_step": _median(recorder.cpu_seconds),
