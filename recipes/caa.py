@@ -19,6 +19,7 @@ from gradpatch.patches import ProbePatch
 
 from .continuations import PreferenceRecord
 from .data import left_pad
+from .generation import graph_logits
 
 __all__ = ["caa_vector", "continuation_mean_activations"]
 
@@ -39,12 +40,9 @@ def continuation_mean_activations(module: Any, node: str, prompts: Sequence[str]
         NodePathError: an unknown node.
     """
     tokenized = module.encode(prompts, responses)
-    batch = left_pad(tokenized.ids, module.pad_id)
-    device = next(module.graph.parameters()).device
     probe = ProbePatch()
     with module.graph.patch({node: probe}):
-        module.graph(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                     position_ids=batch["position_ids"].to(device), use_cache=False)
+        graph_logits(module.graph, left_pad(tokenized.ids, module.pad_id), {"use_cache": False})
     activation = probe.activation.float()  # [B, S, d]
     width = activation.shape[1]
     column = torch.arange(width, device=activation.device)[None, :]

@@ -27,10 +27,12 @@ def graph_logits(pg: nn.Module, batch: dict[str, torch.Tensor], constants: dict[
 
     Args:
         pg: a PatchableGraph of a causal LM built with ``attention_mask`` and ``position_ids`` in its example inputs.
-        batch: ``input_ids``, ``attention_mask``, ``position_ids``, each ``[B, S]``.
+        batch: ``input_ids``, ``attention_mask``, ``position_ids``, each ``[B, S]`` (moved to the model's device).
         constants: the other keyword arguments of the graph's example call (default ``{"use_cache": False}``).
     """
-    output = pg(batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+    device = model_device(pg)
+    output = pg(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                position_ids=batch["position_ids"].to(device),
                 **({"use_cache": False} if constants is None else constants))
     return logits_of(output)
 

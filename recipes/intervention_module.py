@@ -38,7 +38,6 @@ from torch import nn
 from gradpatch import Intervention
 from gradpatch.files import atomic_write_text
 from gradpatch.interchange import InterchangeSide, Position, check_interchange_node, interchange, interchange_logits
-from gradpatch.model_io import model_device
 from gradpatch.patches import Patch
 from gradpatch.reft import ReFTPatch
 from gradpatch.subspace import (BoundlessSubspacePatch, FullInterchangePatch, RotatedSubspacePatch,
@@ -48,6 +47,7 @@ from .counterfactual import CounterfactualRecord
 from .data import left_pad, single_token_ids
 from .errors import RecipeConfigError
 from .frozen import DtypeName, FrozenGraphModule, OptimizerName, call_constants
+from .generation import graph_logits
 from .intervention_objectives import IITObjective, InterventionObjective
 from .specs import as_spec, spec_dict
 
@@ -269,11 +269,8 @@ class InterventionModule(FrozenGraphModule):
 
     def base_log_probs(self, encoded: Encoded) -> torch.Tensor:
         """Unpatched next-token log-probabilities at each base prompt's end: ``[B, V]`` float32."""
-        batch = left_pad(encoded.base.input_ids, self.pad_id)
-        device = model_device(self.graph)
-        output = self.graph(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                            position_ids=batch["position_ids"].to(device), **self.call_kwargs)
-        return torch.log_softmax(interchange_logits(output, len(encoded.base.input_ids))[:, -1].float(), dim=-1)
+        logits = graph_logits(self.graph, left_pad(encoded.base.input_ids, self.pad_id), self.call_kwargs)
+        return torch.log_softmax(logits[:, -1].float(), dim=-1)
 
     # --- training ------------------------------------------------------------------------------------------
 

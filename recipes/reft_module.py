@@ -46,6 +46,7 @@ from gradpatch.reft import (AddVectorPatch, DiReFTPatch, LoReFTPatch, ReFTPatch,
 from .data import encode, left_pad
 from .errors import RecipeConfigError
 from .frozen import DtypeName, OptimizerName
+from .generation import graph_logits
 from .intervention_module import InterventionModule
 from .intervention_objectives import InterventionObjective
 from .reft_generation import generate_with_patches
@@ -242,13 +243,11 @@ class ReFTModule(InterventionModule):
             fills its last ``response_lengths[i]`` columns (mask 1 there, 0 elsewhere).
         """
         batch = left_pad(tokenized.ids, self.pad_id)
-        device = next(self.graph.parameters()).device
         width, longest = batch["input_ids"].shape[1], max(tokenized.response_lengths)
         mapping = {} if sign is None else self.patch_map(tokenized, sign)
         with self.graph.patch(mapping):
-            output = self.graph(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                                position_ids=batch["position_ids"].to(device), **self.call_kwargs)
-        logits = output.logits if hasattr(output, "logits") else output[0]
+            logits = graph_logits(self.graph, batch, self.call_kwargs)
+        device = logits.device
         log_probs = torch.log_softmax(logits[:, width - longest - 1:width - 1].float(), dim=-1)
         targets = batch["input_ids"][:, width - longest:].to(device)
         picked = log_probs.gather(-1, targets[..., None])[..., 0]
