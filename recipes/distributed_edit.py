@@ -5,6 +5,9 @@ Each process builds the editor on its own device, runs the key passes and the va
 (:class:`editors.distributed.TorchDistributedShards`), and receives every other share, so every process ends with
 the same :class:`editors.BatchEdit` as one process would compute. Rank 0 alone writes it (atomic files).
 
+The process group the launcher starts is destroyed before the function returns or raises (a gloo group left alive
+can abort the process at exit).
+
 Statistics: every process reads the second-moment cache the editor names; compute it first (``gradpatch stats``,
 spread over the same processes) so that the processes do not each compute it.
 """
@@ -20,6 +23,8 @@ from lightning.fabric import Fabric
 
 from editors import MEMIT, BatchEdit, EditRequest
 from editors.distributed import FactShards, TorchDistributedShards
+
+from .process_group import owned_process_group
 
 #: ``build(device, shards)``: the editor on ``device`` (the model moved there), constructed with ``shards=shards``.
 EditorBuilder = Callable[[torch.device, FactShards], MEMIT]
@@ -50,11 +55,12 @@ def run_distributed_edit(build: EditorBuilder, requests: Sequence[EditRequest], 
     processes = devices * num_nodes
     fabric = Fabric(accelerator=accelerator, devices=devices, num_nodes=num_nodes,
                     strategy=strategy if processes > 1 else "auto")
-    fabric.launch()
-    shards = TorchDistributedShards() if fabric.world_size > 1 else FactShards()
-    editor = build(fabric.device, shards)
-    batch = editor.compute(requests)
-    if out is not None and fabric.global_rank == 0:
-        batch.save(Path(out))
-    fabric.barrier()
+    with owned_process_group():  # every rank leaves after the same barrier or the same failed gather
+        fabric.launch()
+        shards = TorchDistributedShards() if fabric.world_size > 1 else FactShards()
+        editor = build(fabric.device, shards)
+        batch = editor.compute(requests)
+        if out is not None and fabric.global_rank == 0:
+            batch.save(Path(out))
+        fabric.barrier()
     return batch

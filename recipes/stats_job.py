@@ -43,6 +43,7 @@ from editors.statistics import (Corpus, SecondMoment, SecondMomentSums, default_
 from gradpatch.errors import NonFiniteError
 
 from .errors import StatisticsJobError
+from .process_group import owned_process_group
 from .stats_partial import JobIdentity, PartialSums, partial_file, read_partial, write_partial
 
 __all__ = ["SecondMomentJob", "run_statistics_job", "shard_indices"]
@@ -281,12 +282,9 @@ def run_statistics_job(job: SecondMomentJob, **trainer_kwargs: Any) -> list[Seco
     trainer = Trainer(use_distributed_sampler=False, **options)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="predict returned None")  # on purpose: the job returns its sums
-        try:
+        # Every rank ends after the same barrier or raises at the same point; leave no process group behind for gloo to
+        # abort the process at exit.
+        with owned_process_group():
             trainer.predict(job, return_predictions=False)
-        except BaseException:
-            # Every rank raises at the same point; leave no process group behind for gloo/NCCL to abort at exit.
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-            raise
     return [SecondMoment(matrix=m.matrix.detach().cpu().clone(), n_tokens=m.n_tokens, n_samples=m.n_samples,
                          input_node=m.input_node, fingerprint=m.fingerprint, corpus=m.corpus) for m in job.results]

@@ -1,6 +1,6 @@
 """MEMIT and AlphaEdit with the facts split over 2 CPU processes (Lightning's DDP launcher, gloo; tiny Llama): the
 edit equals one process's, and a process given other requests or sampling other context prefixes stops both with the
-reason (no process left waiting).
+reason (no process left waiting); either way no process group is left for gloo to abort the process at exit.
 
 Each run starts a script in a subprocess (Lightning's launcher re-runs it for rank 1). ``timeout=`` on the subprocess
 only turns a hang into a failed test instead of a stuck suite.
@@ -71,6 +71,8 @@ SCRIPT = textwrap.dedent('''
         except EditError as error:
             with open(f"{out}/error{rank}.txt", "w") as f:
                 f.write(str(error))
+        with open(f"{out}/group{rank}.txt", "w") as f:  # the function destroys the process group it started
+            f.write(str(torch.distributed.is_initialized()))
 ''')
 
 
@@ -83,6 +85,7 @@ def _run(tmp_path: Path, name: str, devices: int, method: str = "memit", mode: s
     done = subprocess.run([sys.executable, str(script), str(out), str(devices), method, mode], env=env,
                           capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert [(out / f"group{rank}.txt").read_text() for rank in range(devices)] == ["False"] * devices
     return out
 
 
