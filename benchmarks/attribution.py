@@ -5,7 +5,7 @@ first ``--n`` prompt pairs, at the positions from the first token where clean an
 end (every earlier position has the same activation in both runs, so its exact effect and every estimate are 0):
 
 - per node kind (``resid``, ``heads``, ``mlp``; ``--kinds`` adds ``queries``, ``keys``): the exact sweep (noising, many
-  variants per forward pass) and AtP, AtP* (QK fix) and AtP* with GradDrop; for each estimate the Pearson and
+  variants per forward pass) and AtP, AtP-IG (m = ``--steps``), AtP* (QK fix) and AtP* with GradDrop; for each estimate the Pearson and
   Spearman correlations with the exact scores, the top-20 recall (the share of the 20 largest |exact| units among the
   20 largest |estimate| units), passes and seconds. GradDrop scores are magnitudes, so they are compared with |exact|
   (``*_abs`` figures, given for every method);
@@ -95,8 +95,9 @@ def first_difference(batch: PromptBatch) -> int:
     return int(differs.nonzero()[0])
 
 
-def node_kind(pg: PatchableGraph, batch: PromptBatch, kind: str, positions: list[int], rows: int) -> dict[str, Any]:
-    """Exact sweep and the three estimates for one node kind."""
+def node_kind(pg: PatchableGraph, batch: PromptBatch, kind: str, positions: list[int], rows: int,
+              steps: int) -> dict[str, Any]:
+    """Exact sweep and the four estimates for one node kind (AtP-IG with ``steps`` interpolation steps)."""
     exact = exact_sweep(pg, batch, kind, positions=positions, batch_size=rows, forward_kwargs=KW)
     reference = scores(exact)
     out: dict[str, Any] = {"units": len(reference), "metric": {"clean": round(exact.metric_clean, 4),
@@ -106,6 +107,7 @@ def node_kind(pg: PatchableGraph, batch: PromptBatch, kind: str, positions: list
                                      "forward_tokens": exact.forward_tokens}}
     runs: dict[str, Callable[[], AttributionResult]] = {
         "atp": lambda: atp(pg, batch, kind, positions=positions, forward_kwargs=KW),
+        "atp_ig": lambda: atp(pg, batch, kind, positions=positions, steps=steps, forward_kwargs=KW),
         "atp_star": lambda: atp_star(pg, batch, kind, positions=positions, forward_kwargs=KW),
         "atp_star_graddrop": lambda: atp_star(pg, batch, kind, positions=positions, grad_drop=True,
                                               forward_kwargs=KW),
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=3, help="prompt pairs (default %(default)s)")
     parser.add_argument("--rows", type=int, default=48, help="rows per forward pass (default %(default)s)")
     parser.add_argument("--kinds", default="resid,heads,mlp", help="node kinds (default %(default)s)")
-    parser.add_argument("--steps", type=int, default=5, help="EAP-IG steps (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=5, help="AtP-IG and EAP-IG steps (default %(default)s)")
     parser.add_argument("--edges", type=int, default=64, help="edges patched exactly (default %(default)s)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: nodes,speed,edges,memory")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu; the memory part is CPU-only)")
@@ -247,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if "nodes" not in skip:
         report["exact_warmup"] = warmup(pg, batch, positions)
-        report["nodes"] = {kind: node_kind(pg, batch, kind, positions, args.rows) for kind in args.kinds.split(",")}
+        report["nodes"] = {kind: node_kind(pg, batch, kind, positions, args.rows, args.steps)
+                           for kind in args.kinds.split(",")}
     if "speed" not in skip and "nodes" in report:
         report["sweep_speedup"] = sweep_speedup(pg, batch, positions, report["nodes"])
     if "edges" not in skip:

@@ -1,5 +1,6 @@
 """Gradient attribution: the batched exact sweep against one-at-a-time patching, AtP against the exact sweep where the
-metric is linear in the patched activation, the metrics, and the errors for bad input."""
+metric is linear in the patched activation, AtP-IG's completeness along the interpolated embeddings, the metrics, and
+the errors for bad input."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from gradpatch.attribution import (
     PromptBatch,
     answer_probability,
     atp,
+    detect_family,
     exact_sweep,
     kl_to_clean,
     prompt_batch,
@@ -121,6 +123,25 @@ def test_atp_on_heads_tracks_the_exact_sweep(gpt2_graph):
     assert exact.metric_clean == pytest.approx(estimate.metric_clean, abs=1e-5)
 
 
+@pytest.mark.parametrize("graph", ["llama_graph", "gpt2_graph"])
+@pytest.mark.parametrize("direction", ["noise", "denoise"])
+def test_atp_ig_with_one_step_is_atp_and_its_embedding_scores_add_up_to_the_whole_change(graph, direction, request):
+    pg = request.getfixturevalue(graph)
+    batch = _batch()
+    plain = atp(pg, batch, "mlp", direction=direction, forward_kwargs=KW)
+    one = atp(pg, batch, "mlp", direction=direction, steps=1, forward_kwargs=KW)  # k = m = 1: the base run's gradient
+    assert one.method == "atp-ig" and (one.forward, one.backward) == (2, 1)
+    torch.testing.assert_close(torch.tensor([s.score for s in one.scores]),
+                               torch.tensor([s.score for s in plain.scores]))
+    # Completeness: AtP-IG integrates the gradient along the interpolated token embeddings, so the embedding units'
+    # scores add up to the whole base → source change of the metric, up to the Riemann sum's error, which falls as 1/m
+    change = (plain.metric_corrupted - plain.metric_clean) * (1 if direction == "noise" else -1)
+    embed = [detect_family(pg).embed]
+    error = {m: abs(sum(s.score for s in atp(pg, batch, embed, direction=direction, steps=m,
+                                             forward_kwargs=KW).scores) - change) for m in (16, 64, 256)}
+    assert error[64] < error[16] / 3 and error[256] < error[64] / 3 and error[256] < 0.05 * abs(change), (change, error)
+
+
 def test_metrics(llama_graph):
     batch = _batch()
     with torch.no_grad():
@@ -152,6 +173,8 @@ def test_bad_nodes_metrics_and_positions_fail_before_any_forward(llama_graph, mo
         exact_sweep(llama_graph, batch, "mlp", positions=[9], forward_kwargs=KW)
     with pytest.raises(AttributionError, match="direction 'sideways'"):
         atp(llama_graph, batch, "mlp", direction="sideways", forward_kwargs=KW)
+    with pytest.raises(AttributionError, match="steps=-1: give 0 \\(AtP\\) or the number of AtP-IG"):
+        atp(llama_graph, batch, "mlp", steps=-1, forward_kwargs=KW)
 
 
 def test_a_non_finite_gradient_names_the_node(llama_graph):

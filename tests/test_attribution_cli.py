@@ -32,7 +32,7 @@ def _prompts(tmp_path: Path, lines: list[dict]) -> Path:
     return path
 
 
-@pytest.mark.parametrize("method", ["exact", "atp", "atp-star"])
+@pytest.mark.parametrize("method", ["exact", "atp", "atp-ig", "atp-star"])
 def test_attribute_writes_scores_heatmaps_and_tensorboard(model_dir, tmp_path, method, capsys):
     out = tmp_path / "run"
     status = cli.main(["attribute", "--prompts", str(_prompts(tmp_path, LINES)), "--method", method, "--nodes", "all",
@@ -54,6 +54,8 @@ def test_attribute_writes_scores_heatmaps_and_tensorboard(model_dir, tmp_path, m
         # 1 pass filling the KV cache, 3 checks of it (from positions 1, 2 and 5: one per class of sizes), 3 passes
         # per position
         assert scores["passes"] == {"forward": 2 + 1 + 1 + 3 + 18, "backward": 0}
+    elif method == "atp-ig":  # the default 5 steps: the corrupted run, then 5 forward and backward passes
+        assert scores["passes"] == {"forward": 1 + 5, "backward": 5}
     else:
         assert scores["passes"] == {"forward": 2, "backward": 1}
     for kind in ("resid", "heads", "mlp"):

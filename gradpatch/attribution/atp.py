@@ -4,6 +4,13 @@ score(n) = (a_n^source − a_n^base) · ∂M/∂a_n |_base (Nanda 2023, "Attribu
 industrial scale"; Kramár et al. 2024, arXiv 2403.00745, eq. 3). The gradient ∂M/∂a_n of every node at once is the
 gradient of a zero ``AddPatch`` parameter ``[batch, seq, width]`` added at the node; for heads the dot product is
 taken over the head's slice of the width. Costs two forward passes (source, base) and one backward pass.
+
+AtP-IG (``steps=m``): the gradient is averaged over m runs of the base prompt whose token embeddings are interpolated,
+e_source + (k/m)(e_base − e_source) for k = 1..m (integrated gradients along the input path, the "inputs" variant that
+Hanna et al. 2024, arXiv 2403.17806, section 3, use for EAP-IG; Marks et al. 2024, arXiv 2403.19647, section 2, use
+IG for node effects). score(n) = (a_n^source − a_n^base) · (1/m) Σ_k ∂M/∂a_n |_k. Where a node's source and base
+values lie in different regions of a nonlinearity (AtP's failure, Kramár et al. section 3.1) the averaged gradient
+sees the path between them. Costs 1 + m forward and m backward passes.
 """
 
 from __future__ import annotations
@@ -17,9 +24,10 @@ from torch import nn
 
 from ..errors import NonFiniteError
 from ..patchable_graph import PatchableGraph
-from ..patches import AddPatch, ProbePatch
+from ..patches import AddPatch, ProbePatch, ReplacePatch
+from .errors import AttributionError
 from .metrics import Metric, logit_difference
-from .nodes import Node, as_nodes, units
+from .nodes import Node, as_nodes, detect_family, resolve_nodes, units
 from .prompts import PromptBatch
 from .records import AttributionResult, NodeScore
 from .runner import Runner, check_positions
@@ -81,29 +89,44 @@ def unit_scores(nodes: Sequence[Node], positions: Sequence[int],
 
 def atp(pg: PatchableGraph, batch: PromptBatch, nodes: str | Sequence[str] | Sequence[Node] = "all",
         metric: Metric = logit_difference, *, positions: Sequence[int] | None = None, direction: str = "noise",
-        forward_kwargs: Mapping[str, Any] | None = None) -> AttributionResult:
-    """AtP scores of every unit (node, position[, head]) from two forwards and one backward.
+        steps: int = 0, forward_kwargs: Mapping[str, Any] | None = None) -> AttributionResult:
+    """AtP scores of every unit (node, position[, head]) from two forwards and one backward, or AtP-IG scores
+    (``steps=m``: the gradient averaged over m runs with interpolated token embeddings; 1 + m forwards, m backwards).
 
     Args:
         pg, batch, nodes, metric, positions, direction, forward_kwargs: as for
             :func:`~gradpatch.attribution.exact.exact_sweep`.
+        steps: 0 for AtP; m ≥ 1 interpolation steps for AtP-IG (needs a Llama-style or GPT-2 graph, whose token
+            embeddings it interpolates).
 
     Returns:
-        An :class:`AttributionResult` (method ``"atp"``), scores in the metric's units.
+        An :class:`AttributionResult` (method ``"atp"`` or ``"atp-ig"``), scores in the metric's units.
 
     Raises:
-        AttributionError: bad nodes, positions, direction or metric (before any forward pass).
+        AttributionError: bad nodes, positions, direction, metric or ``steps``, or AtP-IG on a graph whose token
+            embeddings are unknown (before any forward pass).
         NonFiniteError: a non-finite gradient, naming the node.
     """
     start = time.perf_counter()
+    if steps < 0:
+        raise AttributionError(f"steps={steps}: give 0 (AtP) or the number of AtP-IG interpolation steps (e.g. 5)")
     resolved = as_nodes(pg, nodes)
     chosen = check_positions(positions, batch.length)
+    embed = resolve_nodes(pg, [detect_family(pg).embed])[0] if steps else None
     runner = Runner(pg, batch, metric, direction, forward_kwargs)
-    source, m_source = runner.record(runner.source_ids, resolved)
-    base, grads, m_base = node_gradients(runner, runner.base_ids, resolved)
+    recorded = resolved if embed is None or any(node.path == embed.path for node in resolved) else [*resolved, embed]
+    source, m_source = runner.record(runner.source_ids, recorded)
+    base, grads, m_base = node_gradients(runner, runner.base_ids, recorded)  # AtP, or AtP-IG's k = m (the base run)
+    if embed is not None:
+        source_embeddings, base_embeddings = embed.unflat(source[embed.path]), embed.unflat(base[embed.path])
+        for k in range(1, steps):
+            embeddings = source_embeddings + (k / steps) * (base_embeddings - source_embeddings)
+            step = node_gradients(runner, runner.base_ids, resolved, {embed.path: ReplacePatch(value=embeddings)})[1]
+            grads = {path: grads[path] + step[path] for path in step}
+        grads = {path: grad / steps for path, grad in grads.items()}
     totals = {node.path: head_totals(node, (source[node.path] - base[node.path]) * grads[node.path])
               for node in resolved}
     m_clean, m_corrupted = (m_base, m_source) if direction == "noise" else (m_source, m_base)
-    return AttributionResult("atp", direction, m_clean, m_corrupted, forward=runner.forwards,
+    return AttributionResult("atp-ig" if steps else "atp", direction, m_clean, m_corrupted, forward=runner.forwards,
                              backward=runner.backwards, seconds=time.perf_counter() - start,
                              scores=unit_scores(resolved, chosen, totals))

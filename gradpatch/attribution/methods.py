@@ -20,7 +20,7 @@ from .runner import Progress
 __all__ = ["METHODS", "run_method"]
 
 #: The methods :func:`run_method` runs.
-METHODS = ("exact", "atp", "atp-star", "eap", "eap-ig")
+METHODS = ("exact", "atp", "atp-ig", "atp-star", "eap", "eap-ig")
 
 
 def run_method(method: str, pg: PatchableGraph, batch: PromptBatch, nodes: Sequence[Node] | str,
@@ -32,7 +32,7 @@ def run_method(method: str, pg: PatchableGraph, batch: PromptBatch, nodes: Seque
 
     Args:
         batch_size: rows per forward pass of batched exact patching.
-        steps: interpolation steps of EAP-IG.
+        steps: interpolation steps of AtP-IG and EAP-IG.
         grad_drop: AtP* with GradDrop (magnitudes).
         (the others): as for :func:`~gradpatch.attribution.exact.exact_sweep`.
 
@@ -42,8 +42,11 @@ def run_method(method: str, pg: PatchableGraph, batch: PromptBatch, nodes: Seque
     if method == "exact":
         return exact_sweep(pg, batch, nodes, metric, direction=direction, batch_size=batch_size,
                            forward_kwargs=forward_kwargs, progress=progress)
-    if method == "atp":
-        return atp(pg, batch, nodes, metric, direction=direction, forward_kwargs=forward_kwargs)
+    if method in ("atp", "atp-ig"):
+        if method == "atp-ig" and steps < 1:
+            raise AttributionError(f"atp-ig needs at least 1 interpolation step, got steps={steps}")
+        return atp(pg, batch, nodes, metric, direction=direction, steps=steps if method == "atp-ig" else 0,
+                   forward_kwargs=forward_kwargs)
     if method == "atp-star":
         return atp_star(pg, batch, nodes, metric, direction=direction, grad_drop=grad_drop,
                         forward_kwargs=forward_kwargs)

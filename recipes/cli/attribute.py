@@ -25,7 +25,7 @@ __all__ = ["METHODS", "NAME", "register"]
 NAME = "attribute"
 
 #: The methods ``--method`` takes (node methods score units; edge methods score edges and a faithfulness curve).
-METHODS = ("exact", "atp", "atp-star", "eap", "eap-ig")
+METHODS = ("exact", "atp", "atp-ig", "atp-star", "eap", "eap-ig")
 #: ``--nodes`` choices besides NodePaths.
 NODE_KINDS = ("resid", "heads", "mlp", "queries", "keys", "all")
 
@@ -118,7 +118,7 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     """Add the ``attribute`` parser (activation patching and attribution patching) to the ``gradpatch`` sub-parsers."""
     p = subparsers.add_parser(
-        NAME, help="activation patching and its gradient estimates (AtP, AtP*, EAP, EAP-IG) at every node",
+        NAME, help="activation patching and its gradient estimates (AtP, AtP-IG, AtP*, EAP, EAP-IG) at every node",
         description=("Score every (node, position[, head]) by the change of the mean logit difference when its "
                      "activation is patched from the corrupted run (exact), or by a gradient estimate of it. Writes "
                      "OUT/scores.json, OUT/heatmap_<kind>.png and a TensorBoard run OUT/tensorboard, all at once."))
@@ -134,7 +134,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--direction", choices=("noise", "denoise"), default="noise",
                    help="noise: corrupted values into the clean run; denoise: the reverse (default: %(default)s)")
     p.add_argument("--steps", type=int, default=5, metavar="M",
-                   help="EAP-IG interpolation steps (default: %(default)s)")
+                   help="AtP-IG and EAP-IG interpolation steps (default: %(default)s)")
     p.add_argument("--grad-drop", action="store_true",
                    help="atp-star: GradDrop, one more backward pass per layer; scores become magnitudes")
     add_model_option(p)
