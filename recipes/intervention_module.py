@@ -38,6 +38,7 @@ from torch import nn
 from gradpatch import Intervention
 from gradpatch.files import atomic_write_text
 from gradpatch.interchange import InterchangeSide, Position, check_interchange_node, interchange, interchange_logits
+from gradpatch.model_io import model_device
 from gradpatch.patches import Patch
 from gradpatch.reft import ReFTPatch
 from gradpatch.subspace import (BoundlessSubspacePatch, FullInterchangePatch, RotatedSubspacePatch,
@@ -124,7 +125,10 @@ class InterventionModule(FrozenGraphModule):
             ``"last"`` or ``None`` (every token: base and source must have equal token lengths).
         temperature_start, temperature_end: τ of Boundless/mask patches, annealed linearly over ``max_steps``.
         shared_batch: base and source rows in one forward pass (``True``), or a source pass without gradients that
-            stops at the last patched node, then the base pass (:func:`gradpatch.interchange.interchange`).
+            stops at the last patched node, then the base pass (``False``; :func:`gradpatch.interchange.interchange`);
+            ``None`` (default): one pass on GPUs, where fewer launches pay, the two passes on the CPU, where compute
+            does (the shared batch carries the source rows through the later layers and the backward pass: 1.73× the
+            seconds per DAS step at layer 10 of SmolLM2, batch 16, one CPU thread; ``benchmarks/das_layout.py``).
         dtype: dtype the model is loaded in (patches stay float32).
         _backbone: ``(model, tokenizer)`` already loaded (tests, notebooks; see :meth:`from_model`).
 
@@ -140,7 +144,8 @@ class InterventionModule(FrozenGraphModule):
     def __init__(self, interventions: list[InterchangeSpec], objective: InterventionObjective | None = None,
                  model_path: str | None = None, lr: float = 1e-3, optimizer: OptimizerName = "adam",
                  position: Position = "last", temperature_start: float = 50.0, temperature_end: float = 0.1,
-                 shared_batch: bool = True, dtype: DtypeName = "float32", *, _backbone: tuple[nn.Module, Any] | None = None) -> None:
+                 shared_batch: bool | None = None, dtype: DtypeName = "float32", *,
+                 _backbone: tuple[nn.Module, Any] | None = None) -> None:
         super().__init__(lr=lr, optimizer=optimizer)
         self.specs = [as_spec(self.spec_type, spec) for spec in interventions]
         if not self.specs:
@@ -263,8 +268,9 @@ class InterventionModule(FrozenGraphModule):
         mapping: dict[str, list[TrainablePatch]] = {}
         for spec, patch in zip(self.specs, chosen):
             mapping.setdefault(spec.node, []).append(patch)
-        output = interchange(self.graph, mapping, encoded.base, encoded.source, self.pad_id,
-                             shared_batch=self.shared_batch, **self.call_kwargs)
+        shared = self.shared_batch if self.shared_batch is not None else model_device(self.graph).type != "cpu"
+        output = interchange(self.graph, mapping, encoded.base, encoded.source, self.pad_id, shared_batch=shared,
+                             **self.call_kwargs)
         return torch.log_softmax(interchange_logits(output, len(encoded.base.input_ids))[:, -1].float(), dim=-1)
 
     def base_log_probs(self, encoded: Encoded) -> torch.Tensor:

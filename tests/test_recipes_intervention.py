@@ -11,7 +11,7 @@ from lightning.pytorch import Trainer
 
 from gradpatch.errors import InterventionLoadError, SubspaceConfigError
 from recipes import CounterfactualDataModule, InterventionModule, RecipeConfigError, cli
-from recipes.counterfactual import read_counterfactuals
+from recipes.counterfactual import CounterfactualRecord, read_counterfactuals
 from recipes.testing import save_tiny_backbone, tiny_backbone
 
 CONFIG = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "das_country.yaml"
@@ -55,6 +55,31 @@ def test_training_moves_only_the_patches_and_keeps_r_orthonormal(tmp_path: Path,
     metrics = module.write_metrics(tmp_path, data.train_records)
     assert set(metrics) >= {"iia", "full_interchange_iia", "node", "dim", "examples"}
     assert json.loads((tmp_path / "metrics.json").read_text()) == metrics
+
+
+@pytest.mark.parametrize("shared_batch,expected", [(None, False), (True, True), (False, False)])
+def test_the_layout_is_two_passes_on_the_cpu_unless_asked_and_gives_the_same_log_probs(
+        monkeypatch: pytest.MonkeyPatch, shared_batch: bool | None, expected: bool) -> None:
+    import recipes.intervention_module as module_file
+
+    model, tokenizer = tiny_backbone()
+    module = InterventionModule.from_model(model, tokenizer, shared_batch=shared_batch, interventions=[
+        {"node": "model.layers_0.output", "kind": "rotated", "dim": 4}])
+    encoded = module.encode([CounterfactualRecord(**record) for record in _records()[:3]])
+    layouts: list[bool] = []
+    original = module_file.interchange
+
+    def spy(*args: object, shared_batch: bool, **kwargs: object) -> object:
+        layouts.append(shared_batch)
+        return original(*args, shared_batch=shared_batch, **kwargs)
+
+    monkeypatch.setattr(module_file, "interchange", spy)
+    with torch.no_grad():
+        log_probs = module.interchange_log_probs(encoded)
+        module.shared_batch = not expected  # the other layout: the same numbers
+        other = module.interchange_log_probs(encoded)
+    assert layouts == [expected, not expected]
+    torch.testing.assert_close(log_probs, other, atol=1e-5, rtol=1e-5)
 
 
 def test_adamw_never_decays_the_orthogonal_rotation(tmp_path: Path) -> None:
