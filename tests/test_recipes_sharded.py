@@ -60,6 +60,7 @@ SCRIPT = textwrap.dedent('''
     if __name__ == "__main__":
         result = fit(ShardedFrozenDDPStrategy(), 2)
         torch.save(result, f"{sys.argv[1]}/sharded-rank{result['rank']}.pt")
+        torch.distributed.destroy_process_group()  # as in tests/test_recipes_ddp.py: no gloo group left at exit
 ''')
 
 
