@@ -17,7 +17,11 @@ at the best layer.
 
 Run: ``.venv/bin/python benchmarks/das_country.py [--layers 2 6 10] [--dims 1 16 64] [--steps 60]
 [--batch-size 16] [--lr 0.01] [--threads 2] [--device cuda]``; ``--full-only`` measures the full-interchange IIA of each layer only;
-``--save-model DIR`` writes the model for ``benchmarks/das_country_pyvene.py`` (pyvene 0.1.8, its own virtualenv).
+``--save-model DIR`` writes the model for ``benchmarks/das_country_pyvene.py`` (pyvene 0.1.8, its own virtualenv);
+``--save-rotation FILE`` writes each DAS run's starting rotation, so that the pyvene script starts from the same state
+(``--init-rotation``; ``losses``: each step's training loss, equal at the first step; later steps drift apart, as Adam's
+first steps move every coordinate by about ±lr whatever the size of its gradient, so float rounding differences in
+small gradients grow).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -73,8 +78,6 @@ def save_for_peers(model: Any, tokenizer: Any, directory: Path) -> None:
     """Write the model as a plain ``from_pretrained`` folder (config without the GGUF quantization record,
     ``model.safetensors`` without the tied ``lm_head.weight``, the tokenizer): transformers refuses ``save_pretrained``
     on a model loaded from GGUF."""
-    from safetensors.torch import save_file
-
     directory.mkdir(parents=True, exist_ok=True)
     config = model.config.to_dict()
     config.pop("quantization_config", None)
@@ -86,13 +89,25 @@ def save_for_peers(model: Any, tokenizer: Any, directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
+def rotation_state(linear: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state of torch's orthogonal parametrization of ``linear.weight``: ``R`` ``[k, d]``, the unconstrained
+    parameter ``original`` ``[k, d]`` and the ``base`` ``[d, d]``, an orthogonal completion of R drawn at random when
+    the parametrization was registered. The trajectory of Adam on ``original`` depends on ``base``, so two runs start
+    alike only if both match."""
+    parametrization = linear.parametrizations.weight
+    return {"R": linear.weight.detach().cpu().contiguous(),
+            "original": parametrization.original.detach().cpu().contiguous(),
+            "base": parametrization[0].base.detach().cpu().contiguous()}
+
+
 def train_das(module: InterventionModule, records: list, steps: int, batch_size: int, lr: float,
-              seed: int) -> tuple[float, int]:
-    """``steps`` Adam steps of IIT cross-entropy on batches of ``records`` (seeded order); returns (seconds, steps)
-    (on a GPU the clock stops after the last step's kernels finish)."""
+              seed: int) -> tuple[float, list[float]]:
+    """``steps`` Adam steps of IIT cross-entropy on batches of ``records`` (seeded order); returns the seconds (on a
+    GPU the clock stops after the last step's kernels finish) and each step's loss (nats)."""
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(module.trainable_parameters(), lr=lr)
     order = torch.randperm(len(records), generator=generator).tolist()
+    losses = []
     start = time.perf_counter()
     for step in range(steps):
         chosen = [records[order[(step * batch_size + i) % len(order)]] for i in range(batch_size)]
@@ -102,9 +117,10 @@ def train_das(module: InterventionModule, records: list, steps: int, batch_size:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        losses.append(loss.detach())
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - start, steps
+    return time.perf_counter() - start, [round(float(loss), 5) for loss in losses]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -124,6 +140,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-isolation", action="store_true", help="skip RAVEL's isolation score (continent)")
     parser.add_argument("--split", action="store_true",
                         help="a truncated source pass then the base pass, instead of one shared batch")
+    parser.add_argument("--save-rotation", type=Path, default=None, metavar="FILE",
+                        help="save each DAS run's starting R [k, d] to FILE_L<layer>_k<dim>.safetensors (for "
+                             "das_country_pyvene.py --init-rotation)")
     parser.add_argument("--save-model", type=Path, default=None,
                         help="save the embedded model and tokenizer (save_pretrained) there for the pyvene script, "
                              "then stop")
@@ -157,11 +176,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             torch.manual_seed(args.seed)
             module = InterventionModule.from_model(model, tokenizer, shared_batch=not args.split, interventions=[
                 {"node": f"model.layers_{layer}.output", "kind": "rotated", "dim": dim}]).to(args.device)
-            seconds, steps = train_das(module, train, args.steps, args.batch_size, args.lr, args.seed)
+            if args.save_rotation is not None:  # the starting rotation, for the pyvene script to start from too
+                save_file(rotation_state(module.patches[0].rotation),
+                          str(args.save_rotation.with_name(f"{args.save_rotation.stem}_L{layer}_k{dim}.safetensors")))
+            seconds, losses = train_das(module, train, args.steps, args.batch_size, args.lr, args.seed)
             iia = float(module.iia(test))
             reference = full["full_interchange_iia"]
             full["das"][dim] = {"iia": iia, "ratio_to_full": None if not reference else iia / reference,
-                                "seconds_per_step": round(seconds / steps, 3)}
+                                "seconds_per_step": round(seconds / args.steps, 3), "losses": losses}
             if isolation:
                 full["das"][dim]["isolation"] = float(module.iia(isolation))
                 full.setdefault("full_interchange_isolation",

@@ -7,7 +7,10 @@ saved with ``save_pretrained`` (``benchmarks/das_country.py --save-model DIR`` w
 (``torch.randperm`` with the seed), batch size, learning rate, steps and subspace size; the intervention is
 ``LowRankRotatedSpaceIntervention`` at ``block_output`` of the layer (the residual stream after it, gradpatch's
 ``model.layers_L.output``) at the last token of the city in base and source, with left-padded batches and
-``position_ids`` from the attention mask as gradpatch uses.
+``position_ids`` from the attention mask as gradpatch uses. ``--init-rotation FILE`` starts from gradpatch's starting
+rotation (``das_country.py --save-rotation``: R, and the state of torch's orthogonal parametrization, whose random
+orthogonal completion of R also steers the training), so that the two runs start alike (``losses``: the first step's
+loss is equal; see ``das_country.py`` for why later ones drift apart).
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--init-rotation", type=Path, default=None, metavar="FILE",
+                        help="start from this R [k, d] (das_country.py --save-rotation) instead of pyvene's own")
     args = parser.parse_args()
     import pyvene
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -93,10 +98,26 @@ def main() -> None:
     intervenable.disable_model_gradients()
     parameters = [p for intervention in intervenable.interventions.values() for p in
                   (intervention[0] if isinstance(intervention, tuple) else intervention).parameters()]
+    if args.init_rotation is not None:  # gradpatch's starting rotation: R [k, d] here is pyvene's weight [d, k]
+        from safetensors.torch import load_file
+
+        state = load_file(str(args.init_rotation))
+        layer = next(iter(intervenable.interventions.values()))
+        layer = (layer[0] if isinstance(layer, tuple) else layer).rotate_layer
+        if tuple(layer.weight.shape) != tuple(state["R"].T.shape):
+            raise SystemExit(f"--init-rotation: R is {tuple(state['R'].shape)}, pyvene's weight "
+                             f"{tuple(layer.weight.shape)}; save it with the same --layer and --dim")
+        parametrization = layer.parametrizations.weight  # torch's orthogonal map treats [k, d] as its transpose
+        with torch.no_grad():
+            parametrization.original.copy_(state["original"].T)
+            parametrization[0].base.copy_(state["base"])
+        if not torch.allclose(layer.weight.detach().cpu(), state["R"].T, atol=1e-6):
+            raise SystemExit("--init-rotation: the parametrization did not reproduce R")
     optimizer = torch.optim.Adam(parameters, lr=args.lr)
     generator = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(train), generator=generator).tolist()
     labels_of = {}
+    losses = []
     start = time.perf_counter()
     for step in range(args.steps):
         chosen = [train[order[(step * args.batch_size + i) % len(order)]] for i in range(args.batch_size)]
@@ -107,6 +128,7 @@ def main() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        losses.append(loss.detach())
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     train_s = time.perf_counter() - start
@@ -120,7 +142,8 @@ def main() -> None:
                       else "0.1.8", "layer": args.layer, "dim": args.dim, "iia": hits / len(test),
                       "seconds_per_step": round(train_s / args.steps, 3), "steps": args.steps,
                       "batch_size": args.batch_size, "lr": args.lr, "eval_pairs": len(test), "seed": args.seed,
-                      "threads": args.threads, "device": args.device,
+                      "threads": args.threads, "device": args.device, "init_rotation": str(args.init_rotation),
+                      "losses": [round(float(loss), 5) for loss in losses],
                       "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "torch": torch.__version__,
                       "machine": platform.processor() or platform.machine()}, indent=2))
 
