@@ -138,8 +138,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--full-only", action="store_true")
     parser.add_argument("--no-isolation", action="store_true", help="skip RAVEL's isolation score (continent)")
-    parser.add_argument("--split", action="store_true",
-                        help="a truncated source pass then the base pass, instead of one shared batch")
+    layout = parser.add_mutually_exclusive_group()
+    layout.add_argument("--split", action="store_true",
+                        help="a truncated source pass then the base pass (default on the CPU)")
+    layout.add_argument("--shared", action="store_true", help="base and source rows in one batch (default on GPUs)")
     parser.add_argument("--save-rotation", type=Path, default=None, metavar="FILE",
                         help="save each DAS run's starting R [k, d] to FILE_L<layer>_k<dim>.safetensors (for "
                              "das_country_pyvene.py --init-rotation)")
@@ -170,11 +172,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with torch.no_grad():
             encoded = module.encode(isolation)
             continent_accuracy = float((module.base_log_probs(encoded).argmax(-1) == encoded.labels).float().mean())
+    shared = True if args.shared else False if args.split else None  # None: InterventionModule's choice
     for layer in ([] if args.full_only else args.das_layers or [best]):
         full = layers.setdefault(layer, {"full_interchange_iia": None, "das": {}})
         for dim in args.dims:
             torch.manual_seed(args.seed)
-            module = InterventionModule.from_model(model, tokenizer, shared_batch=not args.split, interventions=[
+            module = InterventionModule.from_model(model, tokenizer, shared_batch=shared, interventions=[
                 {"node": f"model.layers_{layer}.output", "kind": "rotated", "dim": dim}]).to(args.device)
             if args.save_rotation is not None:  # the starting rotation, for the pyvene script to start from too
                 save_file(rotation_state(module.patches[0].rotation),
@@ -193,7 +196,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"benchmark": "das_country", "layers": layers, "best_layer": best, "isolation_pairs": len(isolation),
               "continent_accuracy_unpatched": continent_accuracy,
               "target_met": any(dim <= 64 and (v["ratio_to_full"] or 0) >= 0.9 for dim, v in best_das.items()),
-              "shared_batch": not args.split, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "eval_pairs": len(test),
+              "shared_batch": shared if shared is not None else not args.device.startswith("cpu"),
+              "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "eval_pairs": len(test),
               "train_pairs": len(train), "seed": args.seed, "threads": args.threads, "device": args.device,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "torch": torch.__version__,
               "machine": platform.processor() or platform.machine()}
