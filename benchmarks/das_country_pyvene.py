@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--init-rotation", type=Path, default=None, metavar="FILE",
-                        help="start from this R [k, d] (das_country.py --save-rotation) instead of pyvene's own")
+                        help="start from this rotation state (das_country.py --save-rotation) instead of pyvene's own")
     args = parser.parse_args()
     import pyvene
     from transformers import AutoModelForCausalLM, AutoTokenizer
