@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .errors import SubspaceConfigError
-from .model_io import left_pad, model_device
+from .model_io import call_left_padded, left_pad
 from .patches import Patch
 from .subspace import TrainablePatch
 
@@ -281,16 +281,11 @@ def interchange(pg: nn.Module, patches: Mapping[str, TrainablePatch | Sequence[T
     """
     sources = [sources] if isinstance(sources, InterchangeSide) else list(sources)
     check_sides(base, sources)
-    device = model_device(pg)
-
-    def run(batch: dict[str, torch.Tensor]) -> Any:
-        return pg(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                  position_ids=batch["position_ids"].to(device), **call_kwargs)
 
     if shared_batch:
         batch, columns = _padded([base, *sources], pad_id)
         with pg.patch(interchange_patch_map(pg, patches, columns, source_of)):
-            return run(batch)
+            return call_left_padded(pg, batch, **call_kwargs)
     base_batch, (base_columns,) = _padded([base], pad_id)
     checked = interchange_patch_map(pg, patches, [base_columns] * (1 + len(sources)), source_of)  # checks only
     rows = torch.arange(len(base.input_ids))[:, None].expand_as(base_columns)
@@ -303,7 +298,7 @@ def interchange(pg: nn.Module, patches: Mapping[str, TrainablePatch | Sequence[T
         if recorders:
             with torch.no_grad(), pg.patch(recorders):
                 try:
-                    run(source_batch)
+                    call_left_padded(pg, source_batch, **call_kwargs)
                 except _StopForward:
                     pass
         recorded.append(store)
@@ -311,7 +306,7 @@ def interchange(pg: nn.Module, patches: Mapping[str, TrainablePatch | Sequence[T
                                    recorded[dict(source_of or {}).get(path, 0)][path]) for entry in entries]
                for path, entries in checked.items()}
     with pg.patch(mapping):
-        return run(base_batch)
+        return call_left_padded(pg, base_batch, **call_kwargs)
 
 
 def interchange_logits(output: Any, base_rows: int) -> torch.Tensor:

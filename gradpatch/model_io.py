@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["left_pad", "logits_of", "model_device", "model_dtype", "pad_token_id", "right_pad", "wrapped_model"]
+__all__ = ["call_left_padded", "left_pad", "logits_of", "model_device", "model_dtype", "pad_token_id", "right_pad", "wrapped_model"]
 
 
 def wrapped_model(target: nn.Module) -> nn.Module:
@@ -104,3 +104,11 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch
             mask[i, length - len(seq):] = 1
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     return {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+
+
+def call_left_padded(model: nn.Module, batch: dict[str, torch.Tensor], **kwargs: Any) -> Any:
+    """``model``'s output for a left-padded batch (:func:`left_pad`): ``input_ids``, ``attention_mask`` and
+    ``position_ids``, each ``[B, S]``, moved to the model's device, with ``kwargs`` as further keyword arguments."""
+    device = model_device(model)
+    return model(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                 position_ids=batch["position_ids"].to(device), **kwargs)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradpatch.model_io import logits_of, model_device
+from gradpatch.model_io import call_left_padded, logits_of, model_device
 
 from .data import encode, left_pad, pad_token_id
 
@@ -30,11 +30,7 @@ def graph_logits(pg: nn.Module, batch: dict[str, torch.Tensor], constants: dict[
         batch: ``input_ids``, ``attention_mask``, ``position_ids``, each ``[B, S]`` (moved to the model's device).
         constants: the other keyword arguments of the graph's example call (default ``{"use_cache": False}``).
     """
-    device = model_device(pg)
-    output = pg(batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                position_ids=batch["position_ids"].to(device),
-                **({"use_cache": False} if constants is None else constants))
-    return logits_of(output)
+    return logits_of(call_left_padded(pg, batch, **({"use_cache": False} if constants is None else constants)))
 
 
 @torch.no_grad()
