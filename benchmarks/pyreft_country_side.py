@@ -16,10 +16,8 @@ Writes OUT.safetensors: the losses and seconds per step, the resident memory bef
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
-import time
 from pathlib import Path
 
 import pyreft
@@ -29,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.peak_rss import peak_mib, reset_peak, resident_mib  # noqa: E402 (after the path)
+from benchmarks.timed_steps import timed_steps  # noqa: E402 (after the path)
 
 
 def _batches(data: dict[str, torch.Tensor], kind: str) -> list[dict[str, torch.Tensor]]:
@@ -75,23 +73,16 @@ def main() -> None:
         "intervention": intervention}]), set_device=False)
     out = {"R": intervention.rotate_layer.weight.detach().T.contiguous()}
     optimizer = torch.optim.AdamW(list(intervention.parameters()), lr=settings["lr"], weight_decay=0.0)
-    gc.collect()
-    before = resident_mib()
-    reset_peak()
-    losses, seconds, cpu_seconds = [], [], []
-    for batch in _batches(data, "train"):
-        start, cpu = time.perf_counter(), time.process_time()
+
+    def loss_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         total, tokens = _response_log_probs(reft, batch)
-        loss = -total / tokens
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        seconds.append(time.perf_counter() - start)
-        cpu_seconds.append(time.process_time() - cpu)
-        losses.append(float(loss.detach()))
-    out.update(peak_mib_during_training=torch.tensor(peak_mib(), dtype=torch.float64),
-               resident_mib_before_training=torch.tensor(before, dtype=torch.float64),
-               losses=torch.tensor(losses), seconds=torch.tensor(seconds), cpu_seconds=torch.tensor(cpu_seconds))
+        return -total / tokens
+
+    run = timed_steps(optimizer, _batches(data, "train"), loss_of)
+    out.update(peak_mib_during_training=torch.tensor(run.peak_mib, dtype=torch.float64),
+               resident_mib_before_training=torch.tensor(run.resident_mib_before, dtype=torch.float64),
+               losses=torch.tensor(run.losses), seconds=torch.tensor(run.seconds),
+               cpu_seconds=torch.tensor(run.cpu_seconds))
     with torch.no_grad():
         sums = [_response_log_probs(reft, batch) for batch in _batches(data, "nll")]
         out["heldout_nll_sum"] = -sum(s for s, _ in sums)

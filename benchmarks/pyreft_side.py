@@ -10,10 +10,8 @@ steps and its peak during them (MiB, benchmarks/peak_rss.py).
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
-import time
 from pathlib import Path
 
 import pyreft
@@ -23,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.peak_rss import peak_mib, reset_peak, resident_mib  # noqa: E402 (after the path)
+from benchmarks.timed_steps import median, timed_steps  # noqa: E402 (after the path)
 
 
 def main() -> None:
@@ -64,26 +62,18 @@ def main() -> None:
     optimizer = torch.optim.Adam(reft.get_trainable_parameters() if hasattr(reft, "get_trainable_parameters")
                                  else intervention.parameters(), lr=1e-3)
     labels, prompt = data["input_ids"].clone(), int(data["prompt_length"])
-    gc.collect()
-    before = resident_mib()
-    reset_peak()
-    times, cpu_times, losses = [], [], []
-    for _ in range(steps):
-        start, cpu = time.perf_counter(), time.process_time()
+
+    def loss_of(_: int) -> torch.Tensor:
         _, result = reft({"input_ids": ids}, unit_locations=locations)
         logits = result.logits[:, prompt - 1:-1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, prompt:].reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu)
-        losses.append(float(loss.detach()))
-    out["peak_mib_during_steps"] = torch.tensor(peak_mib(), dtype=torch.float64)
-    out["resident_mib_before_steps"] = torch.tensor(before, dtype=torch.float64)
-    out["losses"] = torch.tensor(losses)
-    out["seconds_per_step"] = torch.tensor(sorted(times)[len(times) // 2])
-    out["cpu_seconds_per_step"] = torch.tensor(sorted(cpu_times)[len(cpu_times) // 2])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, prompt:].reshape(-1))
+
+    run = timed_steps(optimizer, range(steps), loss_of)
+    out["peak_mib_during_steps"] = torch.tensor(run.peak_mib, dtype=torch.float64)
+    out["resident_mib_before_steps"] = torch.tensor(run.resident_mib_before, dtype=torch.float64)
+    out["losses"] = torch.tensor(run.losses)
+    out["seconds_per_step"] = torch.tensor(median(run.seconds))
+    out["cpu_seconds_per_step"] = torch.tensor(median(run.cpu_seconds))
     save_file({k: v.contiguous() for k, v in out.items()}, target)
 
 

@@ -11,10 +11,8 @@ benchmarks/peak_rss.py).
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,7 +21,7 @@ from safetensors.torch import load_file
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.peak_rss import peak_mib, reset_peak, resident_mib
+from benchmarks.timed_steps import median, timed_steps
 from gradpatch import LoReFTPatch, PatchableGraph
 from gradpatch.loaders import load_embedded_model
 from gradpatch.reft import reft_patch_map
@@ -59,24 +57,16 @@ def train_steps(pg: PatchableGraph, node: str, patch: LoReFTPatch, ids: torch.Te
     """``steps`` Adam steps (lr 1e-3) of the response tokens' NLL ``ids[:, prompt_length:]`` with ``patch`` at the
     prompt's positions of ``node``: losses, median wall and CPU seconds per step, resident MiB before, peak during."""
     optimizer = torch.optim.Adam(patch.parameters(), lr=1e-3)
-    gc.collect()
-    before = resident_mib()
-    reset_peak()
-    times, cpu_times, losses = [], [], []
-    for _ in range(steps):
-        start, cpu = time.perf_counter(), time.process_time()
+
+    def loss_of(_: int) -> torch.Tensor:
         with pg.patch(reft_patch_map({node: patch}, [prompt_length] * len(ids))):
             out = pg(ids, use_cache=False).logits[:, prompt_length - 1:-1]
-        loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), ids[:, prompt_length:].reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu)
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "seconds_per_step": sorted(times)[len(times) // 2],
-            "cpu_seconds_per_step": sorted(cpu_times)[len(cpu_times) // 2],
-            "resident_mib_before_steps": before, "peak_mib_during_steps": peak_mib()}
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), ids[:, prompt_length:].reshape(-1))
+
+    run = timed_steps(optimizer, range(steps), loss_of)
+    return {"losses": run.losses, "seconds_per_step": median(run.seconds),
+            "cpu_seconds_per_step": median(run.cpu_seconds), "resident_mib_before_steps": run.resident_mib_before,
+            "peak_mib_during_steps": run.peak_mib}
 
 
 def main() -> None:
