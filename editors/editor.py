@@ -19,6 +19,7 @@ from .config import ROMEConfig
 from .errors import EditError
 from .evaluation.sequential import BatchApplier
 from .layers import LinearLayer
+from .passes.start_token import resolve_start_token, with_start_token
 from .statistics.corpus import Corpus
 from .statistics.keys import ContextPrefixes, load_or_generate_prefixes
 from .statistics.second_moment import SecondMoment, default_cache_dir, layer_second_moments, statistics_fingerprint
@@ -52,15 +53,22 @@ class Editor(ABC):
 
     Args:
         pg: the model's :class:`gradpatch.PatchableGraph` (in ``eval()``).
-        tokenizer: its tokenizer.
+        tokenizer: its tokenizer (left unchanged: the editor reads and scores texts with :attr:`tokenizer`).
         layers: the edited linear layers (in the order the editor uses them).
         config: hyperparameters (:class:`~editors.config.ROMEConfig` or a subclass).
         corpus: corpus of the statistics (``None``: the built-in Wikipedia summaries; a path; a list of strings; a
             :class:`~editors.statistics.Corpus`).
         statistics: precomputed ``C`` per layer (same order as ``layers``) instead of computing / loading them.
 
+    Attributes:
+        tokenizer: the tokenizer every text of the editor goes through: the given one, or a copy that puts
+            ``config.start_token`` first (:func:`editors.passes.start_token.with_start_token`). Score and generate
+            the edited model's texts with it.
+        start_token: the token it puts first, as resolved (``None``: none).
+
     Raises:
-        ValueError: ``statistics`` of another count than ``layers``.
+        ValueError: ``statistics`` of another count than ``layers``; ``config.start_token`` not a token of the
+            vocabulary, or a tokenizer that cannot put it first.
     """
 
     #: The method's name in records and on the command line (``"rome"``, ``"memit"``, ``"alphaedit"``).
@@ -69,7 +77,9 @@ class Editor(ABC):
     def __init__(self, pg: nn.Module, tokenizer: Any, layers: Sequence[LinearLayer], config: ROMEConfig,
                  corpus: Corpus | str | os.PathLike[str] | Any | None = None,
                  statistics: Sequence[SecondMoment | torch.Tensor] | None = None) -> None:
-        self.pg, self.tokenizer = pg, tokenizer
+        self.pg = pg
+        self.start_token: str | None = resolve_start_token(tokenizer, config.start_token)
+        self.tokenizer = with_start_token(tokenizer, config.start_token)
         self.layers: list[LinearLayer] = list(layers)
         self.config = config
         self.corpus = corpus

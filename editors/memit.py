@@ -266,7 +266,8 @@ class MEMIT(Editor):
         Returns:
             The :class:`BatchEdit` (not applied); ``info["facts"]`` holds each fact's value search (steps, converged,
             losses, target probability, ``‖δ‖``), ``info["timings_s"]`` the phases (this process's),
-            ``info["processes"]`` how many processes split the facts.
+            ``info["processes"]`` how many processes split the facts, ``info["start_token"]`` the token every text was
+            read after (``None``: none).
 
         Raises:
             EditError: the graph is in training mode, or the residual node is not as wide as the layers' outputs.
@@ -365,6 +366,7 @@ class MEMIT(Editor):
             "converged": all(f["converged"] for f in facts),
             "n_key_prompts": len(key_templates),
             "n_value_prompts": len(value_templates),
+            "start_token": self.start_token,
             "statistics": [{"node": s.input_node, "n_tokens": s.n_tokens, "n_samples": s.n_samples, "corpus": s.corpus}
                            for s in statistics],
             "layers": layers,

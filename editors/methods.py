@@ -3,7 +3,8 @@ has no branch per method::
 
     config = config_for("memit", mom2_update_weight=5000.0)     # checked before the model is loaded
     editor = editor_for("memit", pg, tokenizer, nodes, config)
-    result = evaluate_sequential(pg, tokenizer, cases, editor.applier(), batch_size=100, after_group=editor.forget)
+    result = evaluate_sequential(pg, editor.tokenizer, cases, editor.applier(), batch_size=100,
+                                 after_group=editor.forget)
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """ROME (Meng et al. 2022, arXiv 2202.05262): rank-one model editing at a chosen linear layer.
 
-Pipeline for one fact ``(subject, prompt, target_new)``:
+Pipeline for one fact ``(subject, prompt, target_new)``, every text read after the start token
+(``config.start_token``, :mod:`editors.passes.start_token`: ``<|endoftext|>`` on SmolLM2 and GPT-2, nothing on a
+tokenizer that adds a BOS token itself), so that no subject sits at position 0:
 
 1. ``k*`` — the layer input at the subject's last token, averaged over context prefixes (eq. 3);
 2. ``C = E[k kᵀ]`` — the layer input's second moment over a corpus (cached on disk);
@@ -14,6 +16,7 @@ Usage::
     pg = PatchableGraph(model, example_ids, use_cache=False)
     rome = ROME(pg, tokenizer, "model.layers_3.mlp.down_proj")
     edit = rome.edit(EditRequest("The capital of {} is", "France", "London"))   # computed and applied
+    ids = rome.tokenizer("France's capital city is", return_tensors="pt").input_ids  # after the start token
     ...
     edit.restore(pg)                                                          # bit-identical weights
 """
@@ -108,7 +111,8 @@ class ROME(Editor):
 
         Returns:
             The :class:`Edit` (not applied); ``edit.info`` holds losses (``first_loss``, ``loss``: the first and last
-            evaluated), ``converged``, steps, norms and timings.
+            evaluated), ``converged``, steps, norms, timings and ``start_token`` (the token every text was read
+            after, ``None`` for none: prompt the edited model the same way).
 
         Raises:
             EditError: the graph is in training mode.
@@ -155,6 +159,7 @@ class ROME(Editor):
             "key_norm": float(key.norm()),
             "n_key_prompts": len(contexts),
             "n_value_prompts": len(objective.rewrite),
+            "start_token": self.start_token,
             "statistics": {"n_tokens": stats.n_tokens, "n_samples": stats.n_samples, "corpus": stats.corpus},
             "timings_s": {"key": t1 - t0, "value": t2 - t_update, "update": t_update - t1},
             "config": c.to_json(),

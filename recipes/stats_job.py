@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from editors import DEFAULT_MAX_LENGTH, DEFAULT_N_SAMPLES, StatisticsError, resolve_layer
+from editors.passes import start_token_tag
 from editors.statistics import (Corpus, SecondMoment, SecondMomentSums, default_cache_dir, open_corpus,
                                 save_second_moment, second_moment_cache_file, statistics_fingerprint)
 from gradpatch.errors import NonFiniteError
@@ -250,7 +251,8 @@ class SecondMomentJob(LightningModule):
             moment = SecondMoment(matrix=total.div_(n_tokens).cpu(), n_tokens=n_tokens, n_samples=n_docs,
                                   input_node=layer.input_node, fingerprint=fingerprint, corpus=fields.corpus)
             path = second_moment_cache_file(self.cache_dir, fingerprint, layer.input_node, fields.corpus,
-                                            fields.n_samples, fields.max_length, torch.float64)
+                                            fields.n_samples, fields.max_length, torch.float64,
+                                            start=start_token_tag(self.tokenizer))
             if self.trainer.global_rank == 0:
                 save_second_moment(path, moment, fields.n_samples, fields.max_length, torch.float64)
             self.results.append(moment)

@@ -80,7 +80,7 @@ def test_rome_keys_per_context_moves_every_context():
     pg, tok = _tiny_graph()
     rome = _per_context_rome(pg, tok)
     request = EditRequest("The river flows into the sea near {}", "the old town", "Rome")
-    keys = context_activations(pg, tok, [rome.layer.input_node], [(request.prompt, request.subject)],
+    keys = context_activations(pg, rome.tokenizer, [rome.layer.input_node], [(request.prompt, request.subject)],
                                rome.templates())[0][0]
     edit, gain, delta = _edit_and_gain(rome, request, keys)  # gain [P, d_out]
     assert edit.u.shape == (rome.layer.d_in,) and edit.info["config"]["keys_per_context"] is True
@@ -94,7 +94,7 @@ def test_rome_subject_first_key_moves_the_subject_at_the_start_of_the_text():
     gains = {}
     for first in (False, True):
         rome = _per_context_rome(pg, tok, subject_first_key=first)
-        start = context_activations(pg, tok, [rome.layer.input_node], [("{}", request.subject)],
+        start = context_activations(pg, rome.tokenizer, [rome.layer.input_node], [("{}", request.subject)],
                                     ContextPrefixes(prefixes=("",)))[0][0]  # [1, d_in]: the text begins with it
         edit, gain, delta = _edit_and_gain(rome, request, start)
         gains[first] = (gain - delta).norm() / delta.norm()
@@ -110,7 +110,7 @@ def test_rome_subject_first_key_on_a_prompt_that_starts_with_the_subject():
     rome = _per_context_rome(pg, tok, subject_first_key=True)
     request = EditRequest("{} flows into the sea", "the old river", "Rome")  # the empty prefix gives the first key
     node = rome.layer.input_node
-    keys = torch.cat([context_activations(pg, tok, [node], [(prompt, request.subject)], templates)[0][0]
+    keys = torch.cat([context_activations(pg, rome.tokenizer, [node], [(prompt, request.subject)], templates)[0][0]
                       for prompt, templates in ((request.prompt, rome.templates()),
                                                 ("{}", ContextPrefixes(prefixes=("",))))])  # [P + 1, d_in]
     edit, gain, delta = _edit_and_gain(rome, request, keys)

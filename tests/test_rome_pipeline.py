@@ -66,6 +66,7 @@ def test_edit_writes_the_fact_and_restores(kind: str, tmp_path) -> None:
     layer = resolve_layer(pg, node)
     original = layer.weight.detach().clone()
     forward = lambda ids: pg(ids, use_cache=False)  # noqa: E731
+    tok = rome.tokenizer  # the texts as the editor reads them (after its start token)
     before = mean_target_logprobs(forward, tok, [request.text] * 2, [request.target_new, request.target_true])
     edit = rome.edit(request)
     # The update stores k* -> v* exactly (up to float32 rounding of the weight).
@@ -147,7 +148,7 @@ def test_evaluate_cases_restores_between_cases(tmp_path) -> None:
     rome = ROME(pg, tok, node, _config(tmp_path), corpus=Corpus(name="toy", texts=list(TOY_SENTENCES) * 4))
     original = rome.layer.weight.detach().clone()
     cases = load_cases([CASE, {**CASE, "case_id": 8}])
-    metrics = evaluate_cases(pg, tok, cases, rome.compute, progress=False)
+    metrics = evaluate_cases(pg, rome.tokenizer, cases, rome.compute, progress=False)
     assert metrics["n_cases"] == 2 and len(metrics["cases"]) == 2
     for key in ("efficacy_score", "paraphrase_score", "neighborhood_score"):
         assert 0.0 <= metrics[key] <= 1.0
@@ -155,7 +156,7 @@ def test_evaluate_cases_restores_between_cases(tmp_path) -> None:
     assert torch.equal(rome.layer.weight, original)
     # "pre" is the unedited model's score (which way a random model leans depends on the transformers release's
     # initialisation); the edit raised the new target's log-probability and made it win on the rewrite prompt
-    unedited = score_case(pg, tok, cases[0])
+    unedited = score_case(pg, rome.tokenizer, cases[0])
     assert row["case_id"] == 7 and row["pre"]["efficacy"] == unedited["efficacy"] and row["efficacy"] == 1.0
     assert row["logp"]["post"]["new"]["rewrite"] > row["logp"]["pre"]["new"]["rewrite"]
 

@@ -1,5 +1,6 @@
-"""Forward passes over a model for editing: tokens and subject positions, activation capture at a node, logits
-at selected positions only, shared-prefix and tail passes that skip repeated work, and target log-probabilities.
+"""Forward passes over a model for editing: tokens and subject positions, the start token put before every text,
+activation capture at a node, logits at selected positions only, shared-prefix and tail passes that skip repeated
+work, and target log-probabilities.
 
 Names are imported on first use (:func:`editors.lazy.lazy_exports`).
 """
@@ -25,6 +26,10 @@ _EXPORTS: dict[str, str] = {
     "output_embedding_input_node": "selected_logits",
     "target_logprobs_at": "selected_logits",
     "row_activations": "shared_prefix",
+    "DOCUMENT_SEPARATOR": "start_token",
+    "resolve_start_token": "start_token",
+    "start_token_tag": "start_token",
+    "with_start_token": "start_token",
     "TailPass": "tail_pass",
     "logits_match": "tail_pass",
     "tail_pass_for": "tail_pass",

@@ -31,6 +31,7 @@ from ..defaults import LENGTH_PARAMS
 from ..errors import CacheRecomputedWarning, SubjectNotFoundError
 from ..layers import LinearLayer
 from ..passes.shared_prefix import row_activations
+from ..passes.start_token import start_token_tag
 from ..passes.tokens import EncodedPrompt, encode_subject_prompt, format_with_span
 
 __all__ = ["ContextPrefixes", "compute_key", "context_activations", "generate_context_prefixes",
@@ -126,7 +127,9 @@ def load_or_generate_prefixes(
     length_params: Sequence[tuple[int, int]] = LENGTH_PARAMS,
     seed: int = 0,
 ) -> ContextPrefixes:
-    """Context prefixes from ``cache_dir/<fingerprint>/context_templates_*.json``, generated and saved if absent.
+    """Context prefixes from ``cache_dir/<fingerprint>/context_templates_*.json`` (the name also holds what the
+    tokenizer puts before every text: :func:`~editors.passes.start_token.start_token_tag`), generated and saved if
+    absent.
 
     A cache file that is unreadable, not JSON, or not ``{"prefixes": [...]}`` with the empty prefix first and one
     string per sampled continuation is regenerated and replaced (atomically), with a
@@ -136,7 +139,7 @@ def load_or_generate_prefixes(
         fingerprint: identifies the model (see :func:`editors.statistics.second_moment.statistics_fingerprint`).
         cache_dir: folder of the cache, or ``None`` to skip the disk cache.
     """
-    tag = "_".join(f"{n}x{c}" for n, c in length_params)
+    tag = "_".join(f"{n}x{c}" for n, c in length_params) + start_token_tag(tokenizer)
     path = Path(cache_dir).expanduser() / fingerprint / f"context_templates_{tag}_seed{seed}.json" if cache_dir else None
     if path is not None and path.is_file():
         expected = 1 + sum(count for _, count in length_params)

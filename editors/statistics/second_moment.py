@@ -7,10 +7,11 @@ documents, accumulated in float64 batch by batch (``C = Σ Kᵀ K / n_tokens`` w
 Results are cached as safetensors files under ``~/.cache/gradpatch/stats`` (override with ``cache_dir=`` or the
 ``GRADPATCH_STATS_DIR`` environment variable), keyed by a fingerprint of the model (that leaves out the edited
 layer's own weight, which does not influence its input, so the statistics survive edits of that layer), the
-NodePath, the corpus name, the number of documents and the truncation length. A cache file is written atomically
-(temporary file + rename) and checked when read — readable, the expected key and shape, the dtype its name gives,
-finite, symmetric, metadata matching the layer; one that fails a check is recomputed (and replaced) with a
-:class:`~editors.errors.CacheRecomputedWarning` naming the file and the problem.
+NodePath, the corpus name, the number of documents, the truncation length and the start token the tokenizer puts
+before every text. A cache file is written atomically (temporary file + rename) and checked when read — readable,
+the expected key and shape, the dtype its name gives, finite, symmetric, metadata matching the layer; one that fails a
+check is recomputed (and replaced) with a :class:`~editors.errors.CacheRecomputedWarning` naming the file and the
+problem.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ..defaults import DEFAULT_MAX_LENGTH, DEFAULT_N_SAMPLES
 from ..errors import CacheRecomputedWarning, StatisticsError
 from ..layers import LinearLayer, resolve_layer
 from ..passes.capture import node_activations
+from ..passes.start_token import start_token_tag
 from .corpus import Corpus, open_corpus
 
 __all__ = ["SecondMoment", "SecondMomentSums", "compute_second_moment", "compute_second_moments", "default_cache_dir",
@@ -98,13 +100,13 @@ def _torch_path(node_path: str) -> str:
 
 
 def second_moment_cache_file(cache_dir: Path, fingerprint: str, node: str, corpus: str, n_samples: int,
-                             max_length: int, dtype: torch.dtype = torch.float64) -> Path:
-    """Where the statistics of ``node`` are cached: ``cache_dir/fingerprint/NODE__CORPUS__nN__lenL__DTYPE.safetensors``
-    (the cache key: model fingerprint without the edited layer, NodePath, corpus name, documents, truncation length
-    and accumulation dtype)."""
+                             max_length: int, dtype: torch.dtype = torch.float64, start: str = "") -> Path:
+    """Where the statistics of ``node`` are cached: ``cache_dir/fingerprint/NODE__CORPUS__nN__lenL[START]__DTYPE
+    .safetensors`` (the key: model fingerprint without the edited layer, NodePath, corpus name, documents, truncation
+    length, ``start`` = :func:`editors.passes.start_token.start_token_tag` of the tokenizer, accumulation dtype)."""
     safe_corpus = re.sub(r"[^A-Za-z0-9_.-]", "_", corpus)
-    dtype_name = str(dtype).replace("torch.", "")
-    return cache_dir / fingerprint / f"{node}__{safe_corpus}__n{n_samples}__len{max_length}__{dtype_name}.safetensors"
+    name = f"{node}__{safe_corpus}__n{n_samples}__len{max_length}{start}__{str(dtype).replace('torch.', '')}"
+    return cache_dir / fingerprint / f"{name}.safetensors"
 
 
 def save_second_moment(path: Path, moment: SecondMoment, n_samples: int, max_length: int,
@@ -317,7 +319,7 @@ def layer_second_moments(
             continue
         folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         paths[i] = second_moment_cache_file(folder, fingerprints[i], layer.input_node, source.name, n_samples,
-                                            max_length, accumulate_dtype)
+                                            max_length, accumulate_dtype, start=start_token_tag(tokenizer))
         cached = _read_cache(paths[i], layer, fingerprints[i], accumulate_dtype) if paths[i].is_file() else None
         if cached is not None:
             matrix, n_tokens, n_docs = cached

@@ -14,7 +14,8 @@ restored (:func:`editors.evaluation.sequential.evaluate_sequential`). ROME edits
 edits, the plain-torch value runner); MEMIT and AlphaEdit a batch at once. The JSON has ``eval-rome``'s fields
 (``efficacy_score``, ``paraphrase_score``, ``neighborhood_score``, ``n_cases``, ``pre``, ``cases``) plus ``batches``,
 ``seconds_per_batch`` and ``neighborhood_prompts_left_out`` (neighbourhood prompts naming a subject edited in the same
-group are not scored).
+group are not scored). Every text is edited and scored after the editor's start token (``--start-token``; the
+editor's ``tokenizer``), which ``settings.start_token`` records.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 from editors import DEFAULT_MOM2_RELATIVE_WEIGHT, DEFAULT_SMOLLM2_NODE, DEFAULT_SMOLLM2_NODES, METHODS
 
-from .options import add_edit_options, usage_error
+from .options import add_edit_options, start_token_setting, usage_error
 
 __all__ = ["NAME", "add_evaluation_options", "evaluate_edits", "register", "run_eval_edit", "settings_used",
            "write_metrics"]
@@ -98,13 +99,16 @@ def evaluate_edits(args: argparse.Namespace) -> dict[str, Any] | int:
     model, tokenizer = load_model(args.model, device=args.device or default_device())
     pg = editable_graph(model, tokenizer)
     t1 = time.perf_counter()
-    editor = editor_for(args.method, pg, tokenizer, nodes, config, corpus=args.corpus)
+    try:
+        editor = editor_for(args.method, pg, tokenizer, nodes, config, corpus=args.corpus)
+    except ValueError as error:  # a --start-token the tokenizer has not
+        return usage_error(command, error)
     statistics = editor.layer_statistics()
     if preserved:
         editor.preserve(preserved, weight=args.preserve_weight)  # type: ignore[attr-defined]
     editor.templates()
     t2 = time.perf_counter()
-    result = evaluate_sequential(pg, tokenizer, cases, editor.applier(), batch_size=args.batch_size,
+    result = evaluate_sequential(pg, editor.tokenizer, cases, editor.applier(), batch_size=args.batch_size,
                                  sequential=args.sequential, after_group=editor.forget, progress=not args.quiet)
     t3 = time.perf_counter()
     return {key: result[key] for key in ("efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases",
@@ -114,7 +118,7 @@ def evaluate_edits(args: argparse.Namespace) -> dict[str, Any] | int:
         "model": args.model or "embedded:SmolLM2-135M-Instruct",
         "cases_file": str(args.cases),
         "config": editor.config.to_json(),
-        "settings": settings_used(editor.config.to_json(), result["batches"]),
+        "settings": settings_used(editor.config.to_json(), result["batches"]) | {"start_token": editor.start_token},
         "preserved": {"file": args.preserve, "n_facts": len(preserved), "weight": args.preserve_weight}
         if preserved else None,
         "statistics": [{"node": s.input_node, "n_tokens": s.n_tokens, "n_samples": s.n_samples, "corpus": s.corpus}
@@ -142,7 +146,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     configuration's defaults."""
     settings: dict[str, Any] = {"n_samples": args.n_samples, "steps": args.steps, "cache_dir": args.cache_dir,
                                 "progress": not args.quiet, "allow_unconverged": True,
-                                "keys_per_context": args.keys_per_context}
+                                "keys_per_context": args.keys_per_context} | start_token_setting(args)
     if args.method == "rome":
         return settings | {"subject_first_key": args.subject_first_key}
     settings |= {"mom2_update_weight": args.mom2_update_weight, "mom2_relative_weight": args.mom2_relative_weight,

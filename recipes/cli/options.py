@@ -13,7 +13,8 @@ from typing import Any
 
 from editors import DEFAULT_SMOLLM2_NODE, ROMEConfig
 
-__all__ = ["DeprecatedAlias", "add_device_option", "add_edit_options", "add_model_option", "usage_error"]
+__all__ = ["DeprecatedAlias", "add_device_option", "add_edit_options", "add_model_option", "start_token_setting",
+           "usage_error"]
 
 
 def add_model_option(p: argparse.ArgumentParser) -> None:
@@ -29,7 +30,8 @@ def add_device_option(p: argparse.ArgumentParser) -> None:
 
 def add_edit_options(p: argparse.ArgumentParser) -> None:
     """Add ``--model``, ``--node``, ``--device`` and the ROME settings ``--corpus``, ``--n-samples``, ``--steps``,
-    ``--cache-dir`` (defaults: :class:`editors.config.ROMEConfig`'s)."""
+    ``--cache-dir``, ``--start-token`` (defaults: :class:`editors.config.ROMEConfig`'s; read ``--start-token`` with
+    :func:`start_token_setting`)."""
     defaults = ROMEConfig()
     add_model_option(p)
     p.add_argument("--node", default=None, metavar="NODEPATH",
@@ -42,6 +44,18 @@ def add_edit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=defaults.steps,
                    help="maximum value-optimisation steps (default %(default)s)")
     p.add_argument("--cache-dir", default=None, help="statistics cache (default ~/.cache/gradpatch/stats)")
+    p.add_argument("--start-token", default=None, metavar="TOKEN",
+                   help="token put before every text the editor reads and scores: 'auto' (<|endoftext|> if the "
+                        "vocabulary has it, else the BOS token), a token, or 'none' (default: the method's, 'auto' "
+                        "for ROME, none for MEMIT and AlphaEdit)")
+
+
+def start_token_setting(args: argparse.Namespace) -> dict[str, str | None]:
+    """``{"start_token": ...}`` for the editor's configuration when ``--start-token`` was given (``none``: ``None``),
+    else ``{}`` (the method's default)."""
+    if args.start_token is None:
+        return {}
+    return {"start_token": None if args.start_token.lower() == "none" else args.start_token}
 
 
 class DeprecatedAlias(argparse.Action):

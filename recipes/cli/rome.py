@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from .options import add_edit_options, usage_error
+from .options import add_edit_options, start_token_setting, usage_error
 
 __all__ = ["NAME", "register"]
 
@@ -47,8 +47,11 @@ def _run_rome(args: argparse.Namespace) -> int:
     t1 = time.perf_counter()
     runner = LightningValueRunner(logdir=args.logdir, name="rome", progress=not args.quiet)
     config = ROMEConfig(n_samples=args.n_samples, steps=args.steps, cache_dir=args.cache_dir, progress=not args.quiet,
-                        allow_unconverged=args.allow_unconverged)
-    rome = ROME(pg, tokenizer, node, config=config, corpus=args.corpus, value_runner=runner)
+                        allow_unconverged=args.allow_unconverged, **start_token_setting(args))
+    try:
+        rome = ROME(pg, tokenizer, node, config=config, corpus=args.corpus, value_runner=runner)
+    except ValueError as error:  # a --start-token the tokenizer has not
+        return usage_error(NAME, error)
     try:
         result = run_rome(rome, request, prompts=args.generate, max_new_tokens=args.max_new_tokens)
     except SubjectNotFoundError as error:
