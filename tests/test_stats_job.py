@@ -11,8 +11,11 @@ import warnings
 import pytest
 import torch
 from lightning.pytorch import Callback
+from safetensors import safe_open
 
 from editors import Corpus, compute_second_moments, editable_graph, layer_second_moments, resolve_layer
+from editors.passes import with_start_token
+from gradpatch.loaders import load_model
 from recipes import PartialSumsWarning, SecondMomentJob, StatisticsJobError, run_statistics_job
 from recipes.stats_partial import partial_file
 from recipes.testing import WORDS, save_tiny_backbone, tiny_backbone
@@ -139,6 +142,20 @@ def test_gradpatch_stats_command_writes_the_cache_files(tmp_path, capsys):
     files = list((tmp_path / "stats").rglob("*.safetensors"))
     assert [f.name for f in files] == [f"{NODES[0]}.input__file-{printed.split('__file-')[1].split('__')[0]}"
                                        f"__n30__len16__float64.safetensors"]
+    # with a start token the files are keyed apart, and an editor with that token reads them (no recomputation)
+    assert main(["stats", "--model", str(model_dir), "--nodes", NODES[0], "--docs", "30", "--max-length", "16",
+                 "--corpus", str(corpus_file), "--out", str(tmp_path / "stats"), "--quiet", "--start-token",
+                 "<eos>"]) == 0
+    capsys.readouterr()
+    [started] = [f for f in (tmp_path / "stats").rglob("*.safetensors") if "__len16__start2__" in f.name]
+    model, tokenizer = load_model(str(model_dir), device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        [moment] = layer_second_moments(editable_graph(model, tokenizer), with_start_token(tokenizer, "<eos>"),
+                                        NODES[:1], str(corpus_file), n_samples=30, max_length=16,
+                                        cache_dir=tmp_path / "stats", progress=False, use_cache=True)
+    with safe_open(str(started), framework="pt") as handle:
+        assert torch.equal(moment.matrix, handle.get_tensor("second_moment"))
     assert main(["stats", "--model", str(model_dir), "--docs", "3"]) == 2  # --nodes needed with --model
     assert "--nodes is needed" in capsys.readouterr().err
     assert main(["stats", "--model", str(model_dir), "--nodes", "model.layers_0.mlp", "--docs", "3",

@@ -8,7 +8,8 @@
 
 Writes one cache file per node where the editors look for it (``--out``, default ``~/.cache/gradpatch/stats``;
 same key and format as :func:`editors.layer_second_moments`), so a later ROME/MEMIT/AlphaEdit edit with the same
-model, corpus, ``--docs`` (``n_samples``) and ``--max-length`` reads it instead of computing it. Each rank checkpoints
+model, corpus, ``--docs`` (``n_samples``), ``--max-length`` and start token (``--start-token auto`` for ROME's default)
+reads it instead of computing it. Each rank checkpoints
 its partial sums every ``--checkpoint-every`` documents; the same command started again after a kill resumes.
 Lightning starts the other ranks (or torchrun / SLURM does: run the same command on every node). See docs/scale.md.
 """
@@ -43,6 +44,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from editors import LayerKindError, editable_graph
+    from editors.passes import with_start_token
     from gradpatch.errors import NonFiniteError
     from gradpatch.loaders import load_model
 
@@ -56,7 +58,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype),
                                       device=_local_device(args.accelerator))
-        job = SecondMomentJob(editable_graph(model, tokenizer), tokenizer, nodes, corpus=args.corpus,
+        pg = editable_graph(model, tokenizer)
+        tokenizer = with_start_token(tokenizer, None if args.start_token.lower() == "none" else args.start_token)
+        job = SecondMomentJob(pg, tokenizer, nodes, corpus=args.corpus,
                               n_samples=args.docs, max_length=args.max_length, batch_size=args.batch_size,
                               cache_dir=args.out, partial_dir=args.partial_dir,
                               checkpoint_every=args.checkpoint_every, restart=args.restart)
@@ -98,6 +102,10 @@ def register(subparsers: Any) -> None:
                    help="token truncation of documents (default %(default)s)")
     p.add_argument("--corpus", default=None, metavar="FILE",
                    help="text corpus (.txt, .json, .jsonl; default: the offline English Wikipedia summaries)")
+    p.add_argument("--start-token", default="none", metavar="TOKEN",
+                   help="token put before every document, as the editor that reads the files does: 'none' (default: "
+                        "MEMIT's and AlphaEdit's), 'auto' (ROME's default: <|endoftext|> if the vocabulary has it, "
+                        "else the BOS token) or a token; part of the cache key")
     p.add_argument("--batch-size", type=int, default=16, help="documents per forward pass per rank (default 16)")
     p.add_argument("--accelerator", default="cpu", choices=("cpu", "gpu", "auto"), help="(default %(default)s)")
     p.add_argument("--devices", default="1", help="devices per node: a number, or 'auto' (default %(default)s)")
