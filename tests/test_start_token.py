@@ -64,11 +64,17 @@ def test_rome_keys_statistics_and_templates_read_texts_after_the_start_token(tmp
     rome = ROME(pg, tok, node, ROMEConfig(**_config(tmp_path)), corpus=corpus)
     plain = ROME(pg, tok, node, ROMEConfig(**_config(tmp_path, start_token=None)), corpus=corpus)
     assert rome.start_token == "<|endoftext|>" and plain.start_token is None and plain.tokenizer is tok
-    # the key is the layer input at the subject's last token of the prefixed text, not of the plain one
+    # ROME's k* is the layer input at the subject's last token of the prefixed texts, not of the plain ones
+    request = EditRequest("{} is in the river", "the old town", "Rome")
+    edit = rome.compute(request)
     templates = rome.templates()
-    key = compute_key(pg, rome.tokenizer, rome.layer, "{} is in", "the old town", templates)
-    plain_key = compute_key(pg, tok, rome.layer, "{} is in", "the old town", templates)
-    assert not torch.allclose(key, plain_key)
+    key = compute_key(pg, rome.tokenizer, rome.layer, request.prompt, request.subject, templates)
+    plain_key = compute_key(pg, tok, rome.layer, request.prompt, request.subject, templates)
+    assert edit.info["key_norm"] == pytest.approx(float(key.norm()), rel=1e-6)
+    assert abs(float(plain_key.norm()) - float(key.norm())) > 1e-3 * float(key.norm())
+    # the edit records the token, so whoever applies it can prompt the model the same way
+    assert edit.info["start_token"] == "<|endoftext|>"
+    assert plain.compute(request).info["start_token"] is None
     # statistics and context prefixes are cached apart, so neither setting reads the other's files
     rome.statistics(), plain.statistics(), plain.templates()
     moments = sorted(p.name for p in tmp_path.rglob("*.safetensors"))
@@ -76,10 +82,6 @@ def test_rome_keys_statistics_and_templates_read_texts_after_the_start_token(tmp
     assert not torch.allclose(rome.statistics().matrix, plain.statistics().matrix)
     assert len(list(tmp_path.rglob("context_templates_*__start*.json"))) == 1
     assert len(list(tmp_path.rglob("context_templates_*.json"))) == 2
-    # the edit records the token, so whoever applies it can prompt the model the same way
-    request = EditRequest("The river flows into the sea near {}", "the old town", "Rome")
-    assert rome.compute(request).info["start_token"] == "<|endoftext|>"
-    assert plain.compute(request).info["start_token"] is None
 
 
 def test_memit_keeps_texts_as_they_are_by_default(tmp_path) -> None:
