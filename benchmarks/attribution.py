@@ -7,8 +7,8 @@ end (every earlier position has the same activation in both runs, so its exact e
 - per node kind (``resid``, ``heads``, ``mlp``; ``--kinds`` adds ``queries``, ``keys``): the exact sweep (noising, many
   variants per forward pass) and AtP, AtP-IG (m = ``--steps``), AtP* (QK fix) and AtP* with GradDrop; for each
   estimate the Pearson and Spearman correlations with the exact scores, the top-20 recall (the share of the 20
-  largest |exact| units among the 20 largest |estimate| units), passes and seconds. GradDrop scores are magnitudes, so they are compared with |exact|
-  (``*_abs`` figures, given for every method);
+  largest |exact| units among the 20 largest |estimate| units), passes and seconds. GradDrop scores are magnitudes, so
+  they are compared with |exact| (``*_abs`` figures, given for every method);
 - ``sweep_speedup``: seconds per unit of one forward pass per patched unit (12 units sampled across the layers) over
   seconds per unit of each kind's batched sweep (variants along the batch dimension, the blocks before the first
   patched one run once, the variants patched at position p run tokens [p, end) on the base run's KV cache), in the

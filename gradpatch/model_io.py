@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["call_left_padded", "left_pad", "logits_of", "model_device", "model_dtype", "pad_token_id", "right_pad", "wrapped_model"]
+__all__ = ["call_left_padded", "left_pad", "logits_of", "model_device", "model_dtype", "pad_token_id", "right_pad",
+           "wrapped_model"]
 
 
 def wrapped_model(target: nn.Module) -> nn.Module:

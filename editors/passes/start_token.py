@@ -63,8 +63,8 @@ def with_start_token(tokenizer: Any, setting: str | None) -> Any:
 
     Returns:
         ``tokenizer`` itself when :func:`resolve_start_token` gives ``None``; otherwise a deep copy with that token as
-        ``bos_token`` and ``add_bos_token=True``: ``copy("France")["input_ids"]`` is ``[start, France's ids...]`` and its
-        offsets give the start token an empty span, so subject and target positions shift by one.
+        ``bos_token`` and ``add_bos_token=True``: ``copy("France")["input_ids"]`` is ``[start, France's ids...]`` and
+        its offsets give the start token an empty span, so subject and target positions shift by one.
 
     Raises:
         ValueError: as :func:`resolve_start_token`, or the tokenizer's class does not add a BOS token on request (the

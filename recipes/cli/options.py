@@ -14,7 +14,7 @@ from typing import Any
 from editors import DEFAULT_SMOLLM2_NODE, ROMEConfig
 
 __all__ = ["DeprecatedAlias", "add_device_option", "add_edit_options", "add_model_option", "start_token_setting",
-           "usage_error"]
+           "start_token_value", "usage_error"]
 
 
 def add_model_option(p: argparse.ArgumentParser) -> None:
@@ -50,12 +50,18 @@ def add_edit_options(p: argparse.ArgumentParser) -> None:
                         "for ROME, none for MEMIT and AlphaEdit)")
 
 
+def start_token_value(text: str) -> str | None:
+    """A ``--start-token`` value as the editors' ``start_token`` setting: ``none`` (any case) is ``None``, anything
+    else (``auto``, a token) as given."""
+    return None if text.lower() == "none" else text
+
+
 def start_token_setting(args: argparse.Namespace) -> dict[str, str | None]:
-    """``{"start_token": ...}`` for the editor's configuration when ``--start-token`` was given (``none``: ``None``),
-    else ``{}`` (the method's default)."""
+    """``{"start_token": ...}`` for the editor's configuration when ``--start-token`` was given
+    (:func:`start_token_value`), else ``{}`` (the method's default)."""
     if args.start_token is None:
         return {}
-    return {"start_token": None if args.start_token.lower() == "none" else args.start_token}
+    return {"start_token": start_token_value(args.start_token)}
 
 
 class DeprecatedAlias(argparse.Action):

@@ -24,7 +24,7 @@ from typing import Any
 
 from editors import DEFAULT_MAX_LENGTH, DEFAULT_N_SAMPLES, DEFAULT_SMOLLM2_NODES
 
-from .options import add_model_option, usage_error
+from .options import add_model_option, start_token_value, usage_error
 
 __all__ = ["NAME", "register"]
 
@@ -59,7 +59,7 @@ def _run(args: argparse.Namespace) -> int:
         model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype),
                                       device=_local_device(args.accelerator))
         pg = editable_graph(model, tokenizer)
-        tokenizer = with_start_token(tokenizer, None if args.start_token.lower() == "none" else args.start_token)
+        tokenizer = with_start_token(tokenizer, start_token_value(args.start_token))
         job = SecondMomentJob(pg, tokenizer, nodes, corpus=args.corpus,
                               n_samples=args.docs, max_length=args.max_length, batch_size=args.batch_size,
                               cache_dir=args.out, partial_dir=args.partial_dir,
