@@ -8,7 +8,9 @@ end (every earlier position has the same activation in both runs, so its exact e
   variants per forward pass) and AtP, AtP-IG (m = ``--steps``), AtP* (QK fix) and AtP* with GradDrop; for each
   estimate the Pearson and Spearman correlations with the exact scores, the top-20 recall (the share of the 20
   largest |exact| units among the 20 largest |estimate| units), passes and seconds. GradDrop scores are magnitudes, so
-  they are compared with |exact| (``*_abs`` figures, given for every method);
+  they are compared with |exact| (``*_abs`` figures, given for every method); ``verify_top20_units``: how many units
+  one patches, in the order of |estimate|, before the 20 largest |exact| units are all verified; ``atp_star_verified``:
+  AtP* with its ``--verify`` largest units then patched exactly (``verify_top``), against the exact sweep;
 - ``sweep_speedup``: seconds per unit of one forward pass per patched unit (12 units sampled across the layers) over
   seconds per unit of each kind's batched sweep (variants along the batch dimension, the blocks before the first
   patched one run once, the variants patched at position p run tokens [p, end) on the base run's KV cache), in the
@@ -51,6 +53,7 @@ from gradpatch.attribution import (
     exact_sweep,
     prompt_batch,
     resolve_nodes,
+    verify_top,
 )
 from gradpatch.loaders import load_embedded_model
 
@@ -77,10 +80,18 @@ def recall(exact: torch.Tensor, estimate: torch.Tensor, k: int = 20) -> float:
     return len(top & set(estimate.abs().topk(k).indices.tolist())) / k
 
 
+def verification_cost(exact: torch.Tensor, estimate: torch.Tensor, k: int = 20) -> int:
+    """Units to patch, in the order of |estimate|, until the ``k`` largest |exact| units are all among them (the cost
+    of verified recall Kramár et al. 2024 compare methods by)."""
+    order = estimate.abs().argsort(descending=True).tolist()
+    rank = {unit: place for place, unit in enumerate(order, start=1)}
+    return max(rank[unit] for unit in exact.abs().topk(min(k, len(exact))).indices.tolist())
+
+
 def compare(exact: torch.Tensor, estimate: torch.Tensor) -> dict[str, float]:
     """Signed and magnitude agreement of an estimate with the exact scores."""
     return {"pearson": round(pearson(exact, estimate), 4), "spearman": round(spearman(exact, estimate), 4),
-            "top20_recall": recall(exact, estimate),
+            "top20_recall": recall(exact, estimate), "verify_top20_units": verification_cost(exact, estimate),
             "pearson_abs": round(pearson(exact.abs(), estimate.abs()), 4),
             "spearman_abs": round(spearman(exact.abs(), estimate.abs()), 4)}
 
@@ -96,8 +107,9 @@ def first_difference(batch: PromptBatch) -> int:
 
 
 def node_kind(pg: PatchableGraph, batch: PromptBatch, kind: str, positions: list[int], rows: int,
-              steps: int) -> dict[str, Any]:
-    """Exact sweep and the four estimates for one node kind (AtP-IG with ``steps`` interpolation steps)."""
+              steps: int, verify: int) -> dict[str, Any]:
+    """Exact sweep and the four estimates for one node kind (AtP-IG with ``steps`` interpolation steps), and AtP*
+    with its ``verify`` top units then patched exactly (``atp_star_verified``)."""
     exact = exact_sweep(pg, batch, kind, positions=positions, batch_size=rows, forward_kwargs=KW)
     reference = scores(exact)
     out: dict[str, Any] = {"units": len(reference), "metric": {"clean": round(exact.metric_clean, 4),
@@ -111,6 +123,9 @@ def node_kind(pg: PatchableGraph, batch: PromptBatch, kind: str, positions: list
         "atp_star": lambda: atp_star(pg, batch, kind, positions=positions, forward_kwargs=KW),
         "atp_star_graddrop": lambda: atp_star(pg, batch, kind, positions=positions, grad_drop=True,
                                               forward_kwargs=KW),
+        "atp_star_verified": lambda: verify_top(pg, batch, atp_star(pg, batch, kind, positions=positions,
+                                                                    forward_kwargs=KW),
+                                                kind, verify, batch_size=rows, forward_kwargs=KW),
     }
     top = reference.abs().topk(min(5, len(reference))).indices.tolist()
     largest = [{"node": exact.scores[i].node, "position": exact.scores[i].position, "head": exact.scores[i].head,
@@ -228,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=48, help="rows per forward pass (default %(default)s)")
     parser.add_argument("--kinds", default="resid,heads,mlp", help="node kinds (default %(default)s)")
     parser.add_argument("--steps", type=int, default=5, help="AtP-IG and EAP-IG steps (default %(default)s)")
+    parser.add_argument("--verify", type=int, default=40, help="AtP* units verified exactly (default %(default)s)")
     parser.add_argument("--edges", type=int, default=64, help="edges patched exactly (default %(default)s)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: nodes,speed,edges,memory")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu; the memory part is CPU-only)")
@@ -249,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if "nodes" not in skip:
         report["exact_warmup"] = warmup(pg, batch, positions)
-        report["nodes"] = {kind: node_kind(pg, batch, kind, positions, args.rows, args.steps)
+        report["verify"] = args.verify
+        report["nodes"] = {kind: node_kind(pg, batch, kind, positions, args.rows, args.steps, args.verify)
                            for kind in args.kinds.split(",")}
     if "speed" not in skip and "nodes" in report:
         report["sweep_speedup"] = sweep_speedup(pg, batch, positions, report["nodes"])

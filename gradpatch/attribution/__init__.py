@@ -23,10 +23,11 @@ from .nodes import (GPT2_FAMILY, KINDS, LLAMA_FAMILY, QK_KINDS, ModelFamily, Nod
                     resolve_nodes)
 from .prompts import PromptBatch, prompt_batch
 from .records import AttributionResult, EdgeScore, NodeScore
+from .verify import verify_top
 
 __all__ = [
     "GPT2_FAMILY", "KINDS", "LLAMA_FAMILY", "METHODS", "QK_KINDS", "AttributionError", "AttributionResult",
     "EdgeGraph", "EdgeScore", "Metric", "ModelFamily", "Node", "NodeScore", "PromptBatch", "Unit",
     "answer_probability", "atp", "atp_star", "detect_family", "eap", "edge_patching", "exact_sweep", "kl_to_clean",
-    "logit_difference", "prompt_batch", "resolve_nodes", "run_method",
+    "logit_difference", "prompt_batch", "resolve_nodes", "run_method", "verify_top",
 ]

@@ -15,7 +15,7 @@ interpret activation patching").
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -119,10 +119,24 @@ def _passes(todo: Sequence[Unit], per_pass: int, by_position: bool) -> list[tupl
     return passes
 
 
+def _selected(every: Sequence[Unit], only: Collection[tuple[str, int, int | None]]) -> list[Unit]:
+    """The units of ``every`` whose ``(NodePath, position, head)`` is in ``only``, in the order of ``every``."""
+    keys = set(only)
+    chosen = [unit for unit in every if (unit.node.path, unit.position, unit.head) in keys]
+    missing = keys - {(unit.node.path, unit.position, unit.head) for unit in chosen}
+    if missing:
+        raise AttributionError(f"{len(missing)} unit(s) to patch are not units of the nodes and positions given, e.g. "
+                               f"{sorted(missing, key=str)[0]}: pass the nodes and positions the scores came from")
+    if not chosen:
+        raise AttributionError("no units to patch: give at least one (NodePath, position, head) key")
+    return chosen
+
+
 def exact_sweep(pg: PatchableGraph, batch: PromptBatch, nodes: str | Sequence[str] | Sequence[Node] = "all",
                 metric: Metric = logit_difference, *, positions: Sequence[int] | None = None,
                 direction: str = "noise", batch_size: int = 32, forward_kwargs: Mapping[str, Any] | None = None,
-                progress: Progress | None = None, share_prefix: bool = True) -> AttributionResult:
+                progress: Progress | None = None, share_prefix: bool = True,
+                only: Collection[tuple[str, int, int | None]] | None = None) -> AttributionResult:
     """Activation patching at every unit (node, position[, head]): the exact effect every estimate is checked against.
 
     Args:
@@ -140,6 +154,9 @@ def exact_sweep(pg: PatchableGraph, batch: PromptBatch, nodes: str | Sequence[st
             ``[p, end)`` on the base run's KV cache (models whose ``forward`` takes a transformers cache, checked
             first: :func:`~gradpatch.attribution.suffix.position_prefix`); ``False`` runs every variant's whole
             forward over the whole prompt (the same scores, for comparisons).
+        only: patch only these units, as ``(NodePath, position, head)`` keys (``head`` ``None`` except for heads,
+            queries and keys) of ``nodes`` at ``positions``: the verification of an estimate's top units
+            (:func:`~gradpatch.attribution.verify.verify_top`).
 
     Returns:
         An :class:`AttributionResult` with one :class:`NodeScore` per unit, in the order of
@@ -149,19 +166,20 @@ def exact_sweep(pg: PatchableGraph, batch: PromptBatch, nodes: str | Sequence[st
         blocks are shared in whole-prompt passes (no cache, or position 0 patched).
 
     Raises:
-        AttributionError: bad nodes, positions, direction, metric or batch size (before any forward pass).
+        AttributionError: bad nodes, positions, direction, metric or batch size, a key of ``only`` that is no unit of
+            ``nodes`` at ``positions`` (before any forward pass).
     """
     start = time.perf_counter()
     resolved = as_nodes(pg, nodes)
     chosen = check_positions(positions, batch.length)
     if batch_size < 1:
         raise AttributionError(f"batch_size={batch_size}: give at least 1 row per forward pass")
+    todo = units(resolved, chosen) if only is None else _selected(units(resolved, chosen), only)
     runner = Runner(pg, batch, metric, direction, forward_kwargs)
     clean_acts, m_clean = runner.record(batch.clean, resolved)
     corrupted_acts, m_corrupted = runner.record(batch.corrupted, resolved)
     source, base_value = (corrupted_acts, m_clean) if direction == "noise" else (clean_acts, m_corrupted)
     del clean_acts, corrupted_acts
-    todo = units(resolved, chosen)
     per_pass = max(1, batch_size // batch.size)
     prefix: PositionPrefix | None = position_prefix(runner, chosen, base_value) if share_prefix else None
     starts = block_inputs(pg, resolved) if share_prefix else None
@@ -186,6 +204,6 @@ def exact_sweep(pg: PatchableGraph, batch: PromptBatch, nodes: str | Sequence[st
             if progress is not None:
                 progress(len(values), len(todo))
     scores = [NodeScore(unit.node.path, unit.position, unit.head, values[index] - base_value, unit.node.kind,
-                        unit.node.layer) for index, unit in enumerate(todo)]
+                        unit.node.layer, exact=True) for index, unit in enumerate(todo)]
     return AttributionResult("exact", direction, m_clean, m_corrupted, forward=runner.forwards, backward=0,
                              seconds=time.perf_counter() - start, scores=scores, forward_tokens=runner.forward_tokens)

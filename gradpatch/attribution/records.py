@@ -19,6 +19,8 @@ class NodeScore:
         score: metric(patched) − metric(base), in the metric's units (logits for the logit difference).
         kind: ``"resid"``, ``"heads"``, ``"mlp"`` or ``"node"``.
         layer: the block index, ``None`` for a NodePath given directly.
+        exact: ``True`` where ``score`` is the measured effect of the patch (the exact sweep, or a unit an estimate
+            ranked high and :func:`~gradpatch.attribution.verify.verify_top` patched), ``False`` for an estimate.
     """
 
     node: str
@@ -27,6 +29,7 @@ class NodeScore:
     score: float
     kind: str = "node"
     layer: int | None = None
+    exact: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,8 @@ class AttributionResult:
     """What one attribution run found.
 
     Attributes:
-        method: ``"exact"``, ``"atp"``, ``"atp-star"``, ``"eap"``, ``"eap-ig"``.
+        method: ``"exact"``, ``"atp"``, ``"atp-ig"``, ``"atp-star"``, ``"eap"``, ``"eap-ig"``; ``"+verify"`` appended
+            where the estimate's top units were then patched exactly.
         direction: ``"noise"`` (clean run, corrupted values patched in) or ``"denoise"`` (the reverse).
         metric_clean: the metric on the clean prompts.
         metric_corrupted: the metric on the corrupted prompts.
@@ -78,7 +82,8 @@ class AttributionResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The ``scores.json`` layout: method, direction, metric {clean, corrupted}, passes {forward, backward},
-        seconds, nodes [{node, position, head, score, kind, layer}], and for edge methods edges and faithfulness."""
+        seconds, nodes [{node, position, head, score, kind, layer, exact}], and for edge methods edges and
+        faithfulness."""
         out: dict[str, Any] = {
             "method": self.method, "direction": self.direction,
             "metric": {"clean": self.metric_clean, "corrupted": self.metric_corrupted},

@@ -64,6 +64,10 @@ def _run(args: argparse.Namespace) -> int:
     """Run ``gradpatch attribute``; returns the exit status (2 for a usage error, with the fix on stderr)."""
     if args.batch_size < 1:
         return usage_error(NAME, f"--batch-size {args.batch_size}: give at least 1 row per forward pass")
+    if args.verify is not None and (args.verify < 1 or args.method in ("exact", "eap", "eap-ig")):
+        return usage_error(NAME, f"--verify {args.verify} --method {args.method}: --verify takes a count of at least 1 "
+                                 f"and an estimate of node scores (atp, atp-ig, atp-star); exact scores need no "
+                                 f"verification, and edge methods are checked with edge patching")
     try:
         records = _read_prompts(args.prompts)
     except (OSError, ValueError) as error:
@@ -73,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from gradpatch.progress import ProgressBar
     from gradpatch import PatchableGraph
-    from gradpatch.attribution import AttributionError, prompt_batch, resolve_nodes
+    from gradpatch.attribution import AttributionError, prompt_batch, resolve_nodes, verify_top
     from gradpatch.attribution.methods import run_method
     from gradpatch.errors import NonFiniteError
     from gradpatch.loaders import EMBEDDED_MODEL_NAME, default_device, load_model
@@ -95,6 +99,10 @@ def _run(args: argparse.Namespace) -> int:
             result = run_method(args.method, pg, batch, nodes, direction=args.direction, batch_size=args.batch_size,
                                 steps=args.steps, grad_drop=args.grad_drop, forward_kwargs={"use_cache": False},
                                 progress=bar)
+        if args.verify is not None:
+            with ProgressBar(f"verify the top {args.verify}", unit="unit", enabled=not args.quiet) as bar:
+                result = verify_top(pg, batch, result, nodes, args.verify, batch_size=args.batch_size,
+                                    forward_kwargs={"use_cache": False}, progress=bar)
     except (AttributionError, NonFiniteError) as error:
         return usage_error(NAME, error)
     model_name = Path(args.model).name if args.model else EMBEDDED_MODEL_NAME
@@ -106,7 +114,8 @@ def _run(args: argparse.Namespace) -> int:
           f"{result.backward} backward, {result.seconds:.1f} s")
     for score in sorted(result.scores, key=lambda s: -abs(s.score))[:10]:
         head = "" if score.head is None else f" head {score.head}"
-        print(f"  {score.score:+.4f}  {score.node} position {score.position}{head}")
+        measured = " (exact)" if score.exact and result.method != "exact" else ""
+        print(f"  {score.score:+.4f}  {score.node} position {score.position}{head}{measured}")
     if result.faithfulness:
         print("faithfulness of the top-k edges: " + ", ".join(f"k={k}: {f:.3f}" for k, f in result.faithfulness))
     for path in written.values():
@@ -137,6 +146,9 @@ def register(subparsers: Any) -> None:
                    help="AtP-IG and EAP-IG interpolation steps (default: %(default)s)")
     p.add_argument("--grad-drop", action="store_true",
                    help="atp-star: GradDrop, one more backward pass per layer; scores become magnitudes")
+    p.add_argument("--verify", type=int, default=None, metavar="K",
+                   help="after an estimate (atp, atp-ig, atp-star), patch its K units of largest |score| exactly and "
+                        "report their measured effects (Kramár et al. 2024's verification)")
     add_model_option(p)
     add_device_option(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -1,0 +1,80 @@
+"""Verification of an estimate: the units it ranks highest, patched exactly.
+
+Kramár et al. 2024 (arXiv 2403.00745) use AtP and AtP* as a prefilter: the nodes are ranked by |estimate| and
+activation patching verifies them in that order, so the effects that matter are measured, not estimated, at the cost
+of the verified units alone; they compare methods by this cost of verified recall. :func:`verify_top` does one such
+step: the ``k`` units of largest |estimate| go through the batched exact sweep, and their scores are replaced by the
+measured effects (``NodeScore.exact``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from ..patchable_graph import PatchableGraph
+from .errors import AttributionError
+from .exact import exact_sweep
+from .metrics import Metric, logit_difference
+from .nodes import Node
+from .prompts import PromptBatch
+from .records import AttributionResult
+from .runner import Progress
+
+__all__ = ["verify_top"]
+
+
+def verify_top(pg: PatchableGraph, batch: PromptBatch, estimate: AttributionResult,
+               nodes: str | Sequence[str] | Sequence[Node], k: int, metric: Metric = logit_difference, *,
+               batch_size: int = 32, forward_kwargs: Mapping[str, Any] | None = None,
+               progress: Progress | None = None) -> AttributionResult:
+    """Patch the ``k`` units of largest |score| of ``estimate`` exactly and put the measured effects in its place.
+
+    Args:
+        pg: the model's graph.
+        batch: the prompt pairs ``[batch, seq]`` the estimate was computed on.
+        estimate: node scores of AtP, AtP-IG or AtP* (GradDrop's magnitudes too: the verified units get signed
+            effects).
+        nodes: the nodes the estimate scored (kinds, NodePaths or :class:`Node`\\ s), so that heads, queries and keys
+            split into the same units.
+        k: how many units to verify (all of them when ``k`` is at least their number).
+        metric: the metric the estimate used (default: the mean logit difference).
+        batch_size: rows per forward pass of the exact sweep.
+        forward_kwargs: keyword arguments of every call of ``pg`` (those it was built with).
+        progress: ``progress(done, total)`` over the verified units.
+
+    Returns:
+        A copy of ``estimate``: ``method`` + ``"+verify"``, the ``k`` top units' scores measured (``exact=True``), the
+        others as estimated, passes, seconds and ``forward_tokens`` adding the sweep's (its 2 recordings, the KV-cache
+        passes and ``ceil(units at p / variants)`` patched passes per position ``p``).
+
+    Raises:
+        AttributionError: ``k < 1``, an estimate without node scores (edge methods), units that are not units of
+            ``nodes``, a clean or corrupted metric that differs from the estimate's (other prompts or another metric).
+    """
+    if k < 1:
+        raise AttributionError(f"k={k}: verify at least 1 unit")
+    if not estimate.scores:
+        raise AttributionError(f"the {estimate.method!r} result has no node scores to verify (edge methods score "
+                               f"edges; patch edges exactly with edge_patching)")
+    start = time.perf_counter()
+    order = sorted(range(len(estimate.scores)), key=lambda i: -abs(estimate.scores[i].score))[:k]
+    chosen = [estimate.scores[i] for i in order]
+    exact = exact_sweep(pg, batch, nodes, metric, positions=sorted({s.position for s in chosen}),
+                        direction=estimate.direction, batch_size=batch_size, forward_kwargs=forward_kwargs,
+                        progress=progress, only=[(s.node, s.position, s.head) for s in chosen])
+    for name, mine, theirs in (("clean", estimate.metric_clean, exact.metric_clean),
+                               ("corrupted", estimate.metric_corrupted, exact.metric_corrupted)):
+        if not math.isclose(mine, theirs, rel_tol=1e-3, abs_tol=1e-3):
+            raise AttributionError(f"the {name} metric is {theirs:.4f} here but {mine:.4f} in the estimate: verify "
+                                   f"with the prompts and metric the estimate was computed with")
+    measured = exact.score_map()
+    scores = [replace(s, score=measured[(s.node, s.position, s.head)], exact=True)
+              if (s.node, s.position, s.head) in measured else s for s in estimate.scores]
+    return AttributionResult(f"{estimate.method}+verify", estimate.direction, estimate.metric_clean,
+                             estimate.metric_corrupted, forward=estimate.forward + exact.forward,
+                             backward=estimate.backward, seconds=estimate.seconds + time.perf_counter() - start,
+                             forward_tokens=estimate.forward_tokens + exact.forward_tokens, scores=scores)
