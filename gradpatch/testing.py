@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["TOY_FACTS", "TOY_SENTENCES", "byte_level_tokenizer", "metaspace_tokenizer", "tiny_gpt2", "tiny_llama"]
+__all__ = ["TOY_FACTS", "TOY_SENTENCES", "byte_level_tokenizer", "metaspace_tokenizer", "random_prompt_batch",
+           "tiny_gpt2", "tiny_llama"]
 
 TOY_FACTS: tuple[tuple[str, str, str, str], ...] = (
     ("The Eiffel Tower is located in the city of", "Eiffel Tower", "Paris", "Rome"),
@@ -117,3 +118,13 @@ def tiny_gpt2(vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2,
     model_config = GPT2Config(vocab_size=vocab_size, n_embd=hidden, n_layer=layers, initializer_range=init_std,
                               **settings)
     return GPT2LMHeadModel(model_config).eval()
+
+
+def random_prompt_batch(rows: int = 3, seq: int = 6, seed: int = 0, vocab_size: int = 100) -> Any:
+    """Random clean and corrupted prompts ``[rows, seq]`` with answer and foil ids ``[rows]`` (token ids 3 to
+    ``vocab_size - 1``), a :class:`~gradpatch.attribution.prompts.PromptBatch` for attribution on the tiny models."""
+    from .attribution.prompts import PromptBatch
+
+    g = torch.Generator().manual_seed(seed)
+    return PromptBatch(*(torch.randint(3, vocab_size, shape, generator=g)
+                         for shape in ((rows, seq), (rows, seq), (rows,), (rows,))))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradpatch import testing
+from gradpatch import PatchableGraph, testing
 
 
 class TupleOutputModule(nn.Module):
@@ -67,6 +67,18 @@ def tiny_llama() -> nn.Module:
 def tiny_gpt2() -> nn.Module:
     """A 2-layer GPT-2 (d_model 64, vocabulary 100, transformers' 0.02 initialisation, seed 0)."""
     return testing.tiny_gpt2(100, hidden=64, init_std=0.02, n_positions=128)
+
+
+@pytest.fixture
+def llama_graph(tiny_llama) -> PatchableGraph:
+    """The tiny Llama's graph, built on :func:`gradpatch.testing.random_prompt_batch`'s clean prompts ``[3, 6]``."""
+    return PatchableGraph(tiny_llama, testing.random_prompt_batch().clean, use_cache=False)
+
+
+@pytest.fixture
+def gpt2_graph(tiny_gpt2) -> PatchableGraph:
+    """The tiny GPT-2's graph, likewise."""
+    return PatchableGraph(tiny_gpt2, testing.random_prompt_batch().clean, use_cache=False)
 
 
 @pytest.fixture

@@ -21,24 +21,9 @@ from gradpatch.attribution import (
     resolve_nodes,
 )
 from gradpatch.errors import NonFiniteError
+from gradpatch.testing import random_prompt_batch
 
 KW = {"use_cache": False}
-
-
-def _batch(rows: int = 3, seq: int = 6, seed: int = 0) -> PromptBatch:
-    g = torch.Generator().manual_seed(seed)
-    return PromptBatch(torch.randint(3, 100, (rows, seq), generator=g), torch.randint(3, 100, (rows, seq), generator=g),
-                       torch.randint(3, 100, (rows,), generator=g), torch.randint(3, 100, (rows,), generator=g))
-
-
-@pytest.fixture
-def llama_graph(tiny_llama) -> PatchableGraph:
-    return PatchableGraph(tiny_llama, _batch().clean, use_cache=False)
-
-
-@pytest.fixture
-def gpt2_graph(tiny_gpt2) -> PatchableGraph:
-    return PatchableGraph(tiny_gpt2, _batch().clean, use_cache=False)
 
 
 def _one_at_a_time(pg: PatchableGraph, batch: PromptBatch, result, direction: str) -> list[float]:
@@ -66,7 +51,7 @@ def _one_at_a_time(pg: PatchableGraph, batch: PromptBatch, result, direction: st
 
 @pytest.mark.parametrize("direction", ["noise", "denoise"])
 def test_the_batched_sweep_equals_one_at_a_time_patching(gpt2_graph, direction):
-    batch = _batch()
+    batch = random_prompt_batch()
     result = exact_sweep(gpt2_graph, batch, ["heads", "mlp"], positions=[2, 5], direction=direction, batch_size=15,
                          forward_kwargs=KW)
     # 2 layers x 2 positions x (4 heads + 1 mlp) = 20 units, 5 variants of 3 rows per pass: 2 recordings, 1 pass
@@ -85,7 +70,7 @@ def test_the_batched_sweep_equals_one_at_a_time_patching(gpt2_graph, direction):
 
 
 def test_the_sweep_on_llama_residual_stream_matches_one_at_a_time(llama_graph):
-    batch = _batch()
+    batch = random_prompt_batch()
     result = exact_sweep(llama_graph, batch, "resid", batch_size=7, forward_kwargs=KW)  # 2 variants, 1 in the last
     assert [(s.layer, s.position) for s in result.scores[:3]] == [(0, 0), (0, 1), (0, 2)]
     expected = _one_at_a_time(llama_graph, batch, result, "noise")
@@ -101,7 +86,7 @@ def test_the_sweep_on_llama_residual_stream_matches_one_at_a_time(llama_graph):
 def test_atp_is_exact_where_the_metric_is_linear_in_the_activation(graph, direction, request):
     """The logit difference is linear in the unembedding's input, so the first-order estimate is exact there."""
     pg = request.getfixturevalue(graph)
-    batch = _batch()
+    batch = random_prompt_batch()
     exact = exact_sweep(pg, batch, ["lm_head.input"], direction=direction, forward_kwargs=KW)
     estimate = atp(pg, batch, ["lm_head.input"], direction=direction, forward_kwargs=KW)
     assert (estimate.forward, estimate.backward) == (2, 1)
@@ -112,7 +97,7 @@ def test_atp_is_exact_where_the_metric_is_linear_in_the_activation(graph, direct
 
 
 def test_atp_on_heads_tracks_the_exact_sweep(gpt2_graph):
-    batch = _batch()
+    batch = random_prompt_batch()
     exact = exact_sweep(gpt2_graph, batch, "heads", forward_kwargs=KW)
     estimate = atp(gpt2_graph, batch, "heads", forward_kwargs=KW)
     assert [(s.node, s.position, s.head) for s in exact.scores] == [
@@ -127,7 +112,7 @@ def test_atp_on_heads_tracks_the_exact_sweep(gpt2_graph):
 @pytest.mark.parametrize("direction", ["noise", "denoise"])
 def test_atp_ig_with_one_step_is_atp_and_its_embedding_scores_add_up_to_the_whole_change(graph, direction, request):
     pg = request.getfixturevalue(graph)
-    batch = _batch()
+    batch = random_prompt_batch()
     plain = atp(pg, batch, "mlp", direction=direction, forward_kwargs=KW)
     one = atp(pg, batch, "mlp", direction=direction, steps=1, forward_kwargs=KW)  # k = m = 1: the base run's gradient
     assert one.method == "atp-ig" and (one.forward, one.backward) == (2, 1)
@@ -143,7 +128,7 @@ def test_atp_ig_with_one_step_is_atp_and_its_embedding_scores_add_up_to_the_whol
 
 
 def test_metrics(llama_graph):
-    batch = _batch()
+    batch = random_prompt_batch()
     with torch.no_grad():
         clean_logits = llama_graph(batch.clean, use_cache=False).logits[:, -1]
     kl = kl_to_clean(clean_logits)
@@ -155,7 +140,7 @@ def test_metrics(llama_graph):
 
 
 def test_bad_nodes_metrics_and_positions_fail_before_any_forward(llama_graph, monkeypatch):
-    batch = _batch()
+    batch = random_prompt_batch()
 
     def no_forward(*args, **kwargs):
         raise AssertionError("a forward pass ran")
@@ -182,7 +167,7 @@ def test_a_non_finite_gradient_names_the_node(llama_graph):
         return torch.sqrt(logits.sum() * 0)  # finite value (0), infinite derivative
 
     with pytest.raises(NonFiniteError, match="model.layers_0.mlp.output"):
-        atp(llama_graph, _batch(), "mlp", bad, forward_kwargs=KW)
+        atp(llama_graph, random_prompt_batch(), "mlp", bad, forward_kwargs=KW)
 
 
 def test_prompt_records_of_different_lengths_or_multi_token_answers_are_refused():

@@ -10,14 +10,9 @@ from gradpatch import AddPatch, PatchableGraph, ProbePatch
 from gradpatch.attribution import AttributionError, PromptBatch
 from gradpatch.attribution.edge_graph import EdgeGraph
 from gradpatch.attribution.edges import eap, edge_patching
+from gradpatch.testing import random_prompt_batch
 
 KW = {"use_cache": False}
-
-
-def _batch() -> PromptBatch:
-    g = torch.Generator().manual_seed(0)
-    return PromptBatch(torch.randint(3, 100, (3, 6), generator=g), torch.randint(3, 100, (3, 6), generator=g),
-                       torch.randint(3, 100, (3,), generator=g), torch.randint(3, 100, (3,), generator=g))
 
 
 def _metric(pg: PatchableGraph, ids: torch.Tensor, batch: PromptBatch, patches=None) -> torch.Tensor:
@@ -31,7 +26,7 @@ def _metric(pg: PatchableGraph, ids: torch.Tensor, batch: PromptBatch, patches=N
 
 @pytest.fixture
 def graph(tiny_llama) -> PatchableGraph:
-    return PatchableGraph(tiny_llama, _batch().clean, use_cache=False)
+    return PatchableGraph(tiny_llama, random_prompt_batch().clean, use_cache=False)
 
 
 def test_edge_graph_names_and_reach(graph):
@@ -47,7 +42,7 @@ def test_edge_graph_names_and_reach(graph):
 @pytest.mark.parametrize("steps", [0, 3])
 def test_faithfulness_curve_runs_from_the_corrupted_to_the_clean_run(graph, steps):
     """With every edge corrupted, each input is rebuilt from the corrupted outputs: exactly the corrupted run."""
-    batch = _batch()
+    batch = random_prompt_batch()
     result = eap(graph, batch, steps=steps, fractions=(0.0, 0.1, 1.0), forward_kwargs=KW)
     with torch.no_grad():
         clean, corrupted = (float(_metric(graph, ids, batch)) for ids in (batch.clean, batch.corrupted))
@@ -61,7 +56,7 @@ def test_faithfulness_curve_runs_from_the_corrupted_to_the_clean_run(graph, step
 
 
 def test_exact_edge_patching_and_eap_into_the_logits_match_direct_patches(graph):
-    batch = _batch()
+    batch = random_prompt_batch()
     probes = {"model.embed_tokens.output": ProbePatch(), "model.layers_0.mlp.output": ProbePatch()}
     with torch.no_grad(), graph.patch(probes):
         graph(batch.corrupted, use_cache=False)
@@ -87,8 +82,9 @@ def test_exact_edge_patching_and_eap_into_the_logits_match_direct_patches(graph)
 
 def test_bad_edges_and_models_are_refused(graph, tiny_gpt2):
     with pytest.raises(AttributionError, match="no edge 'm1' → 'm0'"):
-        edge_patching(graph, _batch(), [("m1", "m0")], forward_kwargs=KW)
+        edge_patching(graph, random_prompt_batch(), [("m1", "m0")], forward_kwargs=KW)
     with pytest.raises(AttributionError, match="Llama-style graph"):
-        eap(PatchableGraph(tiny_gpt2, _batch().clean, use_cache=False), _batch(), forward_kwargs=KW)
+        eap(PatchableGraph(tiny_gpt2, random_prompt_batch().clean, use_cache=False), random_prompt_batch(),
+            forward_kwargs=KW)
     with pytest.raises(AttributionError, match="steps=-1"):
-        eap(graph, _batch(), steps=-1, forward_kwargs=KW)
+        eap(graph, random_prompt_batch(), steps=-1, forward_kwargs=KW)

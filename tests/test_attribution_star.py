@@ -8,16 +8,9 @@ import torch
 
 from gradpatch import testing
 from gradpatch import AddPatch, PatchableGraph, ProbePatch, ReplacePatch
-from gradpatch.attribution import PromptBatch
 from gradpatch.attribution.atp_star import atp_star, attention_pattern, qk_fixed_totals
 
 KW = {"use_cache": False}
-
-
-def _batch() -> PromptBatch:
-    g = torch.Generator().manual_seed(0)
-    return PromptBatch(torch.randint(3, 100, (3, 6), generator=g), torch.randint(3, 100, (3, 6), generator=g),
-                       torch.randint(3, 100, (3,), generator=g), torch.randint(3, 100, (3,), generator=g))
 
 
 def test_qk_fix_equals_recomputing_each_patched_query_and_key_alone():
@@ -49,7 +42,7 @@ def test_qk_fix_is_exact_up_to_the_attention_output(family):
     model = (testing.tiny_llama(100, hidden=64, intermediate=128, init_std=0.3, max_position_embeddings=128,
                                 pad_token_id=None, bos_token_id=1, eos_token_id=2) if family == "llama"
              else testing.tiny_gpt2(100, hidden=64, init_std=0.3, n_positions=128))
-    batch = _batch()
+    batch = testing.random_prompt_batch()
     pg = PatchableGraph(model, batch.clean, use_cache=False)
     star = atp_star(pg, batch, ["queries", "keys"], forward_kwargs=KW)
     assert (star.forward, star.backward) == (2, 1)
@@ -82,7 +75,7 @@ def test_qk_fix_is_exact_up_to_the_attention_output(family):
 
 
 def test_grad_drop_runs_one_backward_per_block_and_gives_magnitudes(tiny_gpt2):
-    batch = _batch()
+    batch = testing.random_prompt_batch()
     pg = PatchableGraph(tiny_gpt2, batch.clean, use_cache=False)
     plain = atp_star(pg, batch, ["mlp", "keys"], forward_kwargs=KW)
     dropped = atp_star(pg, batch, ["mlp", "keys"], grad_drop=True, forward_kwargs=KW)

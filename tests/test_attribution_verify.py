@@ -8,26 +8,10 @@ import json
 import pytest
 import torch
 
-from gradpatch import PatchableGraph
-from gradpatch.attribution import AttributionError, PromptBatch, atp, atp_star, eap, exact_sweep, verify_top
+from gradpatch.attribution import AttributionError, atp, atp_star, eap, exact_sweep, verify_top
+from gradpatch.testing import random_prompt_batch
 
 KW = {"use_cache": False}
-
-
-def _batch(rows: int = 3, seq: int = 6, seed: int = 0) -> PromptBatch:
-    g = torch.Generator().manual_seed(seed)
-    return PromptBatch(torch.randint(3, 100, (rows, seq), generator=g), torch.randint(3, 100, (rows, seq), generator=g),
-                       torch.randint(3, 100, (rows,), generator=g), torch.randint(3, 100, (rows,), generator=g))
-
-
-@pytest.fixture
-def llama_graph(tiny_llama) -> PatchableGraph:
-    return PatchableGraph(tiny_llama, _batch().clean, use_cache=False)
-
-
-@pytest.fixture
-def gpt2_graph(tiny_gpt2) -> PatchableGraph:
-    return PatchableGraph(tiny_gpt2, _batch().clean, use_cache=False)
 
 
 def _key(score) -> tuple:
@@ -36,7 +20,7 @@ def _key(score) -> tuple:
 
 @pytest.mark.parametrize("direction", ["noise", "denoise"])
 def test_the_top_units_get_the_whole_sweeps_scores_and_the_rest_keep_their_estimates(gpt2_graph, direction):
-    batch = _batch()
+    batch = random_prompt_batch()
     nodes = ["heads", "mlp"]
     full = exact_sweep(gpt2_graph, batch, nodes, direction=direction, batch_size=15, forward_kwargs=KW)
     estimate = atp(gpt2_graph, batch, nodes, direction=direction, forward_kwargs=KW)
@@ -57,7 +41,7 @@ def test_the_top_units_get_the_whole_sweeps_scores_and_the_rest_keep_their_estim
 
 
 def test_verifying_every_unit_is_the_exact_sweep_and_graddrop_magnitudes_become_signed(llama_graph):
-    batch = _batch()
+    batch = random_prompt_batch()
     full = exact_sweep(llama_graph, batch, "mlp", forward_kwargs=KW)
     magnitudes = atp_star(llama_graph, batch, "mlp", grad_drop=True, forward_kwargs=KW)
     verified = verify_top(llama_graph, batch, magnitudes, "mlp", 10_000, forward_kwargs=KW)
@@ -68,7 +52,7 @@ def test_verifying_every_unit_is_the_exact_sweep_and_graddrop_magnitudes_become_
 
 
 def test_query_units_are_verified_per_head(llama_graph):
-    batch = _batch()
+    batch = random_prompt_batch()
     full = exact_sweep(llama_graph, batch, "queries", positions=[3, 5], forward_kwargs=KW).score_map()
     estimate = atp_star(llama_graph, batch, "queries", positions=[3, 5], forward_kwargs=KW)
     verified = verify_top(llama_graph, batch, estimate, "queries", 3, forward_kwargs=KW)
@@ -79,7 +63,7 @@ def test_query_units_are_verified_per_head(llama_graph):
 
 
 def test_exact_sweep_of_chosen_units_and_bad_input(llama_graph, monkeypatch):
-    batch = _batch()
+    batch = random_prompt_batch()
     chosen = [("model.layers_1.mlp.output", 4, None), ("model.layers_0.mlp.output", 2, None)]
     some = exact_sweep(llama_graph, batch, "mlp", positions=[2, 4], forward_kwargs=KW, only=chosen)
     assert [_key(s) for s in some.scores] == sorted(chosen)  # in the order of the whole sweep: node, then position
@@ -87,7 +71,7 @@ def test_exact_sweep_of_chosen_units_and_bad_input(llama_graph, monkeypatch):
     for score in some.scores:
         assert score.score == pytest.approx(full[_key(score)], abs=1e-5)
     estimate = atp(llama_graph, batch, "mlp", forward_kwargs=KW)
-    other = _batch(seed=1)
+    other = random_prompt_batch(seed=1)
     with pytest.raises(AttributionError, match="clean metric is .* here but .* in the estimate"):
         verify_top(llama_graph, other, estimate, "mlp", 2, forward_kwargs=KW)
     edges = eap(llama_graph, batch, forward_kwargs=KW)
