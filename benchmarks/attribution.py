@@ -125,7 +125,7 @@ def node_kind(pg: PatchableGraph, batch: PromptBatch, kind: str, positions: list
                                               forward_kwargs=KW),
         "atp_star_verified": lambda: verify_top(pg, batch, atp_star(pg, batch, kind, positions=positions,
                                                                     forward_kwargs=KW),
-                                                kind, verify, batch_size=rows, forward_kwargs=KW),
+                                                verify, batch_size=rows, forward_kwargs=KW),
     }
     top = reference.abs().topk(min(5, len(reference))).indices.tolist()
     largest = [{"node": exact.scores[i].node, "position": exact.scores[i].position, "head": exact.scores[i].head,

@@ -4,6 +4,7 @@ sweep's, the other units keep their estimates; ``exact_sweep(only=...)``; errors
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def test_the_top_units_get_the_whole_sweeps_scores_and_the_rest_keep_their_estim
     nodes = ["heads", "mlp"]
     full = exact_sweep(gpt2_graph, batch, nodes, direction=direction, batch_size=15, forward_kwargs=KW)
     estimate = atp(gpt2_graph, batch, nodes, direction=direction, forward_kwargs=KW)
-    verified = verify_top(gpt2_graph, batch, estimate, nodes, 7, batch_size=15, forward_kwargs=KW)
+    verified = verify_top(gpt2_graph, batch, estimate, 7, batch_size=15, forward_kwargs=KW)
     assert verified.method == "atp+verify" and verified.direction == direction
     assert [_key(s) for s in verified.scores] == [_key(s) for s in estimate.scores]
     top = {_key(s) for s in sorted(estimate.scores, key=lambda s: -abs(s.score))[:7]}
@@ -44,7 +45,7 @@ def test_verifying_every_unit_is_the_exact_sweep_and_graddrop_magnitudes_become_
     batch = random_prompt_batch()
     full = exact_sweep(llama_graph, batch, "mlp", forward_kwargs=KW)
     magnitudes = atp_star(llama_graph, batch, "mlp", grad_drop=True, forward_kwargs=KW)
-    verified = verify_top(llama_graph, batch, magnitudes, "mlp", 10_000, forward_kwargs=KW)
+    verified = verify_top(llama_graph, batch, magnitudes, 10_000, forward_kwargs=KW)
     assert all(s.exact for s in verified.scores) and verified.method == "atp-star+verify"
     torch.testing.assert_close(torch.tensor([s.score for s in verified.scores]),
                                torch.tensor([s.score for s in full.scores]), atol=1e-5, rtol=1e-4)
@@ -55,7 +56,7 @@ def test_query_units_are_verified_per_head(llama_graph):
     batch = random_prompt_batch()
     full = exact_sweep(llama_graph, batch, "queries", positions=[3, 5], forward_kwargs=KW).score_map()
     estimate = atp_star(llama_graph, batch, "queries", positions=[3, 5], forward_kwargs=KW)
-    verified = verify_top(llama_graph, batch, estimate, "queries", 3, forward_kwargs=KW)
+    verified = verify_top(llama_graph, batch, estimate, 3, forward_kwargs=KW)
     checked = [s for s in verified.scores if s.exact]
     assert len(checked) == 3 and all(s.head is not None for s in checked)
     for score in checked:
@@ -73,7 +74,7 @@ def test_exact_sweep_of_chosen_units_and_bad_input(llama_graph, monkeypatch):
     estimate = atp(llama_graph, batch, "mlp", forward_kwargs=KW)
     other = random_prompt_batch(seed=1)
     with pytest.raises(AttributionError, match="clean metric is .* here but .* in the estimate"):
-        verify_top(llama_graph, other, estimate, "mlp", 2, forward_kwargs=KW)
+        verify_top(llama_graph, other, estimate, 2, forward_kwargs=KW)
     edges = eap(llama_graph, batch, forward_kwargs=KW)
 
     def no_forward(*args, **kwargs):
@@ -81,11 +82,15 @@ def test_exact_sweep_of_chosen_units_and_bad_input(llama_graph, monkeypatch):
 
     monkeypatch.setattr(llama_graph, "forward", no_forward)
     with pytest.raises(AttributionError, match="k=0: verify at least 1 unit"):
-        verify_top(llama_graph, batch, estimate, "mlp", 0, forward_kwargs=KW)
+        verify_top(llama_graph, batch, estimate, 0, forward_kwargs=KW)
     with pytest.raises(AttributionError, match="no node scores to verify"):
-        verify_top(llama_graph, batch, edges, "mlp", 3, forward_kwargs=KW)
+        verify_top(llama_graph, batch, edges, 3, forward_kwargs=KW)
+    foreign = replace(estimate, scores=[replace(s, node=s.node.replace("layers_", "layers_7"))
+                                        for s in estimate.scores])
+    with pytest.raises(AttributionError, match="scores nodes this graph lacks, e.g. 'model.layers_7[01].mlp.output'"):
+        verify_top(llama_graph, batch, foreign, 3, forward_kwargs=KW)
     with pytest.raises(AttributionError, match="not units of the nodes and positions given"):
-        verify_top(llama_graph, batch, estimate, "resid", 3, forward_kwargs=KW)
+        exact_sweep(llama_graph, batch, "mlp", positions=[2], forward_kwargs=KW, only=chosen)
     with pytest.raises(AttributionError, match="no units to patch"):
         exact_sweep(llama_graph, batch, "mlp", forward_kwargs=KW, only=[])
 

@@ -19,18 +19,31 @@ from ..patchable_graph import PatchableGraph
 from .errors import AttributionError
 from .exact import exact_sweep
 from .metrics import Metric, logit_difference
-from .nodes import Node
+from .nodes import Node, resolve_nodes
 from .prompts import PromptBatch
-from .records import AttributionResult
+from .records import AttributionResult, NodeScore
 from .runner import Progress
 
 __all__ = ["verify_top"]
 
 
-def verify_top(pg: PatchableGraph, batch: PromptBatch, estimate: AttributionResult,
-               nodes: str | Sequence[str] | Sequence[Node], k: int, metric: Metric = logit_difference, *,
-               batch_size: int = 32, forward_kwargs: Mapping[str, Any] | None = None,
-               progress: Progress | None = None) -> AttributionResult:
+def _nodes_of(pg: PatchableGraph, scores: Sequence[NodeScore]) -> list[Node]:
+    """The nodes of ``scores``, resolved by their kinds (so heads, queries and keys split into the same units as in
+    the estimate) or, for kind ``"node"``, by their NodePaths."""
+    paths = {score.node for score in scores}
+    names = sorted({score.kind for score in scores if score.kind != "node"})
+    names += sorted({score.node for score in scores if score.kind == "node"})
+    nodes = [node for node in resolve_nodes(pg, names) if node.path in paths]
+    missing = paths - {node.path for node in nodes}
+    if missing:
+        raise AttributionError(f"the estimate scores nodes this graph lacks, e.g. {sorted(missing)[0]!r}: verify on "
+                               f"the graph the estimate was computed on")
+    return nodes
+
+
+def verify_top(pg: PatchableGraph, batch: PromptBatch, estimate: AttributionResult, k: int,
+               metric: Metric = logit_difference, *, batch_size: int = 32,
+               forward_kwargs: Mapping[str, Any] | None = None, progress: Progress | None = None) -> AttributionResult:
     """Patch the ``k`` units of largest |score| of ``estimate`` exactly and put the measured effects in its place.
 
     Args:
@@ -38,8 +51,6 @@ def verify_top(pg: PatchableGraph, batch: PromptBatch, estimate: AttributionResu
         batch: the prompt pairs ``[batch, seq]`` the estimate was computed on.
         estimate: node scores of AtP, AtP-IG or AtP* (GradDrop's magnitudes too: the verified units get signed
             effects).
-        nodes: the nodes the estimate scored (kinds, NodePaths or :class:`Node`\\ s), so that heads, queries and keys
-            split into the same units.
         k: how many units to verify (all of them when ``k`` is at least their number).
         metric: the metric the estimate used (default: the mean logit difference).
         batch_size: rows per forward pass of the exact sweep.
@@ -52,8 +63,9 @@ def verify_top(pg: PatchableGraph, batch: PromptBatch, estimate: AttributionResu
         passes and ``ceil(units at p / variants)`` patched passes per position ``p``).
 
     Raises:
-        AttributionError: ``k < 1``, an estimate without node scores (edge methods), units that are not units of
-            ``nodes``, a clean or corrupted metric that differs from the estimate's (other prompts or another metric).
+        AttributionError: ``k < 1``, an estimate without node scores (edge methods), units of nodes this graph lacks
+            (before any forward pass), a clean or corrupted metric that differs from the estimate's (other prompts or
+            another metric).
     """
     if k < 1:
         raise AttributionError(f"k={k}: verify at least 1 unit")
@@ -63,7 +75,7 @@ def verify_top(pg: PatchableGraph, batch: PromptBatch, estimate: AttributionResu
     start = time.perf_counter()
     order = sorted(range(len(estimate.scores)), key=lambda i: -abs(estimate.scores[i].score))[:k]
     chosen = [estimate.scores[i] for i in order]
-    exact = exact_sweep(pg, batch, nodes, metric, positions=sorted({s.position for s in chosen}),
+    exact = exact_sweep(pg, batch, _nodes_of(pg, chosen), metric, positions=sorted({s.position for s in chosen}),
                         direction=estimate.direction, batch_size=batch_size, forward_kwargs=forward_kwargs,
                         progress=progress, only=[(s.node, s.position, s.head) for s in chosen])
     for name, mine, theirs in (("clean", estimate.metric_clean, exact.metric_clean),

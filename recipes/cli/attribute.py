@@ -101,7 +101,7 @@ def _run(args: argparse.Namespace) -> int:
                                 progress=bar)
         if args.verify is not None:
             with ProgressBar(f"verify the top {args.verify}", unit="unit", enabled=not args.quiet) as bar:
-                result = verify_top(pg, batch, result, nodes, args.verify, batch_size=args.batch_size,
+                result = verify_top(pg, batch, result, args.verify, batch_size=args.batch_size,
                                     forward_kwargs={"use_cache": False}, progress=bar)
     except (AttributionError, NonFiniteError) as error:
         return usage_error(NAME, error)
