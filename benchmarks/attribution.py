@@ -81,8 +81,8 @@ def recall(exact: torch.Tensor, estimate: torch.Tensor, k: int = 20) -> float:
 
 
 def verification_cost(exact: torch.Tensor, estimate: torch.Tensor, k: int = 20) -> int:
-    """Units to patch, in the order of |estimate|, until the ``k`` largest |exact| units are all among them (the cost
-    of verified recall Kramár et al. 2024 compare methods by)."""
+    """Units to patch, in the order of |estimate|, until the ``k`` largest |exact| units are all among them (a prefilter
+    followed by verification, as Kramár et al. 2024 compare methods: recall of the true top nodes against this cost)."""
     order = estimate.abs().argsort(descending=True).tolist()
     rank = {unit: place for place, unit in enumerate(order, start=1)}
     return max(rank[unit] for unit in exact.abs().topk(min(k, len(exact))).indices.tolist())

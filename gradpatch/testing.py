@@ -13,9 +13,12 @@ Both are trained in memory on a few sentences (no download) and wrapped as ``Pre
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .attribution.prompts import PromptBatch
 
 __all__ = ["TOY_FACTS", "TOY_SENTENCES", "byte_level_tokenizer", "metaspace_tokenizer", "random_prompt_batch",
            "tiny_gpt2", "tiny_llama"]
@@ -120,7 +123,7 @@ def tiny_gpt2(vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2,
     return GPT2LMHeadModel(model_config).eval()
 
 
-def random_prompt_batch(rows: int = 3, seq: int = 6, seed: int = 0, vocab_size: int = 100) -> Any:
+def random_prompt_batch(rows: int = 3, seq: int = 6, seed: int = 0, vocab_size: int = 100) -> PromptBatch:
     """Random clean and corrupted prompts ``[rows, seq]`` with answer and foil ids ``[rows]`` (token ids 3 to
     ``vocab_size - 1``), a :class:`~gradpatch.attribution.prompts.PromptBatch` for attribution on the tiny models."""
     from .attribution.prompts import PromptBatch

@@ -2,9 +2,9 @@
 
 Kramár et al. 2024 (arXiv 2403.00745) use AtP and AtP* as a prefilter: the nodes are ranked by |estimate| and
 activation patching verifies them in that order, so the effects that matter are measured, not estimated, at the cost
-of the verified units alone; they compare methods by this cost of verified recall. :func:`verify_top` does one such
-step: the ``k`` units of largest |estimate| go through the batched exact sweep, and their scores are replaced by the
-measured effects (``NodeScore.exact``).
+of the verified units alone; they compare methods by the recall of the true top nodes against that cost (the units
+verified). :func:`verify_top` does one such step: the ``k`` units of largest |estimate| go through the batched exact
+sweep, and their scores are replaced by the measured effects (``NodeScore.exact``).
 """
 
 from __future__ import annotations
