@@ -110,7 +110,7 @@ def test_attribute_help_lists_every_option(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     for option in ("--prompts", "--method", "--nodes", "--out", "--batch-size", "--model", "--direction", "--steps",
-                   "--grad-drop", "exact", "atp-star", "eap-ig"):
+                   "--grad-drop", "--verify", "exact", "atp-star", "eap-ig"):
         assert option in out, option
 
 
