@@ -19,7 +19,7 @@ from .config import ROMEConfig
 from .errors import EditError
 from .evaluation.sequential import BatchApplier
 from .layers import LinearLayer
-from .passes.start_token import resolve_start_token, with_start_token
+from .passes.start_token import with_start_token
 from .statistics.corpus import Corpus
 from .statistics.keys import ContextPrefixes, load_or_generate_prefixes
 from .statistics.second_moment import SecondMoment, default_cache_dir, layer_second_moments, statistics_fingerprint
@@ -78,8 +78,9 @@ class Editor(ABC):
                  corpus: Corpus | str | os.PathLike[str] | Any | None = None,
                  statistics: Sequence[SecondMoment | torch.Tensor] | None = None) -> None:
         self.pg = pg
-        self.start_token: str | None = resolve_start_token(tokenizer, config.start_token)
         self.tokenizer = with_start_token(tokenizer, config.start_token)
+        # with_start_token returns the caller's tokenizer when nothing is put first, else a copy whose BOS is the token
+        self.start_token: str | None = None if self.tokenizer is tokenizer else self.tokenizer.bos_token
         self.layers: list[LinearLayer] = list(layers)
         self.config = config
         self.corpus = corpus
