@@ -24,13 +24,8 @@ def _metric(pg: PatchableGraph, ids: torch.Tensor, batch: PromptBatch, patches=N
     return (logits[rows, batch.answer] - logits[rows, batch.foil]).mean()
 
 
-@pytest.fixture
-def graph(tiny_llama) -> PatchableGraph:
-    return PatchableGraph(tiny_llama, random_prompt_batch().clean, use_cache=False)
-
-
-def test_edge_graph_names_and_reach(graph):
-    edges = EdgeGraph.of(graph)  # 2 layers, 4 heads, 2 kv heads
+def test_edge_graph_names_and_reach(llama_graph):
+    edges = EdgeGraph.of(llama_graph)  # 2 layers, 4 heads, 2 kv heads
     assert (edges.n_up, edges.n_down) == (1 + 2 * 5, 2 * (4 + 2 + 2 + 1) + 1)
     up, down, reach = edges.upstream_names(), edges.downstream_names(), edges.reach()
     assert up[:3] == ["embed", "a0.h0", "a0.h1"] and up[5] == "m0" and down[:5] == [
@@ -40,12 +35,12 @@ def test_edge_graph_names_and_reach(graph):
 
 
 @pytest.mark.parametrize("steps", [0, 3])
-def test_faithfulness_curve_runs_from_the_corrupted_to_the_clean_run(graph, steps):
+def test_faithfulness_curve_runs_from_the_corrupted_to_the_clean_run(llama_graph, steps):
     """With every edge corrupted, each input is rebuilt from the corrupted outputs: exactly the corrupted run."""
     batch = random_prompt_batch()
-    result = eap(graph, batch, steps=steps, fractions=(0.0, 0.1, 1.0), forward_kwargs=KW)
+    result = eap(llama_graph, batch, steps=steps, fractions=(0.0, 0.1, 1.0), forward_kwargs=KW)
     with torch.no_grad():
-        clean, corrupted = (float(_metric(graph, ids, batch)) for ids in (batch.clean, batch.corrupted))
+        clean, corrupted = (float(_metric(llama_graph, ids, batch)) for ids in (batch.clean, batch.corrupted))
     assert result.metric_clean == pytest.approx(clean, abs=1e-5)
     assert result.metric_corrupted == pytest.approx(corrupted, abs=1e-5)
     assert [k for k, _ in result.faithfulness] == [0, 8, 82]
@@ -55,36 +50,39 @@ def test_faithfulness_curve_runs_from_the_corrupted_to_the_clean_run(graph, step
     assert result.backward == max(steps, 1) and result.method == ("eap-ig" if steps else "eap")
 
 
-def test_exact_edge_patching_and_eap_into_the_logits_match_direct_patches(graph):
+def test_exact_edge_patching_and_eap_into_the_logits_match_direct_patches(llama_graph):
     batch = random_prompt_batch()
     probes = {"model.embed_tokens.output": ProbePatch(), "model.layers_0.mlp.output": ProbePatch()}
-    with torch.no_grad(), graph.patch(probes):
-        graph(batch.corrupted, use_cache=False)
+    with torch.no_grad(), llama_graph.patch(probes):
+        llama_graph(batch.corrupted, use_cache=False)
     clean = {path: ProbePatch() for path in probes}
-    with torch.no_grad(), graph.patch(clean):
-        graph(batch.clean, use_cache=False)
+    with torch.no_grad(), llama_graph.patch(clean):
+        llama_graph(batch.clean, use_cache=False)
     with torch.no_grad():
-        base = float(_metric(graph, batch.clean, batch))
+        base = float(_metric(llama_graph, batch.clean, batch))
     zero = torch.nn.Parameter(torch.zeros(3, 6, 64))
-    value = _metric(graph, batch.clean, batch, {"model.norm.hidden_states": AddPatch(value=zero)})
+    value = _metric(llama_graph, batch.clean, batch, {"model.norm.hidden_states": AddPatch(value=zero)})
     (grad,) = torch.autograd.grad(value, [zero])
     exact = {(e.upstream, e.downstream): e.score for e in edge_patching(
-        graph, batch, [("embed", "logits"), ("m0", "logits"), ("embed", "a1.h0.q")], batch_size=6, forward_kwargs=KW)}
-    estimate = {(e.upstream, e.downstream): e.score for e in eap(graph, batch, fractions=(), forward_kwargs=KW).edges}
+        llama_graph, batch, [("embed", "logits"), ("m0", "logits"), ("embed", "a1.h0.q")], batch_size=6,
+        forward_kwargs=KW)}
+    estimate = {(e.upstream, e.downstream): e.score
+                for e in eap(llama_graph, batch, fractions=(), forward_kwargs=KW).edges}
     for name, path in (("embed", "model.embed_tokens.output"), ("m0", "model.layers_0.mlp.output")):
         difference = probes[path].activation - clean[path].activation
         with torch.no_grad():
-            direct = float(_metric(graph, batch.clean, batch, {"model.norm.hidden_states": AddPatch(value=difference)}))
+            direct = float(_metric(llama_graph, batch.clean, batch,
+                                   {"model.norm.hidden_states": AddPatch(value=difference)}))
         assert exact[(name, "logits")] == pytest.approx(direct - base, abs=1e-5)
         assert estimate[(name, "logits")] == pytest.approx(float((difference * grad).sum()), rel=1e-4, abs=1e-6)
     assert abs(exact[("embed", "a1.h0.q")]) > 0
 
 
-def test_bad_edges_and_models_are_refused(graph, tiny_gpt2):
+def test_bad_edges_and_models_are_refused(llama_graph, tiny_gpt2):
     with pytest.raises(AttributionError, match="no edge 'm1' → 'm0'"):
-        edge_patching(graph, random_prompt_batch(), [("m1", "m0")], forward_kwargs=KW)
+        edge_patching(llama_graph, random_prompt_batch(), [("m1", "m0")], forward_kwargs=KW)
     with pytest.raises(AttributionError, match="Llama-style graph"):
         eap(PatchableGraph(tiny_gpt2, random_prompt_batch().clean, use_cache=False), random_prompt_batch(),
             forward_kwargs=KW)
     with pytest.raises(AttributionError, match="steps=-1"):
-        eap(graph, random_prompt_batch(), steps=-1, forward_kwargs=KW)
+        eap(llama_graph, random_prompt_batch(), steps=-1, forward_kwargs=KW)
