@@ -32,10 +32,18 @@ PRIVATE_SYMBOLS: dict[str, Callable[[], Any]] = {
     "torch.utils._pytree.tree_flatten": lambda: _pytree.tree_flatten,
     "torch.utils._pytree.tree_unflatten": lambda: _pytree.tree_unflatten,
     "torch.utils._pytree.TreeSpec": lambda: _pytree.TreeSpec,
+    "torch._dynamo.exc.Unsupported": lambda: dynamo_unsupported_error(),
 }
 
 #: A pytree's structure (``torch.utils._pytree.TreeSpec``).
 TreeSpec = _pytree.TreeSpec
+
+
+def dynamo_unsupported_error() -> type[Exception]:
+    """The exception ``torch.compile`` raises for code dynamo cannot trace (``torch._dynamo.exc.Unsupported``)."""
+    from torch._dynamo import exc
+
+    return exc.Unsupported
 
 
 def forward_from_graph(graph: fx.Graph) -> Callable[..., Any]:

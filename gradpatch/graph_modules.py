@@ -49,6 +49,7 @@ class CompiledGraphModule(fx.GraphModule):
         code, forward = compile_graph_code(self)
         self._gp_clean_forward = forward
         self._gp_patched_forwards = {}
+        type(self).forward = _trampoline(forward)
         self._install_forward(forward)
         return code
 
@@ -82,7 +83,7 @@ class CompiledGraphModule(fx.GraphModule):
 
     def _install_forward(self, forward: Callable[..., Any]) -> None:
         dispatch = self._gp_dispatch
-        type(self).forward = forward if dispatch is None else dispatch.wrap(forward)
+        self._gp_forward = forward if dispatch is None else dispatch.wrap(forward)
 
 
 class OpaqueGraphModule(nn.Module):
@@ -223,6 +224,23 @@ class UnusedModule(nn.Module):
 
 
 _MISSING = object()
+
+
+def _trampoline(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """The class-level ``forward`` of a :class:`CompiledGraphModule`: it runs the instance's active forward
+    (``_gp_forward``: the clean code, or the code patched at the active patch set's nodes).
+
+    The active code is an instance attribute, not a method swapped on the class, so that ``torch.compile`` sees a
+    change of patch set: dynamo guards on the function object it reads from the instance, and recompiles (once per
+    patch set) when another one is installed; it does not guard on a class attribute replaced after compilation.
+    The trampoline carries the generated code's signature (``inspect.signature(wrapper.forward)`` binds calls).
+    """
+
+    def forward_of_active_patch_set(self: CompiledGraphModule, *args: Any, **kwargs: Any) -> Any:
+        return self._gp_forward(self, *args, **kwargs)
+
+    forward_of_active_patch_set.__signature__ = inspect.signature(forward)  # type: ignore[attr-defined]
+    return forward_of_active_patch_set
 
 
 def _registry_of(module: nn.Module, attribute: str) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from torch import nn
 
 from . import generation
 from .attributes import pretrained_base
+from .compiled import CompiledCalls, patch_set_key
 from .errors import NodePathError, ShapeSpecializationError
 from .node_path import NodeData, NodeTree
 from .options import ExtractionOptions
@@ -85,6 +86,7 @@ class PatchableGraph(nn.Module):
         self._active: list[list[tuple[str, Patch, str]]] = []
         self._patched_owners: set[nn.Module] = set()
         self._quiet = False  # no extraction warning (inside generate, where new kinds of call are expected)
+        self._compiled: CompiledCalls | None = None
         self.training = module.training
         self._graph_module = self._variants.example_wrapper(module.training)
         copy_config = options.copy_transformers_generation_config
@@ -94,8 +96,29 @@ class PatchableGraph(nn.Module):
     # --- calling -------------------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced by torch.compile(pg): the graphs the last eager call chose
+            self._variants.check_traced_call(self._graph_module, args, kwargs)
+            return self._graph_module(*args, **kwargs)
         self._use(self._variants.for_call(self.training, args, kwargs, warn=not self._quiet))
+        if self._compiled is not None:
+            return self._compiled.run(patch_set_key(self._active), self._graph_module, args, kwargs)
         return self._graph_module(*args, **kwargs)
+
+    def compile(self, **compile_kwargs: Any) -> None:  # type: ignore[override]
+        """Run every later call of this graph compiled by ``torch.compile(**compile_kwargs)``, patches included
+        (:mod:`gradpatch.compiled`): ``pg.compile(); with pg.patch({...}): pg(ids)``.
+
+        Outputs, probes and gradients are those of the eager graph under every patch set. The graphs of each call
+        are chosen outside the compiled region (so calls of every kind compile); each patch set (NodePaths, patch
+        kinds, slices) compiles once and is reused when it comes back; patch values are graph inputs, so new or
+        updated values never recompile. Like ``nn.Module.compile``, it compiles in place and returns ``None``.
+        Plain ``torch.compile(pg)`` also respects patches, but runs the graphs of the last eager call's kind.
+
+        Args:
+            compile_kwargs: ``torch.compile``'s keyword arguments (``backend``, ``mode``, ``fullgraph``,
+                ``dynamic``, ``options``).
+        """
+        self._compiled = CompiledCalls(compile_kwargs)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """transformers generation running this graph with the model's KV cache, so active patches apply at the
@@ -237,6 +260,7 @@ class PatchableGraph(nn.Module):
     def _tree(self) -> NodeTree:
         return self._tree_of(self._variants.example_wrapper(self.training))
 
+    @torch.compiler.disable
     def _tree_of(self, wrapper: nn.Module) -> NodeTree:
         if id(wrapper) not in self._trees:
             self._trees[id(wrapper)] = NodeTree(wrapper)

@@ -301,10 +301,18 @@ def _is_graph_break(value: Any) -> bool:
 def check_shape_guard(value: Any, expected: Any, where: str) -> None:
     """Raise :class:`ShapeSpecializationError` when a size-dependent Python decision differs from the example's.
 
+    A decision recorded as a bool is checked as a truth test (``if value`` / ``if not value``), not by comparing
+    bools: under ``torch.compile`` with dynamic shapes ``value`` is a symbolic bool, which can be tested for truth
+    (a guard on the sizes) but not compared with ``True`` or ``False``.
+
     Raises:
         ShapeSpecializationError: the graph does not hold for this call's shapes.
     """
-    if value != expected:
+    if isinstance(expected, bool):
+        holds = bool(value) if expected else not value
+    else:
+        holds = bool(value == expected)
+    if not holds:
         raise ShapeSpecializationError(
             f"the model's code decides on {where} from input sizes; the graph was extracted where it was "
             f"{expected!r} and this call gives {value!r}, within the same class of sizes (each dimension 1 or "

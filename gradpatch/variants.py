@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .errors import InputSignatureError
+from .errors import GradpatchError, InputSignatureError
 from .extraction import Extractor
 from .graph_modules import CompiledGraphModule
 from .options import ExtractionOptions
@@ -51,6 +51,7 @@ class GraphVariants:
         self._options = options
         self.example = example
         self._signature = inspect.signature(module.forward)
+        self._parameter_names = tuple(self._signature.parameters)
         self._example_call = self._bind(*example[0], **example[1])
         self._ignored = unread_var_keyword(type(module).forward)
         self._variants: dict[VariantKey, nn.Module] = {}
@@ -82,9 +83,40 @@ class GraphVariants:
                     warnings.warn(f"gradpatch: extracting graphs for a new kind of call ({_describe(call)}); once "
                                   f"per training mode and set of inputs and constants", stacklevel=4)
                 wrapper, guarded = self._extract(training, call)
+                wrapper._gp_call_kind = dict(kind)
                 self._variants[key if guarded else (training, kind, None)] = wrapper
         self._recent[quick] = wrapper
         return wrapper
+
+    def check_traced_call(self, wrapper: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Check, while ``torch.compile(pg)`` traces a call, that ``wrapper``'s graphs (the ones chosen by the last
+        eager call) are of the call's kind: the same inputs, and the same values of the constants it passes.
+
+        Written for dynamo to trace (no binding, no extraction): the constants' values are guarded, so a later call
+        with other constants traces again and is checked again.
+
+        Raises:
+            GradpatchError: the call needs graphs of another kind; the message names the argument and the fix
+                (``pg.compile()``, which chooses graphs outside the compiled region).
+        """
+        expected: dict[str, Any] = wrapper._gp_call_kind
+        given = dict(zip(self._parameter_names, args))
+        given.update(kwargs)
+        for name, value in given.items():
+            if name == self._ignored:
+                continue
+            want = expected.get(name)
+            if isinstance(value, torch.Tensor):
+                fits = want is not None and want[0] == "input"
+            elif want is not None and want[0] == "constant":
+                fits = want[1] == value
+            else:
+                fits = want is not None or value is None
+            if not fits:
+                raise GradpatchError(
+                    f"torch.compile(pg) runs the graphs of the last eager call's kind, and this call's '{name}' "
+                    f"needs other graphs (they had {want!r}); use pg.compile(**torch_compile_kwargs) instead, which "
+                    f"chooses the graphs of each call outside the compiled region")
 
     def example_wrapper(self, training: bool) -> nn.Module:
         """The root wrapper of the example's kind of call (the one ``pg.graph`` draws)."""
@@ -113,8 +145,11 @@ class GraphVariants:
                 call[name] = value
         return call
 
+    @torch.compiler.disable
     def _extract(self, training: bool, call: dict[str, Any]) -> tuple[nn.Module, bool]:
-        """Extract all graphs on ``call``; returns the root wrapper and whether any graph holds a size guard."""
+        """Extract all graphs on ``call``; returns the root wrapper and whether any graph holds a size guard.
+
+        Never traced by ``torch.compile`` (a call that a compiled ``pg`` runs eagerly may extract graphs)."""
         extractor = Extractor(self._options)
         module = self._module
         was_training = module.training

@@ -1,0 +1,156 @@
+"""Compiled patched forwards against the compiled plain model (issue 47, T5 and the GPU figures); prints JSON.
+
+On SmolLM2-135M (the embedded GGUF on CPU in float32, else its config with random weights) it compiles with
+inductor (``--mode`` for ``reduce-overhead`` on a GPU) and measures, round-robin after a warm-up:
+
+- ``forward``: per shape, under ``torch.no_grad()``, ``torch.compile(model)`` against ``pg.compile()`` running
+  ``pg(ids)`` inside ``pg.patch({node: AddPatch(value=zeros)})`` (ratio = patched compiled / plain compiled), and
+  the largest |logit difference| between the compiled and the eager patched graph;
+- ``forward_backward``: a loss on the last position's log-probabilities and its backward to an AddPatch delta,
+  ``pg.compile()`` with the delta as a patch against ``torch.compile(model)`` with the same delta added by a forward
+  hook on the same module (ratio = patched / hooked), and the gradients' relative difference;
+- ``cold_compile``: seconds of the first compiled call of each (plain model, patched graph) at the first shape, and
+  their ratio.
+
+``node = model.layers_<mid>.mlp.down_proj.output``. Medians over ``--runs`` rounds; every ratio is from this run.
+
+Run: ``.venv/bin/python benchmarks/compile_overhead.py [--shapes 1x32,8x128] [--runs 20] [--device cuda]
+[--dtype bfloat16] [--mode reduce-overhead] [--random-weights]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+
+from gradpatch import AddPatch, PatchableGraph
+from gradpatch.loaders import WEIGHT_DTYPES as DTYPES, embedded_or_random_model
+
+
+def _timed(fn: Callable[[], Any], synchronize: Callable[[], None]) -> float:
+    synchronize()
+    start = time.perf_counter()
+    fn()
+    synchronize()
+    return time.perf_counter() - start
+
+
+def _round_robin(variants: dict[str, Callable[[], Any]], runs: int, warmup: int,
+                 synchronize: Callable[[], None]) -> dict[str, float]:
+    """Median seconds of each variant, one call of each per round."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for round_index in range(warmup + runs):
+        for name, fn in variants.items():
+            elapsed = _timed(fn, synchronize)
+            if round_index >= warmup:
+                times[name].append(elapsed)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _last_position_loss(logits: torch.Tensor) -> torch.Tensor:
+    return -torch.log_softmax(logits[:, -1].float(), dim=-1)[:, :8].sum()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="1x32,8x128")
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--mode", default=None, help="torch.compile mode (e.g. reduce-overhead on a GPU)")
+    parser.add_argument("--random-weights", action="store_true")
+    args = parser.parse_args()
+    shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
+    dtype = DTYPES[args.dtype]
+    model, weights = embedded_or_random_model(dtype=dtype, device=args.device, random_weights=args.random_weights)
+    model.eval().requires_grad_(False)
+    synchronize = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    inputs = [torch.randint(0, vocab, shape, generator=generator).to(args.device) for shape in shapes]
+    mid = len(model.model.layers) // 2
+    node = f"model.layers_{mid}.mlp.down_proj.output"
+    hooked_module: nn.Module = model.model.layers[mid].mlp.down_proj
+    width = model.config.hidden_size
+    compile_kwargs: dict[str, Any] = {} if args.mode is None else {"mode": args.mode}
+
+    eager = PatchableGraph(model, inputs[0], use_cache=False)
+    pg = PatchableGraph(model, inputs[0], use_cache=False)
+    pg.compile(**compile_kwargs)
+    plain = torch.compile(model, **compile_kwargs)
+    zeros = torch.zeros(width, dtype=dtype, device=args.device)
+
+    report: dict[str, Any] = {"benchmark": "compile_overhead", "weights": weights, "device": args.device,
+                              "dtype": args.dtype, "mode": args.mode, "torch": torch.__version__,
+                              "machine": platform.machine(), "threads": torch.get_num_threads(), "node": node}
+    with torch.no_grad():
+        cold_plain = _timed(lambda: plain(inputs[0], use_cache=False), synchronize)
+        with pg.patch({node: AddPatch(value=zeros)}):
+            cold_patched = _timed(lambda: pg(inputs[0], use_cache=False), synchronize)
+    report["cold_compile"] = {"plain_s": round(cold_plain, 2), "patched_s": round(cold_patched, 2),
+                              "ratio": round(cold_patched / cold_plain, 3)}
+
+    forward = []
+    for ids in inputs:
+        delta = torch.randn(width, dtype=dtype, device=args.device, generator=None) * 0.1
+        with torch.no_grad():
+            with pg.patch({node: AddPatch(value=delta)}):
+                compiled_logits = pg(ids, use_cache=False).logits
+            with eager.patch({node: AddPatch(value=delta)}):
+                eager_logits = eager(ids, use_cache=False).logits
+            with pg.patch({node: AddPatch(value=zeros)}):
+                medians = _round_robin({"plain": lambda: plain(ids, use_cache=False),
+                                        "patched": lambda: pg(ids, use_cache=False)},
+                                       args.runs, args.warmup, synchronize)
+        forward.append({"shape": list(ids.shape), "plain_compiled_ms": round(medians["plain"] * 1e3, 3),
+                        "patched_compiled_ms": round(medians["patched"] * 1e3, 3),
+                        "ratio": round(medians["patched"] / medians["plain"], 4),
+                        "max_abs_diff_vs_eager": float((compiled_logits - eager_logits).abs().max())})
+    report["forward"] = forward
+
+    ids = inputs[-1]
+    delta = torch.zeros(width, dtype=dtype, device=args.device, requires_grad=True)
+    handle = hooked_module.register_forward_hook(lambda module, inputs_, output: output + delta)
+    hooked = torch.compile(model, **compile_kwargs)
+    try:
+        def hooked_step() -> torch.Tensor:
+            delta.grad = None
+            _last_position_loss(hooked(ids, use_cache=False).logits).backward()
+            return delta.grad
+
+        with pg.patch({node: AddPatch(value=delta)}):
+            def patched_step() -> torch.Tensor:
+                delta.grad = None
+                _last_position_loss(pg(ids, use_cache=False).logits).backward()
+                return delta.grad
+
+            gradient_patched = patched_step().clone()
+            gradient_hooked = hooked_step().clone()
+            medians = _round_robin({"hooked": hooked_step, "patched": patched_step}, args.runs, args.warmup,
+                                   synchronize)
+    finally:
+        handle.remove()
+    report["forward_backward"] = {
+        "shape": list(ids.shape), "hooked_compiled_ms": round(medians["hooked"] * 1e3, 3),
+        "patched_compiled_ms": round(medians["patched"] * 1e3, 3),
+        "ratio": round(medians["patched"] / medians["hooked"], 4),
+        "gradient_relative_difference": float((gradient_patched - gradient_hooked).norm()
+                                              / gradient_hooked.norm())}
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
