@@ -268,3 +268,21 @@ def test_our_modules_import_the_renamed_modules_by_their_new_names() -> None:
     offenders = {name: sorted(GRAPH[name] & set(DEPRECATED_MODULES)) for name in MODULES
                  if name not in DEPRECATED_MODULES and GRAPH[name] & set(DEPRECATED_MODULES)}
     assert not offenders, f"import the new names instead ({DEPRECATED_MODULES}): {offenders}"
+
+
+def test_one_model_layout_table() -> None:
+    """Where a model family keeps its embeddings, blocks, norms and unembedding is written once, in
+    ``gradpatch/layouts.py``: no other module spells those NodePaths as string constants."""
+    from gradpatch.layouts import LAYOUTS
+
+    spelled = {value for layout in LAYOUTS.values()
+               for value in (layout.embed, layout.layer, layout.logits_input, layout.final_norm)} | {
+        f"{layout.final_norm}.{layout.norm_input}" for layout in LAYOUTS.values()}
+    found = []
+    for name, (path, _) in MODULES.items():
+        if name == "gradpatch.layouts":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in spelled:
+                found.append(f"{name}:{node.lineno} {node.value!r}")
+    assert not found, f"model layouts written outside gradpatch/layouts.py: {found}"
