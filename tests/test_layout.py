@@ -258,18 +258,6 @@ def test_editors_front_doors_import_no_torch() -> None:
     assert result.stdout.strip().splitlines()[-1] == "False"
 
 
-#: Modules kept for one release under their old names (each imports its new module and warns).
-DEPRECATED_MODULES = {"gradpatch.models": "gradpatch.loaders", "gradpatch.patching": "gradpatch.patch_table",
-                      "gradpatch.values": "gradpatch.value_info"}
-
-
-def test_our_modules_import_the_renamed_modules_by_their_new_names() -> None:
-    """Importing a deprecated shim warns the user once; our own code must never be what triggers it."""
-    offenders = {name: sorted(GRAPH[name] & set(DEPRECATED_MODULES)) for name in MODULES
-                 if name not in DEPRECATED_MODULES and GRAPH[name] & set(DEPRECATED_MODULES)}
-    assert not offenders, f"import the new names instead ({DEPRECATED_MODULES}): {offenders}"
-
-
 def test_one_model_layout_table() -> None:
     """Where a model family keeps its embeddings, blocks, norms and unembedding is written once, in
     ``gradpatch/layouts.py``: no other module spells those NodePaths as string constants."""
