@@ -274,3 +274,48 @@ def test_one_model_layout_table() -> None:
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in spelled:
                 found.append(f"{name}:{node.lineno} {node.value!r}")
     assert not found, f"model layouts written outside gradpatch/layouts.py: {found}"
+
+
+#: At most this many modules directly under recipes/ (what the rooms share); the rest lives in rooms by concern.
+MAX_RECIPES_TOP_MODULES = 12
+#: The rooms of recipes/, each a sub-package with a front door (``recipes/dictionary/`` will join them).
+RECIPES_ROOMS = {"cli", "delta", "editing", "interchange", "reft", "reports", "training"}
+
+
+def test_recipes_is_a_house_with_rooms() -> None:
+    """A dozen modules at recipes/'s door, the rooms each behind a front door with an ``__all__``, every name of the
+    door's ``__all__`` importable from it."""
+    import importlib
+
+    top = sorted(p.name for p in (ROOT / "recipes").glob("*.py"))
+    rooms = {p.parent.name for p in (ROOT / "recipes").glob("*/__init__.py")}
+    assert len(top) <= MAX_RECIPES_TOP_MODULES, f"{len(top)} modules directly under recipes/ (move some into a " \
+                                                f"room): {top}"
+    assert RECIPES_ROOMS <= rooms, f"recipes/ lacks the rooms {sorted(RECIPES_ROOMS - rooms)}"
+    for package in ["recipes", *(f"recipes.{room}" for room in sorted(rooms - {"cli"}))]:
+        module = importlib.import_module(package)
+        names = _front_door_all(package)
+        assert names, f"{package} has an empty __all__"
+        missing = [name for name in sorted(names) if not hasattr(module, name)]
+        assert not missing, f"{package}.__all__ names what it cannot give: {missing}"
+
+
+def test_the_intervention_modules_are_siblings_on_one_base() -> None:
+    """DAS/interchange, delta and ReFT training share one base and none derives from another; none takes a method
+    from another class to opt out of its parent's (``training_step = FrozenGraphModule.training_step``). An AddPatch
+    delta's loss goes from Lightning's step (``recipes/training/frozen.py``) to ``pg.patch`` in
+    ``recipes/delta/module.py``: with ``recipes/cli/fit.py``, three recipe modules (docs/architecture.md)."""
+    from recipes import DeltaModule, InterventionModule, PatchTrainingModule, ReFTModule
+
+    siblings = (DeltaModule, InterventionModule, ReFTModule)
+    for module in siblings:
+        assert module.__bases__ == (PatchTrainingModule,), f"{module.__name__} derives from {module.__bases__}"
+    for name in ("recipes.delta.module", "recipes.interchange.module", "recipes.reft.module"):
+        for node in ast.walk(ast.parse(MODULES[name][0].read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                borrowed = [ast.unparse(item) for item in node.body if isinstance(item, ast.Assign)
+                            and isinstance(item.value, ast.Attribute) and isinstance(item.value.value, ast.Name)
+                            and item.value.value.id[:1].isupper()]
+                assert not borrowed, f"{name}.{node.name} borrows another class's method: {borrowed}"
+    assert DeltaModule.training_step.__module__ == "recipes.training.frozen"
+    assert DeltaModule.loss_terms.__module__ == "recipes.delta.module"
