@@ -300,6 +300,14 @@ def test_recipes_is_a_house_with_rooms() -> None:
         assert not missing, f"{package}.__all__ names what it cannot give: {missing}"
 
 
+def test_recipes_front_doors_import_no_torch() -> None:
+    """``import recipes`` and ``import recipes.<room>`` stay cheap: their names load on first use."""
+    code = ("import sys\nimport recipes\n" + "".join(f"import recipes.{room}\n" for room in sorted(RECIPES_ROOMS))
+            + "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_the_intervention_modules_are_siblings_on_one_base() -> None:
     """DAS/interchange, delta and ReFT training share one base and none derives from another; none takes a method
     from another class to opt out of its parent's (``training_step = FrozenGraphModule.training_step``). An AddPatch
