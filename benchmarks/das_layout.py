@@ -25,8 +25,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gradpatch.loaders import load_embedded_model
-from recipes.counterfactual import read_counterfactuals
-from recipes.intervention_module import InterventionModule
+from recipes.interchange.counterfactual import read_counterfactuals
+from recipes.interchange.module import InterventionModule
 
 DATA = Path(__file__).resolve().parent / "data"
 

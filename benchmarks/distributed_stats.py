@@ -1,4 +1,4 @@
-"""Documents per second of the second-moment statistics job (recipes.stats_job) on 1 and 2 processes; JSON.
+"""Documents per second of the second-moment statistics job (recipes.editing.stats_job) on 1 and 2 processes; JSON.
 
 Each configuration runs in a fresh subprocess (``--worker``): ``Trainer(strategy="ddp", devices=K)`` on the CPU with
 the gloo backend (or the GPU with NCCL: ``--accelerator gpu --devices 1 2 4 8``), each process limited to

@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from gradpatch import AddPatch, Intervention  # noqa: E402
 from recipes import DeltaModule, DeltaSpec, Objective, TargetSpec  # noqa: E402
-from recipes.data import PromptRows, RowCollator  # noqa: E402
+from recipes.delta.rows import PromptRows, RowCollator  # noqa: E402
 
 TARGETS = [
     ("The Eiffel Tower is located in the city of", " Rome"),

@@ -47,7 +47,7 @@ def _accuracy(module: ReFTModule, records: list, generate: bool) -> dict[str, fl
     prompts = [r.prompt for r in records]
     texts = module.generate(prompts, max_new_tokens=5, batch_size=16) if generate else None
     if texts is None:
-        from recipes.reft_generation import generate_with_patches
+        from recipes.generation import generate_with_patches
 
         texts = generate_with_patches(module.graph, module.tokenizer, {}, prompts, 5, 16)
     return score(texts, records)

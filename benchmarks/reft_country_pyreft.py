@@ -42,7 +42,7 @@ from benchmarks.reft_pyreft import save_for_pyreft
 from gradpatch.loaders import load_embedded_model
 from gradpatch.reft import ReFTPositions
 from recipes import ReFTModule
-from recipes.data import encode, left_pad, pad_token_id
+from recipes.tokens import encode, left_pad, pad_token_id
 
 
 class _Batches(Callback):

@@ -43,7 +43,7 @@ from gradpatch.model_io import wrapped_model
 from editors.rome import DEFAULT_SMOLLM2_NODE
 from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
 from editors.value.search import frozen_parameters
-from recipes.rome_value import LightningValueRunner
+from recipes.editing.rome_value import LightningValueRunner
 
 REQUEST = EditRequest(prompt="The {} is located in the city of", subject="Eiffel Tower", target_new="Rome",
                       target_true="Paris")

@@ -24,7 +24,7 @@ docs/memit.md.
 
 Names are imported on first use (:func:`editors.lazy.lazy_exports`), so ``import editors`` does not import torch.
 The internal algebra (``solve_second_moment``, ``update_direction``, ``BatchValueObjective``, ...) is reached from its
-sub-package; importing it from here still works for one release, with a :class:`DeprecationWarning`.
+sub-package.
 """
 
 from __future__ import annotations
@@ -96,17 +96,5 @@ _EXPORTS: dict[str, str] = {
     "optimize_value": "value.search",
 }
 
-#: Names the front page exported before the sub-packages, for one release (with a DeprecationWarning): the internal
-#: algebra, now in its sub-package, and renamed classes -> what they are now.
-_MOVED: dict[str, str] = {
-    "BatchValueObjective": "editors.value.BatchValueObjective",
-    "optimize_values": "editors.value.optimize_values",
-    "rank_one_factors": "editors.solve.rank_one_factors",
-    "rank_one_update": "editors.solve.rank_one_update",
-    "solve_second_moment": "editors.solve.solve_second_moment",
-    "update_direction": "editors.solve.update_direction",
-    "ContextTemplates": "editors.statistics.ContextPrefixes",
-}
-
 __all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, deprecated=_MOVED)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -5,7 +5,7 @@ Every error message names the fix.
 
 from __future__ import annotations
 
-from gradpatch.errors import FingerprintMismatchError, GradpatchError
+from gradpatch.errors import FingerprintMismatchError, GradpatchError, LayoutError
 
 __all__ = [
     "CacheRecomputedWarning",
@@ -19,6 +19,7 @@ __all__ = [
     "SubjectNotFoundError",
     "TokenizationError",
     "TraceError",
+    "TraceLayoutError",
 ]
 
 
@@ -67,3 +68,8 @@ class CacheRecomputedWarning(UserWarning):
 
 class TraceError(EditError, ValueError):
     """Causal tracing cannot run as asked (unknown kind or option, bad window, NodePaths that do not fit the model)."""
+
+
+class TraceLayoutError(TraceError, LayoutError):
+    """Causal tracing's NodePaths do not fit the model (a model of another family, a wrong ``ModelPaths``); the
+    message names the NodePaths looked for and says to pass ``paths=ModelPaths(...)``."""

@@ -1,8 +1,5 @@
 """Lazy public names for a package (PEP 562): ``from editors import ROME`` imports :mod:`editors.rome` on first use.
 
-A name that moved to a sub-package or was renamed can stay reachable from the old place for one release: it is imported
-from its new home with a :class:`DeprecationWarning` that names the new import.
-
 A package whose ``__init__`` imports nothing heavy can be imported without torch, so a command's ``--help`` that
 reads defaults from a configuration module (e.g. :class:`editors.causal_trace.TraceConfig`) stays fast.
 """
@@ -10,7 +7,6 @@ reads defaults from a configuration module (e.g. :class:`editors.causal_trace.Tr
 from __future__ import annotations
 
 import importlib
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,8 +14,7 @@ __all__ = ["lazy_exports"]
 
 
 def lazy_exports(package: str, exports: Mapping[str, str], *, install_hint: str = "",
-                 optional: tuple[str, ...] = (), deprecated: Mapping[str, str] | None = None,
-                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+                 optional: tuple[str, ...] = ()) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """The ``__getattr__`` and ``__dir__`` of a package whose public names live in its submodules.
 
     Args:
@@ -29,9 +24,6 @@ def lazy_exports(package: str, exports: Mapping[str, str], *, install_hint: str 
         install_hint: what to install when one of the ``optional`` modules is missing, e.g.
             ``"pip install 'gradpatch[recipes]'"``.
         optional: top-level modules some submodules need that may be absent (``"lightning"``, ``"tensorboard"``).
-        deprecated: old name -> the dotted path of what it became, e.g.
-            ``{"update_direction": "editors.solve.update_direction"}`` (moved) or
-            ``{"ContextTemplates": "editors.statistics.ContextPrefixes"}`` (renamed): still importable from ``package`` with a :class:`DeprecationWarning`, left out of ``__dir__``.
 
     Returns:
         ``(__getattr__, __dir__)`` to assign in the package's ``__init__``. ``__getattr__`` imports the submodule
@@ -42,14 +34,7 @@ def lazy_exports(package: str, exports: Mapping[str, str], *, install_hint: str 
         ImportError: (from ``__getattr__``) an ``optional`` module is missing; the message names ``install_hint``.
     """
 
-    moved = dict(deprecated or {})
-
     def getattr_(name: str) -> Any:
-        if name in moved:
-            module, _, new_name = moved[name].rpartition(".")
-            warnings.warn(f"{package}.{name} is deprecated (it goes in the next release): use `from {module} import "
-                          f"{new_name}`", DeprecationWarning, stacklevel=2)
-            return getattr(importlib.import_module(module), new_name)
         if name in exports:
             try:
                 return getattr(importlib.import_module(f".{exports[name]}", package), name)

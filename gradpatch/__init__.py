@@ -10,6 +10,7 @@ from .errors import (
     ExtractionError,
     GradpatchError,
     InputSignatureError,
+    LayoutError,
     NonFiniteError,
     NodePathError,
     PatchShapeError,
@@ -22,6 +23,7 @@ from .interchange import InterchangeSide, interchange
 from .intervention import Intervention
 from .node_path import NodeData
 from .options import ExtractionOptions
+from .layouts import ModelLayout
 from .patchable_graph import PatchableGraph
 from .patches import AddPatch, CustomPatch, Patch, ProbePatch, RecordPatch, ReplacePatch, ZeroPatch
 from .reft import AddVectorPatch, DiReFTPatch, LoReFTPatch, ReFTPatch, ReFTPositions
@@ -47,6 +49,8 @@ __all__ = [
     "InputSignatureError",
     "InterchangeSide",
     "Intervention",
+    "LayoutError",
+    "ModelLayout",
     "MultiplyInvokedModule",
     "NodeData",
     "NodePathError",

@@ -63,3 +63,8 @@ class SubspaceConfigError(GradpatchError, ValueError):
     """A trainable subspace patch or an interchange run that cannot work (a subspace wider than its node, a node
     whose activation is not ``[batch, seq, d]``, base and source of different lengths without positions, a subject
     missing from its prompt); raised before any forward pass, the message names the fix."""
+
+
+class LayoutError(GradpatchError, ValueError):
+    """A graph has no NodePath where a model layout (:class:`~gradpatch.layouts.ModelLayout`) says a part is, or no
+    known layout fits it; the message names the NodePaths looked for and how to name this model's own."""

@@ -22,7 +22,9 @@ from .subspace import TRAINABLE_KINDS, TrainablePatch
 FORMAT = "gradpatch.intervention"
 #: 2: value shapes and dtypes, Python scalar values, the tensors file's SHA-256 (version 1 files still load).
 #: 3: trainable subspace patches (kind, constructor config, one tensor per state_dict entry with its shape).
-VERSION = 3
+#: 4: an orthogonal weight saved as the matrix itself (``rotation.weight``, R ``[k, d]``) instead of torch's
+#: parametrization internals (:meth:`~gradpatch.subspace.TrainablePatch.saved_state`; version 3 files still load).
+VERSION = 4
 JSON_NAME = "intervention.json"
 TENSORS_NAME = "intervention.safetensors"
 _KINDS: dict[str, type[Patch]] = {
@@ -102,7 +104,7 @@ class Intervention(nn.Module):
             record: dict[str, Any] = {"path": path, "kind": kind, "slice": encode_slice(patch.slice), "value": None}
             scalar = getattr(patch, "value", None)
             if isinstance(patch, TrainablePatch):
-                state = {name: tensor for name, tensor in patch.state_dict().items()}
+                state = patch.saved_state()
                 record.update(config=patch.config(), tensors={
                     name: {"key": f"trainable.{index}.{name}", "shape": list(t.shape), "dtype": str(t.dtype)}
                     for name, t in state.items()})
@@ -122,7 +124,7 @@ class Intervention(nn.Module):
         tensors = {f"values.{i}": value.detach().contiguous().cpu() for i, value in enumerate(self.values)}
         for i, module in enumerate(self.trainable):
             tensors.update({f"trainable.{i}.{name}": t.detach().contiguous().cpu().clone()
-                            for name, t in module.state_dict().items()})
+                            for name, t in module.saved_state().items()})
         data = save_safetensors(tensors)
         document = {"format": FORMAT, "version": VERSION, "patches": records,
                     "model_fingerprint": None if model is None else model_fingerprint(model),
@@ -250,7 +252,9 @@ def _value(tensors: dict[str, torch.Tensor], record: dict[str, Any], tensors_pat
 
 def _trainable(tensors: dict[str, torch.Tensor], record: dict[str, Any], tensors_path: Path,
                fix: str) -> TrainablePatch:
-    """Rebuild a trainable subspace patch from its record: the constructor from ``config``, then its state.
+    """Rebuild a trainable subspace patch from its record: the constructor from ``config``, then its saved state
+    (:meth:`~gradpatch.subspace.TrainablePatch.saved_state`: an orthogonal R itself; files written before hold the
+    full ``state_dict`` with torch's parametrization internals, and load too).
 
     Raises:
         InterventionLoadError: the config does not build the kind, or a tensor is missing or of another shape.
@@ -261,7 +265,9 @@ def _trainable(tensors: dict[str, torch.Tensor], record: dict[str, Any], tensors
     except (TypeError, ValueError) as error:
         raise InterventionLoadError(f"{where}: config {record['config']!r} does not build a {kind} ({error}); "
                                     f"{fix}") from error
-    expected = patch.state_dict()
+    expected = patch.saved_state()
+    if set(record["tensors"]) == set(patch.state_dict()):
+        expected = patch.state_dict()
     if set(record["tensors"]) != set(expected):
         raise InterventionLoadError(f"{where}: saved tensors {sorted(record['tensors'])}, but a {kind} of config "
                                     f"{record['config']} has {sorted(expected)}; {fix}")
@@ -274,7 +280,7 @@ def _trainable(tensors: dict[str, torch.Tensor], record: dict[str, Any], tensors
             raise InterventionLoadError(f"{where}: tensor {name!r} has shape {list(value.shape)}, but a {kind} of "
                                         f"config {record['config']} needs {list(expected[name].shape)}; {fix}")
         state[name] = value
-    patch.load_state_dict(state)
+    patch.load_saved_state(state)
     return patch
 
 

@@ -20,11 +20,12 @@ Used directly in ``pg.patch``, a patch takes its source from :attr:`TrainablePat
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrizations
+from torch.nn.utils import parametrizations, parametrize
 
 from .errors import PatchShapeError, SubspaceConfigError
 from .patches import Patch, Slice
@@ -111,6 +112,42 @@ class TrainablePatch(nn.Module, Patch):
         """A sparsity term to add to the loss (0 for patches without one): scalar."""
         return torch.zeros(())
 
+    def saved_state(self) -> dict[str, torch.Tensor]:
+        """The tensors a saved intervention holds: the ``state_dict``, except that each orthogonally parametrized
+        weight is the matrix itself (``rotation.weight``: R ``[k, d]``, what the patch computes with) instead of
+        torch's parametrization internals (``rotation.parametrizations.weight.original`` and ``...weight.0.base``).
+        """
+        state = {name: tensor for name, tensor in self.state_dict().items() if ".parametrizations." not in name}
+        for name, module in self.named_modules():
+            if parametrize.is_parametrized(module, "weight"):
+                state[f"{name}.weight"] = module.weight.detach()
+        return state
+
+    def load_saved_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load :meth:`saved_state`'s tensors, or a full ``state_dict`` (the parametrization internals, as files
+        before R was saved itself hold). An orthogonal weight R is rebuilt exactly: training goes on from R, with
+        the parametrization's base the orthogonal completion of R and its unconstrained parameter at the point that
+        maps to the base.
+
+        Raises:
+            RuntimeError: missing or unexpected names, or shapes that do not fit (as ``load_state_dict``).
+        """
+        if any(".parametrizations." in name for name in state):
+            self.load_state_dict(dict(state))
+            return
+        parametrized = {f"{name}.weight": module for name, module in self.named_modules()
+                        if name and parametrize.is_parametrized(module, "weight")}
+        expected = self.saved_state()
+        if set(state) != set(expected):
+            raise RuntimeError(f"{type(self).__name__}: saved tensors {sorted(state)}, expected {sorted(expected)}")
+        self.load_state_dict({name: tensor for name, tensor in state.items() if name not in parametrized},
+                             strict=False)
+        for name, module in parametrized.items():
+            if state[name].shape != expected[name].shape:
+                raise RuntimeError(f"{type(self).__name__}: {name} has shape {list(state[name].shape)}, expected "
+                                   f"{list(expected[name].shape)}")
+            _load_orthogonal(module, state[name])
+
     def stats(self) -> dict[str, float]:
         """Scalars worth logging (boundary width, mask density)."""
         return {}
@@ -120,6 +157,26 @@ def _orthogonal_linear(rows: int, width: int) -> nn.Linear:
     """An ``nn.Linear(width, rows)`` whose weight ``[rows, width]`` has orthonormal rows (torch's parametrization)."""
     linear = nn.Linear(width, rows, bias=False)
     return parametrizations.orthogonal(linear)
+
+
+@torch.no_grad()
+def _load_orthogonal(linear: nn.Module, matrix: torch.Tensor) -> None:
+    """Make ``linear``'s orthogonal parametrization (torch's, with its trivialization) give ``matrix`` ``[k, d]``
+    (orthonormal rows, or columns when k > d) exactly: the base becomes ``matrix`` (transposed to tall) completed to
+    an orthogonal ``[n, n]``, and the unconstrained parameter −I, which every orthogonal map sends to I (so the
+    weight is the base's first columns, bit for bit)."""
+    parametrization = linear.parametrizations.weight  # type: ignore[union-attr]
+    tall = matrix.mT if matrix.shape[0] < matrix.shape[1] else matrix  # [n, k], n >= k
+    n, k = tall.shape
+    base = tall
+    if n > k:
+        filler = torch.randn(n, n - k, generator=torch.Generator().manual_seed(0), dtype=tall.dtype)
+        completion = torch.linalg.qr(torch.cat([tall, filler.to(tall.device)], dim=-1)).Q
+        base = torch.cat([tall, completion[:, k:]], dim=-1)
+    parametrization[0].base.copy_(base)
+    original = torch.zeros_like(parametrization.original)
+    original.diagonal().fill_(-1.0)
+    parametrization.original.copy_(original)
 
 
 class RotatedSubspacePatch(TrainablePatch):

@@ -1,5 +1,14 @@
 """gradpatch recipes: Lightning modules, TensorBoard logging, YAML configs and the ``gradpatch`` command line.
 
+A house with rooms by concern, each a sub-package whose ``__init__`` (with ``__all__``) is its front door:
+:mod:`recipes.training` (the frozen graph and :class:`PatchTrainingModule`, the base of the three intervention
+modules; :class:`ObjectiveModule`), :mod:`recipes.delta`, :mod:`recipes.interchange`, :mod:`recipes.reft` (the three
+siblings, each with its specs, objectives and data), :mod:`recipes.editing` (ROME's value runner and recipe, the
+statistics job, the distributed edit), :mod:`recipes.reports` (TensorBoard logger, attribution reports, trace images)
+and :mod:`recipes.cli`; at the door, what the rooms share: :mod:`.errors`, :mod:`.tokens`, :mod:`.generation`,
+:mod:`.jsonl`, the strategies (:mod:`.strategies`, :mod:`.sharded`) and :mod:`.testing`. The names below are
+re-exported here.
+
 - :class:`DeltaModule`: learn AddPatch deltas (an :class:`gradpatch.Intervention`) at NodePaths of a frozen model,
   for target continuations, steering towards/away from tokens, with KL and L2 regularisers.
 - :class:`InterventionModule`: train trainable interchange patches (DAS, Boundless DAS, sigmoid masks) on
@@ -24,45 +33,46 @@ command) works without Lightning and without importing torch for ``--help``; the
 
 from __future__ import annotations
 
-from editors import lazy_exports
+from .lazy import recipe_exports
 
 #: Public name -> submodule that defines it.
 _EXPORTS: dict[str, str] = {
-    "BiPOObjective": "reft_objectives",
-    "ContinuationDataModule": "continuations",
-    "ContinuationNLLObjective": "reft_objectives",
-    "CounterfactualDataModule": "counterfactual",
-    "DeltaModule": "delta_module",
-    "DeltaSpec": "specs",
+    "BiPOObjective": "reft",
+    "ContinuationDataModule": "reft",
+    "ContinuationNLLObjective": "reft",
+    "CounterfactualDataModule": "interchange",
+    "DeltaModule": "delta",
+    "DeltaSpec": "delta",
     "DeviceMapStrategy": "strategies",
-    "FrozenGraphModule": "frozen",
-    "IITObjective": "intervention_objectives",
-    "InterchangeSpec": "intervention_module",
-    "InterventionLogger": "logger",
-    "InterventionModule": "intervention_module",
-    "InterventionObjective": "intervention_objectives",
-    "Objective": "specs",
+    "FrozenGraphModule": "training",
+    "IITObjective": "interchange",
+    "InterchangeSpec": "interchange",
+    "InterventionLogger": "reports",
+    "InterventionModule": "interchange",
+    "InterventionObjective": "interchange",
+    "Objective": "delta",
+    "ObjectiveModule": "training",
     "PartialSumsWarning": "errors",
-    "SecondMomentJob": "stats_job",
-    "ShardedFrozenDDPStrategy": "sharded",
-    "StatisticsJobError": "errors",
-    "ObjectiveModule": "objective_module",
-    "PreferenceDataModule": "continuations",
-    "ReFTModule": "reft_module",
-    "ReFTSpec": "reft_module",
+    "PatchTrainingModule": "training",
+    "PreferenceDataModule": "reft",
+    "ReFTModule": "reft",
+    "ReFTObjective": "reft",
+    "ReFTSpec": "reft",
     "RecipeConfigError": "errors",
     "RecipeError": "errors",
-    "Row": "data",
-    "TargetSpec": "specs",
-    "build_rows": "data",
-    "caa_vector": "caa",
-    "collate_rows": "data",
+    "Row": "delta",
+    "SecondMomentJob": "editing",
+    "ShardedFrozenDDPStrategy": "sharded",
+    "StatisticsJobError": "errors",
+    "TargetSpec": "delta",
+    "build_rows": "delta",
+    "caa_vector": "reft",
+    "collate_rows": "delta",
     "greedy_generate": "generation",
-    "left_pad": "data",
-    "run_statistics_job": "stats_job",
-    "run_distributed_edit": "distributed_edit",
+    "left_pad": "tokens",
+    "run_distributed_edit": "editing",
+    "run_statistics_job": "editing",
 }
 
 __all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, install_hint="pip install 'gradpatch[recipes]'",
-                                    optional=("lightning", "tensorboard", "jsonargparse"))
+__getattr__, __dir__ = recipe_exports(__name__, _EXPORTS)

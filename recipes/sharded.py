@@ -1,8 +1,8 @@
 """ShardedFrozenDDPStrategy: train patches under DDP while FSDP2 shards the frozen model over the ranks.
 
-A FrozenGraphModule (:class:`~recipes.delta_module.DeltaModule`, :class:`~recipes.objective_module.ObjectiveModule`)
-has two kinds of tensors: the frozen model, large and never updated, and a few trainable patch tensors. This strategy
-is Lightning's ``ddp`` (its launcher, process group and gradient all-reduce for the patches, which stay replicated)
+A FrozenGraphModule (:class:`~recipes.delta.DeltaModule`, :class:`~recipes.training.ObjectiveModule`) has two
+kinds of tensors: the frozen model, large and never updated, and a few trainable patch tensors. This strategy is
+Lightning's ``ddp`` (its launcher, process group and gradient all-reduce for the patches, which stay replicated)
 plus torch's FSDP2 ``fully_shard`` on the frozen model: each decoder block's weights are split over the ranks and
 all-gathered for the block's forward (and again for its backward, which the patches' gradients flow through), then
 freed. Per rank the model takes ``1/W`` of its memory between blocks.
@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from .errors import RecipeConfigError
-from .frozen import FrozenGraphModule
+from .training.frozen import FrozenGraphModule
 
 __all__ = ["ShardedFrozenDDPStrategy", "decoder_blocks"]
 

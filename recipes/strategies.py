@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
-from .frozen import FrozenGraphModule
+from .training.frozen import FrozenGraphModule
 
 __all__ = ["DeviceMapStrategy"]
 

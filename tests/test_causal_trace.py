@@ -26,7 +26,7 @@ from editors.causal_trace import (
 from editors.errors import SubjectNotFoundError
 from gradpatch import AddPatch, PatchableGraph, ProbePatch, ReplacePatch
 from gradpatch.testing import tiny_gpt2, tiny_llama
-from recipes.trace_tensorboard import log_trace_to_tensorboard
+from recipes.reports.trace_tensorboard import log_trace_to_tensorboard
 
 WORDS = "The Eiffel Tower is located in the city of Paris Rome Colosseum a famous landmark".split()
 

@@ -82,10 +82,20 @@ def test_no_second_copy_of_the_weights():
 
 def test_intervention_training_on_a_model_already_on_the_gpu(tmp_path: Path):
     """The left-padded example batch that extracts the graph follows the model onto its device (it was built on the
-    CPU, and extraction failed on a CUDA model); Lightning then trains the DAS patch on the GPU."""
+    CPU, and extraction failed on a CUDA model); Lightning then trains the DAS patch on the GPU. Where the training
+    ran is recorded during the fit: after ``Trainer.fit`` Lightning moves the module back to the CPU."""
     import json
 
-    from lightning.pytorch import Trainer
+    from lightning.pytorch import Callback, Trainer
+
+    class Devices(Callback):
+        """The devices of the patch's R and of the frozen model at every training step."""
+
+        def __init__(self) -> None:
+            self.seen: set[tuple[str, str]] = set()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.seen.add((pl_module.patches[0].R.device.type, next(pl_module.graph.parameters()).device.type))
 
     from recipes import CounterfactualDataModule, InterventionModule
 
@@ -96,10 +106,11 @@ def test_intervention_training_on_a_model_already_on_the_gpu(tmp_path: Path):
     model, tokenizer = tiny_backbone()
     module = InterventionModule.from_model(model.to("cuda"), tokenizer, lr=0.05, interventions=[
         {"node": "model.layers_0.output", "kind": "rotated", "dim": 4}])
-    before = module.patches[0].R.detach().clone()
+    before = module.patches[0].R.detach().cpu().clone()
+    devices = Devices()
     Trainer(accelerator="gpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0).fit(
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[devices]).fit(
         module, datamodule=CounterfactualDataModule(str(tmp_path / "train.jsonl"), batch_size=6))
-    after = module.patches[0].R.detach()
-    assert after.device.type == "cuda" and float((after - before.to(after.device)).abs().max()) > 0
+    after = module.patches[0].R.detach().cpu()
+    assert devices.seen == {("cuda", "cuda")} and float((after - before).abs().max()) > 0
     assert 0.0 <= float(module.iia(module.trainer.datamodule.train_records)) <= 1.0

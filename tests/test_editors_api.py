@@ -1,5 +1,5 @@
-"""The editors' public surface after the move into sub-packages: the front page's names, the deprecated ones that
-still work for a release, the shared ``Editor`` base and the ``editor_for`` factory, and the renamed CLI option."""
+"""The editors' public surface after the move into sub-packages: the front page's names, the shared ``Editor`` base
+and the ``editor_for`` factory, and eval-rome's ``--n-cases``."""
 
 from __future__ import annotations
 
@@ -14,9 +14,6 @@ from editors import MEMIT, ROME, AlphaEdit, Editor, config_for, editor_for
 from editors.config import MEMITConfig, ROMEConfig
 from editors.errors import EditFingerprintError, EditNotConvergedError
 from editors.evaluation import evaluate_sequential
-from editors.solve import update_direction
-from editors.statistics import ContextPrefixes
-from editors.value import BatchValueObjective
 from gradpatch import PatchableGraph
 from gradpatch.errors import NonFiniteError
 from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
@@ -39,14 +36,6 @@ def test_front_page_names():
     assert gradpatch.NonFiniteError is NonFiniteError and "NonFiniteError" in gradpatch.__all__
     for name in ("update_direction", "BatchValueObjective", "ContextTemplates"):
         assert name not in editors.__all__ and name not in dir(editors)
-
-
-@pytest.mark.parametrize("old, new", [("update_direction", update_direction),
-                                      ("BatchValueObjective", BatchValueObjective),
-                                      ("ContextTemplates", ContextPrefixes)])
-def test_old_front_page_names_work_with_a_deprecation_warning(old, new):
-    with pytest.warns(DeprecationWarning, match=f"editors.{old} is deprecated.*from editors"):
-        assert getattr(editors, old) is new
 
 
 def test_front_page_names_do_not_warn():
@@ -100,12 +89,10 @@ def test_training_mode_is_refused_by_every_editor(graph):
             editor.check_eval()
 
 
-def test_eval_rome_limit_is_a_deprecated_name_of_n_cases():
+def test_eval_rome_takes_n_cases():
     from recipes.cli import build_parser
 
     parser = build_parser()
     base = ["eval-rome", "--cases", "c.json", "--out", "o.json"]
     assert parser.parse_args([*base, "--n-cases", "4"]).n_cases == 4
     assert parser.parse_args(base).n_cases is None
-    with pytest.warns(DeprecationWarning, match="--limit is deprecated.*--n-cases"):
-        assert parser.parse_args([*base, "--limit", "3"]).n_cases == 3

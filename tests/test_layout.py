@@ -258,13 +258,72 @@ def test_editors_front_doors_import_no_torch() -> None:
     assert result.stdout.strip().splitlines()[-1] == "False"
 
 
-#: Modules kept for one release under their old names (each imports its new module and warns).
-DEPRECATED_MODULES = {"gradpatch.models": "gradpatch.loaders", "gradpatch.patching": "gradpatch.patch_table",
-                      "gradpatch.values": "gradpatch.value_info"}
+def test_one_model_layout_table() -> None:
+    """Where a model family keeps its embeddings, blocks, norms and unembedding is written once, in
+    ``gradpatch/layouts.py``: no other module spells those NodePaths as string constants."""
+    from gradpatch.layouts import LAYOUTS
+
+    spelled = {value for layout in LAYOUTS.values()
+               for value in (layout.embed, layout.layer, layout.logits_input, layout.final_norm)} | {
+        f"{layout.final_norm}.{layout.norm_input}" for layout in LAYOUTS.values()}
+    found = []
+    for name, (path, _) in MODULES.items():
+        if name == "gradpatch.layouts":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in spelled:
+                found.append(f"{name}:{node.lineno} {node.value!r}")
+    assert not found, f"model layouts written outside gradpatch/layouts.py: {found}"
 
 
-def test_our_modules_import_the_renamed_modules_by_their_new_names() -> None:
-    """Importing a deprecated shim warns the user once; our own code must never be what triggers it."""
-    offenders = {name: sorted(GRAPH[name] & set(DEPRECATED_MODULES)) for name in MODULES
-                 if name not in DEPRECATED_MODULES and GRAPH[name] & set(DEPRECATED_MODULES)}
-    assert not offenders, f"import the new names instead ({DEPRECATED_MODULES}): {offenders}"
+#: At most this many modules directly under recipes/ (what the rooms share); the rest lives in rooms by concern.
+MAX_RECIPES_TOP_MODULES = 12
+#: The rooms of recipes/, each a sub-package with a front door (``recipes/dictionary/`` will join them).
+RECIPES_ROOMS = {"cli", "delta", "editing", "interchange", "reft", "reports", "training"}
+
+
+def test_recipes_is_a_house_with_rooms() -> None:
+    """A dozen modules at recipes/'s door, the rooms each behind a front door with an ``__all__``, every name of the
+    door's ``__all__`` importable from it."""
+    import importlib
+
+    top = sorted(p.name for p in (ROOT / "recipes").glob("*.py"))
+    rooms = {p.parent.name for p in (ROOT / "recipes").glob("*/__init__.py")}
+    assert len(top) <= MAX_RECIPES_TOP_MODULES, f"{len(top)} modules directly under recipes/ (move some into a " \
+                                                f"room): {top}"
+    assert RECIPES_ROOMS <= rooms, f"recipes/ lacks the rooms {sorted(RECIPES_ROOMS - rooms)}"
+    for package in ["recipes", *(f"recipes.{room}" for room in sorted(rooms - {"cli"}))]:
+        module = importlib.import_module(package)
+        names = _front_door_all(package)
+        assert names, f"{package} has an empty __all__"
+        missing = [name for name in sorted(names) if not hasattr(module, name)]
+        assert not missing, f"{package}.__all__ names what it cannot give: {missing}"
+
+
+def test_recipes_front_doors_import_no_torch() -> None:
+    """``import recipes`` and ``import recipes.<room>`` stay cheap: their names load on first use."""
+    code = ("import sys\nimport recipes\n" + "".join(f"import recipes.{room}\n" for room in sorted(RECIPES_ROOMS))
+            + "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_intervention_modules_are_siblings_on_one_base() -> None:
+    """DAS/interchange, delta and ReFT training share one base and none derives from another; none takes a method
+    from another class to opt out of its parent's (``training_step = FrozenGraphModule.training_step``). An AddPatch
+    delta's loss goes from Lightning's step (``recipes/training/frozen.py``) to ``pg.patch`` in
+    ``recipes/delta/module.py``: with ``recipes/cli/fit.py``, three recipe modules (docs/architecture.md)."""
+    from recipes import DeltaModule, InterventionModule, PatchTrainingModule, ReFTModule
+
+    siblings = (DeltaModule, InterventionModule, ReFTModule)
+    for module in siblings:
+        assert module.__bases__ == (PatchTrainingModule,), f"{module.__name__} derives from {module.__bases__}"
+    for name in ("recipes.delta.module", "recipes.interchange.module", "recipes.reft.module"):
+        for node in ast.walk(ast.parse(MODULES[name][0].read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                borrowed = [ast.unparse(item) for item in node.body if isinstance(item, ast.Assign)
+                            and isinstance(item.value, ast.Attribute) and isinstance(item.value.value, ast.Name)
+                            and item.value.value.id[:1].isupper()]
+                assert not borrowed, f"{name}.{node.name} borrows another class's method: {borrowed}"
+    assert DeltaModule.training_step.__module__ == "recipes.training.frozen"
+    assert DeltaModule.loss_terms.__module__ == "recipes.delta.module"

@@ -29,7 +29,7 @@ def test_subcommands_are_registered():
 @pytest.mark.parametrize("command, options", [
     ("graph", ("--model", "--depth", "--node")),
     ("rome", ("--subject", "--prompt", "--target-new", "--model", "--node", "--device", "--logdir", "--save")),
-    ("eval-rome", ("--cases", "--out", "--model", "--node", "--device", "--limit")),
+    ("eval-rome", ("--cases", "--out", "--model", "--node", "--device", "--n-cases")),
     ("eval-edit", ("--method", "--cases", "--out", "--nodes", "--batch-size", "--sequential", "--n-cases", "--device")),
     ("trace", ("--subject", "--prompt", "--model", "--out", "--samples", "--logdir")),
 ])

@@ -11,9 +11,11 @@ from lightning.pytorch import Callback, Trainer
 
 from gradpatch import Intervention, PatchableGraph
 from recipes import DeltaModule, DeltaSpec, Objective, RecipeConfigError, TargetSpec
-from recipes.data import KIND_KL, KIND_STEER, KIND_TARGET, Row, build_rows, collate_rows, left_pad
-from recipes.objectives import away_loss, kl_loss, target_nll, towards_loss
-from recipes.specs import position_slice
+from recipes.delta.objectives import KIND_KL, KIND_STEER, KIND_TARGET
+from recipes.delta.rows import Row, build_rows, collate_rows
+from recipes.tokens import left_pad
+from recipes.delta.objectives import away_loss, kl_loss, target_nll, towards_loss
+from recipes.delta.specs import position_slice
 from recipes.testing import tiny_backbone
 
 PROMPT = "The Eiffel Tower is located in the city of"
@@ -104,7 +106,7 @@ def test_configuration_errors_name_the_fix(backbone):
 
 
 def test_multi_token_steering_word_is_rejected():
-    from recipes.data import single_token_ids
+    from recipes.tokens import single_token_ids
 
     class TwoTokens:
         def __call__(self, text, add_special_tokens=True):

@@ -4,14 +4,14 @@ and the max_norm clamp), and what it inherits (tiny random Llama)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from recipes import DeltaModule, DeltaSpec, InterventionModule, Objective, RecipeConfigError, TargetSpec
-from recipes.counterfactual import CounterfactualRecord
-from recipes.data import KIND_KL, KIND_STEER, KIND_TARGET, build_rows, collate_rows, left_pad, single_token_ids
-from recipes.objectives import away_loss, kl_loss, target_nll, towards_loss
+from recipes import DeltaModule, DeltaSpec, InterventionModule, Objective, PatchTrainingModule, TargetSpec
+from recipes.delta.objectives import KIND_KL, KIND_STEER, KIND_TARGET
+from recipes.delta.rows import build_rows, collate_rows
+from recipes.tokens import left_pad, single_token_ids
+from recipes.delta.objectives import away_loss, kl_loss, target_nll, towards_loss
 from recipes.testing import tiny_backbone
 
 OBJECTIVE = Objective(targets=[TargetSpec("The Eiffel Tower is located in the city of", " Rome")],
@@ -94,12 +94,12 @@ def test_delta_module_trains_as_the_hand_written_loop():
     assert float(module.deltas[0].detach().norm()) <= MAX_NORM + 1e-6
 
 
-def test_delta_module_is_the_additive_intervention_module_and_loads_its_export(tmp_path):
+def test_delta_module_is_the_additive_patch_training_module_and_loads_its_export(tmp_path):
     torch.set_num_threads(1)
     config = dict(deltas=[DeltaSpec("model.layers_1.output", "last"), DeltaSpec("model.layers_0.output", -2)],
                   objective=OBJECTIVE)
     module = DeltaModule.from_model(*tiny_backbone(), **config)
-    assert isinstance(module, InterventionModule) and module.patches == module.delta_patches
+    assert isinstance(module, PatchTrainingModule) and module.patches == module.delta_patches
     with torch.no_grad():
         for i, delta in enumerate(module.deltas):
             delta.copy_(torch.randn(delta.shape, generator=torch.Generator().manual_seed(i)))
@@ -111,10 +111,9 @@ def test_delta_module_is_the_additive_intervention_module_and_loads_its_export(t
         torch.testing.assert_close(loaded.detach(), saved.detach(), atol=0, rtol=0)
 
 
-def test_interchange_methods_refuse_deltas():
+def test_deltas_are_a_sibling_of_interchange_without_its_methods():
+    """Deltas read no source: DeltaModule is the interchange module's sibling, not its subclass, and has no
+    interchange methods to refuse (it used to inherit them and raise)."""
     module = DeltaModule.from_model(*tiny_backbone(), deltas=[DeltaSpec("model.layers_1.output")], objective=OBJECTIVE)
-    records = [CounterfactualRecord(base="the dog", source="my friend", label=" is")]
-    with pytest.raises(RecipeConfigError, match="AddPatch patches, which read no source"):
-        module.iia(records)
-    with pytest.raises(RecipeConfigError, match="AddPatch patches, which read no source"):
-        module.evaluate(records)
+    assert not isinstance(module, InterventionModule)
+    assert not any(hasattr(module, name) for name in ("iia", "evaluate", "interchange_log_probs"))

@@ -11,7 +11,7 @@ from lightning.pytorch import Trainer
 
 from gradpatch.errors import InterventionLoadError, SubspaceConfigError
 from recipes import CounterfactualDataModule, InterventionModule, RecipeConfigError, cli
-from recipes.counterfactual import CounterfactualRecord, read_counterfactuals
+from recipes.interchange.counterfactual import CounterfactualRecord, read_counterfactuals
 from recipes.testing import save_tiny_backbone, tiny_backbone
 
 CONFIG = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "das_country.yaml"
@@ -60,7 +60,7 @@ def test_training_moves_only_the_patches_and_keeps_r_orthonormal(tmp_path: Path,
 @pytest.mark.parametrize("shared_batch,expected", [(None, False), (True, True), (False, False)])
 def test_the_layout_is_two_passes_on_the_cpu_unless_asked_and_gives_the_same_log_probs(
         monkeypatch: pytest.MonkeyPatch, shared_batch: bool | None, expected: bool) -> None:
-    import recipes.intervention_module as module_file
+    import recipes.interchange.module as module_file
 
     model, tokenizer = tiny_backbone()
     module = InterventionModule.from_model(model, tokenizer, shared_batch=shared_batch, interventions=[

@@ -11,8 +11,8 @@ from lightning.pytorch import Trainer
 
 from gradpatch.errors import InterventionLoadError, SubspaceConfigError
 from recipes import BiPOObjective, ContinuationDataModule, PreferenceDataModule, RecipeConfigError, ReFTModule, cli
-from recipes.caa import caa_vector, continuation_mean_activations
-from recipes.continuations import PreferenceRecord, read_continuations, read_preferences
+from recipes.reft.caa import caa_vector, continuation_mean_activations
+from recipes.reft.continuations import PreferenceRecord, read_continuations, read_preferences
 from recipes.testing import save_tiny_backbone, tiny_backbone
 
 CONFIGS = Path(__file__).resolve().parent.parent / "recipes" / "configs"
@@ -157,7 +157,7 @@ def test_bipo_config_parses(tmp_path: Path) -> None:
 def test_generation_applies_reft_at_the_prefill_only_and_batches_like_single_prompts() -> None:
     from gradpatch import LoReFTPatch
     from gradpatch.reft import reft_patch_map
-    from recipes.reft_generation import generate_with_patches
+    from recipes.generation import generate_with_patches
 
     model, tokenizer = tiny_backbone()
     module = ReFTModule.from_model(model, tokenizer, interventions=[{"node": NODE, "kind": "steer"}])

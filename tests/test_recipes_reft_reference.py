@@ -1,4 +1,4 @@
-"""ReFTModule, an InterventionModule whose patches edit the representation itself: trained under Lightning against the
+"""ReFTModule, the PatchTrainingModule whose patches edit the representation itself: trained under Lightning against the
 same training written by hand in this test (the model's own forward with a hook applying LoReFT at the prompt's
 positions or adding BiPO's signed steering vector, the losses and AdamW written here), tiny random Llama."""
 
@@ -7,16 +7,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 from torch import nn
 
-from recipes import BiPOObjective, ContinuationDataModule, InterventionModule, PreferenceDataModule, RecipeConfigError
+from recipes import (BiPOObjective, ContinuationDataModule, InterventionModule, PatchTrainingModule,
+                     PreferenceDataModule)
 from recipes import ReFTModule
-from recipes.counterfactual import CounterfactualRecord
-from recipes.data import left_pad
 from recipes.testing import tiny_backbone
+from recipes.tokens import left_pad
 
 NODE, LAYER = "model.layers_1.output", 1
 CONTINUATIONS = [{"prompt": f"the city {city} is in the country", "response": country}
@@ -152,7 +151,7 @@ def test_loreft_continuation_nll_trains_as_the_hand_written_loop(tmp_path: Path)
     lr, weight_decay = 0.05, 0.1
     module = ReFTModule.from_model(model, tokenizer, lr=lr, weight_decay=weight_decay, interventions=[
         {"node": NODE, "kind": "loreft", "rank": 2, "positions": "f1+l2", "tied": False}])
-    assert isinstance(module, InterventionModule)
+    assert isinstance(module, PatchTrainingModule)
     initial = _patch_states(module)
     assert len(initial) == 2 and all("rotation.parametrizations.weight.original" in s for s in initial)
     expected_losses, expected_states = _loreft_by_hand(model, tokenizer, initial, lr, weight_decay)
@@ -210,7 +209,7 @@ def test_bipo_steering_vector_trains_as_the_hand_written_loop(tmp_path: Path) ->
     lr, beta, weight_decay = 0.05, 0.5, 0.05
     module = ReFTModule.from_model(model, tokenizer, lr=lr, weight_decay=weight_decay, objective=BiPOObjective(beta),
                                    interventions=[{"node": NODE, "kind": "steer"}])
-    assert isinstance(module, InterventionModule)
+    assert isinstance(module, PatchTrainingModule)
     data = PreferenceDataModule(_write(tmp_path / "train.jsonl", PREFERENCES), batch_size=BATCH, shuffle=False)
     recorder = _fit(module, data, STEPS)
     # d is drawn from torch's generator in the module; the loop by hand replays the drawn sequence
@@ -222,9 +221,10 @@ def test_bipo_steering_vector_trains_as_the_hand_written_loop(tmp_path: Path) ->
     torch.testing.assert_close(patch.value.detach(), expected_vector, atol=1e-6, rtol=0)
 
 
-def test_interchange_methods_refuse_reft_patches() -> None:
+def test_reft_is_a_sibling_of_interchange_without_its_methods() -> None:
+    """ReFT patches read no source: ReFTModule is the interchange module's sibling, not its subclass, and has no
+    interchange methods to refuse (it used to inherit them and raise)."""
     module = ReFTModule.from_model(*tiny_backbone(), interventions=[{"node": NODE, "kind": "loreft", "rank": 2,
                                                                      "positions": "f1+l1"}])
-    assert isinstance(module, InterventionModule)
-    with pytest.raises(RecipeConfigError, match="LoReFTPatch patches, which read no source"):
-        module.iia([CounterfactualRecord(base="the dog", source="my friend", label=" is")])
+    assert isinstance(module, PatchTrainingModule) and not isinstance(module, InterventionModule)
+    assert not any(hasattr(module, name) for name in ("iia", "interchange_log_probs"))

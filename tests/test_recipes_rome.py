@@ -9,8 +9,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from editors import ROME, Corpus, EditRequest, ROMEConfig, ValueObjective, compute_key, load_edits, optimize_value
 from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
-from recipes.rome_recipe import run_rome
-from recipes.rome_value import LightningValueRunner
+from recipes.editing.rome_recipe import run_rome
+from recipes.editing.rome_value import LightningValueRunner
 
 # As in test_rome_pipeline: the toy fact ends with its subject, and the clamp is loosened for a random model.
 REQUEST = EditRequest(prompt="The river flows into the sea near {}", subject="the old town", target_new="Rome",

@@ -15,7 +15,7 @@ from editors.errors import EditNotConvergedError
 from gradpatch.errors import NonFiniteError
 from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
 from recipes import DeltaModule, DeltaSpec, Objective, ObjectiveModule, RecipeConfigError, TargetSpec
-from recipes.rome_value import LightningValueRunner
+from recipes.editing.rome_value import LightningValueRunner
 from recipes.testing import save_tiny_backbone, tiny_backbone
 
 RUNNERS = {"plain": optimize_value, "lightning": LightningValueRunner()}

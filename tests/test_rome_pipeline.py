@@ -182,8 +182,8 @@ def test_eval_rome_command(tmp_path) -> None:
     recipe it ran before, with the Lightning value runner) within 1e-5."""
     from gradpatch.loaders import load_model
     from recipes.cli import main
-    from recipes.rome_recipe import evaluate_rome
-    from recipes.rome_value import LightningValueRunner
+    from recipes.editing.rome_recipe import evaluate_rome
+    from recipes.editing.rome_value import LightningValueRunner
 
     tok = byte_level_tokenizer()
     model = tiny_gpt2(len(tok))

@@ -1,4 +1,4 @@
-"""The second-moment statistics job (recipes.stats_job, ``gradpatch stats``) in one process: equal to
+"""The second-moment statistics job (recipes.editing.stats_job, ``gradpatch stats``) in one process: equal to
 ``compute_second_moments``, read back by the editors, resumed after an interruption, and its bad inputs (a resume
 file from another configuration, a damaged one, settings that cannot work). The 2-process gloo runs are in
 tests/test_stats_job_ddp.py."""
@@ -17,7 +17,7 @@ from editors import Corpus, compute_second_moments, editable_graph, layer_second
 from editors.passes import with_start_token
 from gradpatch.loaders import load_model
 from recipes import PartialSumsWarning, SecondMomentJob, StatisticsJobError, run_statistics_job
-from recipes.stats_partial import partial_file
+from recipes.editing.stats_partial import partial_file
 from recipes.testing import WORDS, save_tiny_backbone, tiny_backbone
 
 NODES = ["model.layers_0.mlp.down_proj", "model.layers_1.self_attn.o_proj"]

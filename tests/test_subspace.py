@@ -121,6 +121,38 @@ def test_gradients_reach_only_patch_parameters_and_rotation_stays_orthonormal(ba
     torch.testing.assert_close(_run(pg, tokenizer, loaded), _run(pg, tokenizer, patch))
 
 
+def test_a_saved_rotation_is_r_itself_and_older_files_load_too(tmp_path: Path) -> None:
+    """The file holds R ``[k, d]`` (and a Boundless patch's full R and boundary), not torch's parametrization
+    internals; loading gives R bit for bit, and a loaded patch trains on with R orthonormal. Files of format version 3
+    (the parametrization's ``original`` and ``base``) load to the same R."""
+    torch.manual_seed(3)
+    rotated, boundless = RotatedSubspacePatch(64, 4), BoundlessSubspacePatch(8, 0.25)
+    optimizer = torch.optim.Adam([*rotated.parameters(), *boundless.parameters()], lr=0.05)
+    for _ in range(3):
+        optimizer.zero_grad()
+        ((rotated.R @ torch.randn(64, 3)) ** 3).sum().add((boundless.R ** 3).sum()).backward()
+        optimizer.step()
+    Intervention({NODE: [rotated], "model.layers_1.output": [boundless]}).save(tmp_path / "new")
+    records = json.loads((tmp_path / "new" / "intervention.json").read_text())["patches"]
+    assert [sorted(r["tensors"]) for r in records] == [["rotation.weight"], ["boundary", "rotation.weight"]]
+    assert records[0]["tensors"]["rotation.weight"]["shape"] == [4, 64]
+    loaded = Intervention.load(tmp_path / "new").trainable
+    for original, copy in zip((rotated, boundless), loaded):
+        assert torch.equal(copy.R, original.R)
+    assert torch.equal(loaded[1].boundary, boundless.boundary)
+    copy = loaded[0]
+    steps = torch.optim.Adam(copy.parameters(), lr=0.05)
+    ((copy.R @ torch.randn(64, 3)) ** 3).sum().backward()
+    steps.step()
+    assert (copy.R - rotated.R).abs().max() > 1e-3 and _orthonormality_error(copy.R.detach()) <= 1e-5
+    rotated.saved_state = rotated.state_dict  # type: ignore[method-assign]  # what version 3 wrote
+    Intervention({NODE: rotated}).save(tmp_path / "old")
+    (old,) = json.loads((tmp_path / "old" / "intervention.json").read_text())["patches"]
+    assert sorted(old["tensors"]) == ["rotation.parametrizations.weight.0.base",
+                                      "rotation.parametrizations.weight.original"]
+    assert torch.equal(Intervention.load(tmp_path / "old").trainable[0].R, rotated.R)
+
+
 def test_subject_positions_and_index_positions(backbone) -> None:
     pg, tokenizer = backbone
     assert last_token_of(tokenizer, "the city of Paris is in", "city of Paris") == 3

@@ -38,9 +38,9 @@ from editors.defaults import DEFAULT_N_SAMPLES
 from gradpatch.loaders import EMBEDDED_MODEL_NAME, default_device, load_model
 from gradpatch.progress import ProgressBar
 from recipes.errors import RecipeConfigError
-from recipes.rome_recipe import ROMERun, edit_node, evaluate_rome, run_rome
-from recipes.rome_value import LightningValueRunner
-from recipes.trace_tensorboard import log_trace_to_tensorboard
+from recipes.editing.rome_recipe import ROMERun, edit_node, evaluate_rome, run_rome
+from recipes.editing.rome_value import LightningValueRunner
+from recipes.reports.trace_tensorboard import log_trace_to_tensorboard
 
 CASES_FILE = Path(__file__).with_name("cases.json")
 #: The demo's fact: the case of cases.json whose subject this is (its paraphrases and neighbours are printed).

@@ -30,7 +30,8 @@ One module per job:
 
 - :mod:`.config`: :class:`TraceConfig` (samples, noise, seed, windows, batch size) and :data:`KINDS`; no torch,
   so the ``gradpatch trace`` command's ``--help`` reads its defaults cheaply;
-- :mod:`.paths`: :class:`ModelPaths`, the NodePaths of a model family (:data:`LLAMA_PATHS`, :data:`GPT2_PATHS`);
+- :mod:`.paths`: :class:`ModelPaths`, the NodePaths of a model family (:data:`LLAMA_PATHS`, :data:`GPT2_PATHS`),
+  read from the one layout table :mod:`gradpatch.layouts`;
 - :mod:`.noise`: the noise scale σ; :mod:`.trace`: :func:`causal_trace`; :mod:`.result`: :class:`TraceResult`;
 - :mod:`.plot`: heatmaps; :mod:`.files`: :func:`save_trace`. TensorBoard images: :mod:`recipes.trace_tensorboard`.
 
@@ -68,6 +69,7 @@ _EXPORTS: dict[str, str] = {
     "plot_trace": "plot",
     "save_trace": "files",
     "TraceError": ".errors",
+    "TraceLayoutError": ".errors",
     "subject_token_range": ".passes.tokens",
 }
 

@@ -10,13 +10,14 @@ from typing import Any
 import torch
 
 from gradpatch import AddPatch, CustomPatch, PatchableGraph, ProbePatch, ReplacePatch
-from gradpatch.model_io import logits_of
+from gradpatch.layouts import logits_input
+from gradpatch.model_io import logits_of, model_device
 
 from ..errors import TokenizationError, TraceError
 from ..passes.tokens import encode_prompt_target, prompt_and_span, subject_token_range
 from .config import KINDS, TraceConfig
 from .noise import embedding_matrix_std
-from .paths import ModelPaths, count_layers, detect_model_paths, has_node, layer_window, tensor_width
+from .paths import ModelPaths, count_layers, detect_model_paths, layer_window, tensor_width
 from .result import KindTrace, TraceResult
 
 __all__ = ["causal_trace"]
@@ -134,13 +135,13 @@ def causal_trace(
     num_layers = count_layers(pg, paths)
     d_model = tensor_width(pg, paths.embed, "embedding")
     for kind in kinds:
-        tensor_width(pg, paths.node(kind, 0), kind)
+        tensor_width(pg, paths.path(kind, 0), kind)
 
     text, span = prompt_and_span(prompt, subject)
     ids_list, (s0, s1) = subject_token_range(tokenizer, text, span)
     num_tokens = len(ids_list)
-    cut = paths.logits_input if paths.logits_input and has_node(pg, paths.logits_input) else None
-    device = next((p.device for p in pg.parameters()), torch.device("cpu"))
+    cut = logits_input(pg, paths)
+    device = model_device(pg)
 
     if config.noise_std is None:
         noise_std, source = embedding_matrix_std(pg, paths), "embedding_matrix"
@@ -154,7 +155,7 @@ def causal_trace(
     ids = torch.tensor(ids_list, device=device)
     batch = ids.expand(samples + 1, -1)
     noise_rows = torch.cat([torch.zeros_like(noise[:1]), noise])
-    probes: dict[str, ProbePatch] = {paths.node(k, layer): ProbePatch() for k in kinds for layer in range(num_layers)}
+    probes: dict[str, ProbePatch] = {paths.path(k, layer): ProbePatch() for k in kinds for layer in range(num_layers)}
     patch_map: dict[str, Any] = {paths.embed: AddPatch(value=noise_rows, slice=(slice(None), slice(s0, s1)))}
     patch_map.update(probes)
     with torch.no_grad():
@@ -185,7 +186,7 @@ def causal_trace(
             for row, job in enumerate(chunk_jobs):
                 kind, center, tok = jobs[job]
                 for layer in layer_window(center, config.window(kind), num_layers):
-                    rows, toks = restore.setdefault(paths.node(kind, layer), ([], []))
+                    rows, toks = restore.setdefault(paths.path(kind, layer), ([], []))
                     rows.append(row)
                     toks.append(tok)
             chunk_map: dict[str, Any] = {

@@ -30,7 +30,6 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from gradpatch import model_fingerprint
-from gradpatch.deprecation import warn_deprecated
 from gradpatch.files import atomic_write_bytes
 from gradpatch.model_io import model_device, pad_token_id, right_pad, wrapped_model
 from gradpatch.progress import ProgressBar
@@ -73,12 +72,6 @@ class SecondMoment:
     input_node: str
     fingerprint: str
     corpus: str | None
-
-    @property
-    def node(self) -> str:
-        """Deprecated name of :attr:`input_node` (warns once; goes in the next release)."""
-        warn_deprecated("SecondMoment.node", "SecondMoment.input_node")
-        return self.input_node
 
 
 def statistics_fingerprint(model: nn.Module, skip: tuple[str, ...] = ()) -> str:

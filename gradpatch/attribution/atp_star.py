@@ -91,8 +91,7 @@ def _drop_patches(family: ModelFamily, layer: int) -> dict[str, CustomPatch]:
     def stop(value: torch.Tensor) -> torch.Tensor:
         return value.detach()
 
-    return {f"{family.layer.format(layer)}.{part}": CustomPatch(custom_op=stop, requires_clone=False)
-            for part in (family.attn, family.mlp)}
+    return {family.path(part, layer): CustomPatch(custom_op=stop, requires_clone=False) for part in ("attn", "mlp")}
 
 
 def atp_star(pg: PatchableGraph, batch: PromptBatch, nodes: str | Sequence[str] | Sequence[Node] = "all",

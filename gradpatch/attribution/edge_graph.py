@@ -21,17 +21,29 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import NodePathError
+from ..errors import LayoutError
+from ..layouts import LLAMA_LAYOUT, ModelLayout, count_layers, detect_layout, has_node
 from ..patchable_graph import PatchableGraph
 from ..patches import CustomPatch
-from .errors import AttributionError
+from .errors import AttributionLayoutError
 
 __all__ = ["Deltas", "EdgeForward", "EdgeGraph"]
 
-#: Where a Llama-style model keeps what the edge forward patches (``{}``: the layer index).
-_EMBED = "model.embed_tokens.output"
-_LAYER = "model.layers_{}"
-_FINAL_NORM = "model.norm.hidden_states"
+
+def _block_nodes(layout: ModelLayout, layer: int | None) -> dict[str, str]:
+    """The NodePaths the edge forward patches in block ``layer`` (``None``: the embeddings and the final norm's input)
+    by role (``"embed"``, ``"logits"``; ``"attn_norm"``, ``"q"``, ``"k"``, ``"v"``, ``"heads"``, ``"mlp_norm"``,
+    ``"mlp"``); empty where ``layout`` lacks a part (fused projections, no norms)."""
+    if layout.projections is None or layout.attn_norm is None or layout.mlp_norm is None or layout.final_norm is None:
+        return {}
+    if layer is None:
+        return {"embed": layout.embed, "logits": f"{layout.final_norm}.{layout.norm_input}"}
+    block = layout.block(layer)
+    paths = {"attn_norm": f"{block}.{layout.attn_norm}.{layout.norm_input}"}
+    paths.update({part: f"{block}.{projection}.output" for part, projection in zip("qkv", layout.projections)})
+    paths.update(heads=layout.path("heads", layer), mlp_norm=f"{block}.{layout.mlp_norm}.{layout.norm_input}",
+                 mlp=layout.path("mlp", layer))
+    return paths
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,8 @@ class EdgeGraph:
 
     Attributes:
         layers, heads, kv_heads, head_dim, d_model: the model's sizes.
+        layout: where the model keeps the embeddings, the blocks' norms and projections and the final norm (a family
+            of the one layout table with separate query, key and value projections).
     """
 
     layers: int
@@ -47,34 +61,34 @@ class EdgeGraph:
     kv_heads: int
     head_dim: int
     d_model: int
+    layout: ModelLayout = LLAMA_LAYOUT
 
     @classmethod
     def of(cls, pg: PatchableGraph) -> "EdgeGraph":
         """The edge graph of ``pg``.
 
         Raises:
-            AttributionError: ``pg`` is not a Llama-style graph (``model.layers_N`` with q/k/v/o projections).
+            AttributionLayoutError: ``pg`` is not a Llama-style graph (blocks with an attention norm, separate
+                q/k/v projections, an MLP norm, and a final norm); the message names the NodePaths looked for.
         """
         try:
-            for path in (_EMBED, _FINAL_NORM, f"{_LAYER.format(0)}.self_attn.q_proj.output",
-                         f"{_LAYER.format(0)}.post_attention_layernorm.hidden_states"):
-                pg.node(path)
-        except NodePathError as error:
-            raise AttributionError(f"edge attribution needs a Llama-style graph (model.layers_N with input_layernorm, "
-                                   f"q/k/v/o_proj, post_attention_layernorm, mlp and model.norm): {error}") from error
+            layout = detect_layout(pg)
+        except LayoutError as error:
+            raise AttributionLayoutError(f"edge attribution needs a Llama-style graph: {error}") from None
+        needed = {**_block_nodes(layout, None), **_block_nodes(layout, 0)}
+        missing = [path for path in needed.values() if not has_node(pg, path)]
+        if not needed or missing:
+            raise AttributionLayoutError(
+                f"edge attribution needs a Llama-style graph (blocks {layout.block(0)!r} with an attention norm, "
+                f"separate q/k/v projections, an MLP norm, and a final norm); this graph lacks "
+                f"{missing or 'separate q/k/v projections and norms (its layout fuses or lacks them)'}")
         config = pg.config
-        layers = 0
-        while True:
-            try:
-                pg.node(_LAYER.format(layers))
-            except NodePathError:
-                break
-            layers += 1
+        layers = count_layers(pg, layout)
         heads, kv_heads = int(config.num_attention_heads), int(getattr(config, "num_key_value_heads", None)
                                                                     or config.num_attention_heads)
         d_model = int(config.hidden_size)
         head_dim = int(getattr(config, "head_dim", None) or d_model // heads)
-        return cls(layers, heads, kv_heads, head_dim, d_model)
+        return cls(layers, heads, kv_heads, head_dim, d_model, layout)
 
     @property
     def per_layer_down(self) -> int:
@@ -146,15 +160,16 @@ class EdgeForward:
 
     def patches(self) -> dict[str, Any]:
         """The patch map of the pass."""
-        patches: dict[str, Any] = {_EMBED: self._patch(self._embed), _FINAL_NORM: self._patch(self._logits)}
+        ends = _block_nodes(self.graph.layout, None)
+        patches: dict[str, Any] = {ends["embed"]: self._patch(self._embed), ends["logits"]: self._patch(self._logits)}
         for layer in range(self.graph.layers):
-            prefix = _LAYER.format(layer)
-            patches[f"{prefix}.input_layernorm.hidden_states"] = self._patch(self._keep_input(layer))
-            for index, part in enumerate(("q_proj", "k_proj", "v_proj")):
-                patches[f"{prefix}.self_attn.{part}.output"] = self._patch(self._projection(layer, index))
-            patches[f"{prefix}.self_attn.o_proj.input"] = self._patch(self._heads(layer))
-            patches[f"{prefix}.post_attention_layernorm.hidden_states"] = self._patch(self._mlp_input(layer))
-            patches[f"{prefix}.mlp.output"] = self._patch(self._record)
+            paths = _block_nodes(self.graph.layout, layer)
+            patches[paths["attn_norm"]] = self._patch(self._keep_input(layer))
+            for index, part in enumerate("qkv"):
+                patches[paths[part]] = self._patch(self._projection(layer, index))
+            patches[paths["heads"]] = self._patch(self._heads(layer))
+            patches[paths["mlp_norm"]] = self._patch(self._mlp_input(layer))
+            patches[paths["mlp"]] = self._patch(self._record)
         return patches
 
     @staticmethod
@@ -182,14 +197,15 @@ class EdgeForward:
         g = self.graph
         first = (0, g.heads, g.heads + g.kv_heads)[index]
         count = g.heads if index == 0 else g.kv_heads
-        part = ("q_proj", "k_proj", "v_proj")[index]
+        layout = g.layout
+        block = layout.block(layer)
 
         def op(value: torch.Tensor) -> torch.Tensor:
             delta = self._attn[layer]
             if delta is None:
                 return value
-            norm = self.pg.original_module(f"{_LAYER.format(layer)}.input_layernorm")
-            projection = self.pg.original_module(f"{_LAYER.format(layer)}.self_attn.{part}")
+            norm = self.pg.original_module(f"{block}.{layout.attn_norm}")
+            projection = self.pg.original_module(f"{block}.{layout.projections[index]}")  # type: ignore[index]
             normed = norm(self._inputs[layer].unsqueeze(2) + delta[:, :, first:first + count])  # [rows, seq, n, d]
             weight = projection.weight.reshape(count, g.head_dim, g.d_model)
             out = torch.einsum("rsnd,nkd->rsnk", normed, weight.to(normed.dtype))
@@ -202,7 +218,7 @@ class EdgeForward:
         g = self.graph
 
         def op(value: torch.Tensor) -> torch.Tensor:
-            weight = self.pg.original_module(f"{_LAYER.format(layer)}.self_attn.o_proj").weight
+            weight = self.pg.original_module(g.layout.path("out_projection", layer)).weight
             z = value.reshape(*value.shape[:2], g.heads, g.head_dim)
             contributions = torch.einsum("rshk,dhk->rshd", z, weight.reshape(g.d_model, g.heads, g.head_dim))
             self.upstream.extend(contributions.unbind(2))

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..errors import NodePathError
+from ..layouts import has_node
 from ..model_io import model_dtype
 from ..patchable_graph import PatchableGraph
 from ..patches import CustomPatch
@@ -43,12 +43,10 @@ def block_inputs(pg: PatchableGraph, nodes: Sequence[Node]) -> dict[int, str] | 
         return None
     try:
         family = detect_family(pg)
-        paths = {layer: f"{family.layer.format(layer)}.hidden_states" for layer in layers}
-        for path in paths.values():
-            pg.node(path)
-    except (AttributionError, NodePathError):
+    except AttributionError:
         return None
-    return paths  # type: ignore[return-value]
+    paths = {layer: family.path("block_input", layer) for layer in layers}  # type: ignore[arg-type]
+    return paths if all(has_node(pg, path) for path in paths.values()) else None
 
 
 def _blocks_shared(runner: Runner, starts: Mapping[int, str], base_value: float) -> bool:

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import NodePathError
+from ..errors import LayoutError, NodePathError
+from ..layouts import GPT2_LAYOUT, LLAMA_LAYOUT, ModelLayout, count_layers, detect_layout, has_node
 from ..patchable_graph import PatchableGraph
-from .errors import AttributionError
+from .errors import AttributionError, AttributionLayoutError
 
 __all__ = ["GPT2_FAMILY", "KINDS", "LLAMA_FAMILY", "QK_KINDS", "ModelFamily", "Node", "Unit", "as_nodes",
            "attention_nodes", "count_layers", "detect_family", "resolve_nodes", "units"]
@@ -26,54 +27,13 @@ KINDS = ("resid", "heads", "mlp")
 QK_KINDS = ("queries", "keys")
 
 
-@dataclass(frozen=True)
-class ModelFamily:
-    """Where a model family keeps the attribution nodes of a transformer block (``{}`` is the layer index).
-
-    Attributes:
-        layer: NodePath pattern of a block, e.g. ``"model.layers_{}"``.
-        resid: residual stream after the block ``[batch, seq, d_model]``, relative to ``layer``.
-        heads: input of the attention output projection ``[batch, seq, n_heads * head_dim]``, relative to ``layer``.
-        mlp: MLP output ``[batch, seq, d_model]``, relative to ``layer``.
-        queries: the attention's queries ``[batch, heads, seq, head_dim]`` as scaled dot-product attention receives
-            them (after rotary embeddings), relative to ``layer``.
-        keys: the keys ``[batch, kv_heads, seq, head_dim]``, likewise.
-        values: the values ``[batch, kv_heads, seq, head_dim]``, likewise.
-        pattern_output: the attention's output before heads are merged ``[batch, heads, seq, head_dim]``.
-        attn: the attention block's output as it is added to the residual stream ``[batch, seq, d_model]`` (GradDrop
-            stops the gradient there), relative to ``layer``.
-        embed: the token embeddings ``[batch, seq, d_model]`` (an upstream node of edges).
-        logits_input: the unembedding's input; only its last position is kept (the metrics read the last
-            position), so the vocabulary projection runs once per row.
-    """
-
-    layer: str
-    resid: str
-    heads: str
-    mlp: str
-    embed: str
-    queries: str
-    keys: str
-    values: str
-    pattern_output: str
-    attn: str
-    logits_input: str = "lm_head.input"
-
-    def path(self, kind: str, layer: int) -> str:
-        """The NodePath of ``kind`` (one of :data:`KINDS`) at block ``layer``."""
-        return f"{self.layer.format(layer)}.{getattr(self, kind)}"
-
-
+#: Where a model family keeps the attribution nodes of a block: the one layout table's
+#: :class:`~gradpatch.layouts.ModelLayout` (``path("resid", layer)``, ``path("heads", layer)``, ``path("mlp", layer)``).
+ModelFamily = ModelLayout
 #: Llama, Mistral, Qwen2, SmolLM2.
-LLAMA_FAMILY = ModelFamily(layer="model.layers_{}", resid="output", heads="self_attn.o_proj.input",
-                           mlp="mlp.output", embed="model.embed_tokens.output", queries="self_attn.q_embed",
-                           keys="self_attn.k_embed", values="self_attn.value_states",
-                           pattern_output="self_attn.attn_output", attn="self_attn.output|sub_0")
+LLAMA_FAMILY = LLAMA_LAYOUT
 #: GPT-2 (its ``Conv1D`` output projection names its input ``x``).
-GPT2_FAMILY = ModelFamily(layer="transformer.h_{}", resid="output", heads="attn.c_proj.x", mlp="mlp.output",
-                          embed="transformer.wte.output", queries="attn.query_states_1", keys="attn.key_states_1",
-                          values="attn.value_states_1", pattern_output="attn.attn_output",
-                          attn="attn.output|sub_0")
+GPT2_FAMILY = GPT2_LAYOUT
 
 
 @dataclass(frozen=True)
@@ -132,33 +92,18 @@ class Unit:
         return slice(self.head * self.node.head_dim, (self.head + 1) * self.node.head_dim)
 
 
-def _exists(pg: PatchableGraph, path: str) -> bool:
-    try:
-        pg.node(path)
-    except NodePathError:
-        return False
-    return True
-
-
 def detect_family(pg: PatchableGraph) -> ModelFamily:
-    """The family (:data:`LLAMA_FAMILY`, :data:`GPT2_FAMILY`) whose block NodePaths exist in ``pg``.
+    """The known layout (:data:`LLAMA_FAMILY`, :data:`GPT2_FAMILY`) whose NodePaths exist in ``pg``.
 
     Raises:
-        AttributionError: neither fits; pass NodePaths instead of kinds.
+        AttributionLayoutError: none fits (the message names the NodePaths looked for); pass NodePaths instead of
+            kinds.
     """
-    for family in (LLAMA_FAMILY, GPT2_FAMILY):
-        if _exists(pg, family.path("resid", 0)):
-            return family
-    raise AttributionError("node kinds resid/heads/mlp need a Llama-style (model.layers_N) or GPT-2 (transformer.h_N) "
-                           "graph; for this model pass NodePaths instead (print pg.graph to find them)")
-
-
-def count_layers(pg: PatchableGraph, family: ModelFamily) -> int:
-    """The number of blocks: the first ``i`` whose block NodePath does not exist."""
-    n = 0
-    while _exists(pg, family.layer.format(n)):
-        n += 1
-    return n
+    try:
+        return detect_layout(pg)
+    except LayoutError as error:
+        raise AttributionLayoutError(f"node kinds {', '.join((*KINDS, *QK_KINDS))} need a known model layout: "
+                                     f"{error}; or pass NodePaths instead of kinds") from None
 
 
 def _n_heads(pg: PatchableGraph) -> int:
@@ -178,7 +123,7 @@ def attention_nodes(pg: PatchableGraph, family: ModelFamily, layer: int) -> dict
     """
     found = {}
     for part in ("queries", "keys", "values", "pattern_output"):
-        path = f"{family.layer.format(layer)}.{getattr(family, part)}"
+        path = family.path(part, layer)
         node = _node(pg, path, "queries", layer, None)
         if not node.heads_first:
             raise AttributionError(f"{path!r} is not a [batch, heads, seq, head_dim] value: the QK fix needs the "
@@ -224,7 +169,7 @@ def resolve_nodes(pg: PatchableGraph, nodes: str | Sequence[str]) -> list[Node]:
             for kind in KINDS if name == "all" else (name,):
                 heads = _n_heads(pg) if kind == "heads" else None
                 found.extend(_node(pg, family.path(kind, layer), kind, layer, heads) for layer in range(n_layers))
-        elif _exists(pg, name):
+        elif has_node(pg, name):
             found.append(_node(pg, name, "node", None, None))
         else:
             try:

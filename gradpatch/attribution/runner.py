@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import NodePathError
+from ..layouts import logits_input
 from ..patchable_graph import PatchableGraph
 from ..patches import CustomPatch, Patch, ProbePatch
 from .errors import AttributionError
@@ -22,10 +22,6 @@ DIRECTIONS = ("noise", "denoise")
 
 #: ``progress(done, total)``, called as units are scored.
 Progress = Callable[[int, int], None]
-
-#: The unembedding's input; when it exists only its last position goes on (the metrics read the last position).
-LOGITS_INPUT = "lm_head.input"
-
 
 def _keep_last_position(hidden: torch.Tensor) -> torch.Tensor:
     return hidden[:, -1:]
@@ -72,11 +68,8 @@ class Runner:
         self.forwards = 0
         self.backwards = 0
         self.forward_tokens = 0
-        try:
-            pg.node(LOGITS_INPUT)
-            self.cut: str | None = LOGITS_INPUT
-        except NodePathError:
-            self.cut = None
+        #: The unembedding's input, where only the last position goes on (the metrics read the last position).
+        self.cut = logits_input(pg)
         vocab = getattr(pg.config, "vocab_size", None) if pg.config is not None else None
         check_metric(metric, batch, vocab)
 

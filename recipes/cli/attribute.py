@@ -82,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
     from gradpatch.errors import NonFiniteError
     from gradpatch.loaders import EMBEDDED_MODEL_NAME, default_device, load_model
 
-    from ..attribution_report import save_attribution
+    from ..reports import save_attribution
 
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device or default_device())

@@ -23,7 +23,6 @@ import argparse
 from typing import Any
 
 from .eval_edit import add_evaluation_options, evaluate_edits, write_metrics
-from .options import DeprecatedAlias
 
 __all__ = ["NAME", "eval_rome_record", "register", "run_eval_rome"]
 
@@ -59,6 +58,4 @@ def register(subparsers: Any) -> None:
                     "run as `gradpatch eval-edit --method rome`, written in eval-rome's JSON.",
     )
     add_evaluation_options(p)
-    p.add_argument("--limit", type=int, dest="n_cases", metavar="N", action=DeprecatedAlias, replacement="--n-cases",
-                   help="deprecated name of --n-cases (as eval-edit names it)")
     p.set_defaults(func=run_eval_rome, method="rome")

@@ -1,4 +1,4 @@
-"""``gradpatch fit``: train a :class:`~recipes.delta_module.DeltaModule` from a YAML config with LightningCLI.
+"""``gradpatch fit``: train a :class:`~recipes.delta.DeltaModule` from a YAML config with LightningCLI.
 
 ::
 
@@ -104,8 +104,8 @@ def run_fit(args: Sequence[str]) -> int:
 
     from gradpatch.errors import NonFiniteError
 
-    from ..delta_module import DeltaModule
-    from ..logger import InterventionLogger
+    from ..delta import DeltaModule
+    from ..reports import InterventionLogger
 
     class DeltaCLI(LightningCLI):
         """LightningCLI for DeltaModule with an ``--export`` folder."""

@@ -7,7 +7,7 @@
 
 :func:`recipes.cli.fit.run_fit` sends a config with a ``data:`` section (or ``--data.*`` arguments) here. After
 training, ``D/metrics.json`` holds the IIA on the eval file (train file without one) beside full-vector interchange
-at the same nodes (:meth:`~recipes.intervention_module.InterventionModule.write_metrics`) and ``D/intervention``
+at the same nodes (:meth:`~recipes.interchange.InterventionModule.write_metrics`) and ``D/intervention``
 the trained patches (or ``--export``). TensorBoard logs go under ``D/lightning_logs`` unless the config names a
 logger.
 """
@@ -42,8 +42,7 @@ def run_interchange_fit(args: Sequence[str]) -> int:
     Returns:
         0 on success; 1 when training stopped at a non-finite value (the error is printed, nothing is written).
     """
-    from ..counterfactual import CounterfactualDataModule
-    from ..intervention_module import InterventionModule
+    from ..interchange import CounterfactualDataModule, InterventionModule
 
     def metrics(module: Any, data: Any, root: Path) -> str:
         written = module.write_metrics(root, data.eval_records or data.train_records)

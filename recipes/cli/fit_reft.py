@@ -6,7 +6,7 @@
     gradpatch fit --config recipes/configs/bipo_sentiment.yaml --trainer.default_root_dir runs/bipo
 
 :func:`recipes.cli.fit.run_fit` sends a config whose ``data:`` names one of those data modules (``class_path``)
-here. After training, ``D/metrics.json`` holds :meth:`~recipes.reft_module.ReFTModule.evaluate` on the eval file
+here. After training, ``D/metrics.json`` holds :meth:`~recipes.reft.ReFTModule.evaluate` on the eval file
 (train file without one) beside the frozen model's scores, and ``D/intervention`` the trained patches (or
 ``--export``); ``gradpatch generate --intervention D/intervention --prompt ...`` tries them.
 """
@@ -43,9 +43,9 @@ def run_reft_fit(args: Sequence[str]) -> int:
     """
     from lightning.pytorch import LightningDataModule
 
-    from ..reft_module import ReFTModule
+    from ..reft import ReFTModule
 
     def metrics(module: Any, data: Any, root: Path) -> str:
-        return str(module.write_metrics(root, module.evaluate(data.eval_records or data.train_records)))
+        return str(module.write_metrics(root, data.eval_records or data.train_records))
 
     return fit_and_export(ReFTModule, LightningDataModule, args, _DESCRIPTION, metrics, subclass_mode_data=True)

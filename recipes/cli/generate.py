@@ -7,7 +7,7 @@
 
 The intervention is loaded with its checks (NodePaths against the model's graph, the model fingerprint it was
 saved with); ReFT patches act on the prompt's first/last tokens at the prefill, steering vectors on every token
-(:func:`recipes.reft_generation.generate_with_patches`). ``--compare`` also prints the model's continuation without
+(:func:`recipes.generation.generate_with_patches`). ``--compare`` also prints the model's continuation without
 the intervention.
 """
 
@@ -29,9 +29,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     from gradpatch.errors import FingerprintMismatchError, InterventionLoadError, SubspaceConfigError
     from gradpatch.loaders import default_device, load_model
 
-    from ..data import left_pad, pad_token_id
     from ..errors import RecipeConfigError
-    from ..reft_generation import generate_with_patches
+    from ..generation import generate_with_patches
+    from ..tokens import left_pad, pad_token_id
 
     if args.max_new_tokens < 1:
         return usage_error(NAME, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

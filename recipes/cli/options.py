@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
-from collections.abc import Sequence
-from typing import Any
 
 from editors import DEFAULT_SMOLLM2_NODE, ROMEConfig
 
-__all__ = ["DeprecatedAlias", "add_device_option", "add_edit_options", "add_model_option", "start_token_setting",
+__all__ = ["add_device_option", "add_edit_options", "add_model_option", "start_token_setting",
            "start_token_value", "usage_error"]
 
 
@@ -62,26 +59,6 @@ def start_token_setting(args: argparse.Namespace) -> dict[str, str | None]:
     if args.start_token is None:
         return {}
     return {"start_token": start_token_value(args.start_token)}
-
-
-class DeprecatedAlias(argparse.Action):
-    """An option's old name, kept for one release: stores its value as the new option does and warns
-    (:class:`DeprecationWarning`), e.g. ``p.add_argument("--limit", dest="n_cases", type=int,
-    action=DeprecatedAlias, replacement="--n-cases")``.
-
-    Args:
-        replacement: the option to use instead, named in the warning.
-    """
-
-    def __init__(self, option_strings: Sequence[str], dest: str, replacement: str, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, **kwargs)
-        self.replacement = replacement
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        warnings.warn(f"{option_string} is deprecated (it goes in the next release): use {self.replacement}",
-                      DeprecationWarning, stacklevel=2)
-        setattr(namespace, self.dest, values)
 
 
 def usage_error(command: str, error: BaseException | str) -> int:

@@ -32,8 +32,7 @@ def _run_rome(args: argparse.Namespace) -> int:
     from gradpatch.loaders import default_device, load_model
 
     from ..errors import RecipeConfigError
-    from ..rome_recipe import edit_node, run_rome
-    from ..rome_value import LightningValueRunner
+    from ..editing import LightningValueRunner, edit_node, run_rome
 
     try:
         node = edit_node(args.model, args.node)

@@ -49,7 +49,7 @@ def _run(args: argparse.Namespace) -> int:
     from gradpatch.loaders import load_model
 
     from ..errors import StatisticsJobError
-    from ..stats_job import SecondMomentJob, run_statistics_job
+    from ..editing import SecondMomentJob, run_statistics_job
 
     if args.model is not None and not args.nodes:
         return usage_error(NAME, "--nodes is needed with --model, e.g. --nodes model.layers_4.mlp.down_proj")

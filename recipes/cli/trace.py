@@ -49,7 +49,7 @@ def _run(args: argparse.Namespace) -> int:
     from gradpatch.loaders import EMBEDDED_MODEL_NAME, default_device, load_model
     from gradpatch.progress import ProgressBar
 
-    from ..trace_tensorboard import log_trace_to_tensorboard
+    from ..reports import log_trace_to_tensorboard
 
     config = _config(args)
     unknown = [k for k in config.kinds if k not in KINDS]

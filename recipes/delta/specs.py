@@ -1,21 +1,23 @@
 """Configuration records of the delta recipes: where the deltas go and what they are trained to do.
 
 These dataclasses are what ``recipes/configs/*.yaml`` spell out under ``model:``; LightningCLI (through
-jsonargparse) builds them from the YAML mappings, and :class:`~recipes.delta_module.DeltaModule` also accepts plain
+jsonargparse) builds them from the YAML mappings, and :class:`~recipes.delta.DeltaModule` also accepts plain
 dicts with the same keys (that is how hyperparameters come back from a checkpoint).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, TypeVar, Union
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
 
 import torch
 
-from .errors import RecipeConfigError
-from .objectives import delta_loss_terms
+from ..errors import RecipeConfigError
+from ..training.specs import as_spec
+from .objectives import KIND_KL, KIND_STEER, KIND_TARGET, away_loss, kl_loss, l2_penalty, target_nll, towards_loss
 
-__all__ = ["DeltaSpec", "Objective", "TargetSpec", "as_spec", "position_slice", "spec_dict"]
+__all__ = ["DeltaSpec", "Objective", "TargetSpec", "position_slice"]
 
 #: A delta position: ``"all"`` (every token), ``"last"`` (the last token) or a negative int counted from the end.
 Position = Union[str, int]
@@ -54,9 +56,9 @@ class TargetSpec:
 class Objective:
     """What the deltas are trained to do; every term is scored at the last position of its prompt.
 
-    It is the objective of :class:`~recipes.delta_module.DeltaModule`: :meth:`loss_terms` has the interface of
-    :class:`~recipes.intervention_objectives.InterventionObjective` (not its subclass: LightningCLI reads a plain
-    dataclass as its fields, ``objective.targets``..., and a subclass as ``class_path``/``init_args``).
+    It is the objective of :class:`~recipes.delta.DeltaModule` (a plain dataclass: LightningCLI reads it as its
+    fields, ``objective.targets``...): :meth:`loss_terms` takes the last position's log-probabilities of a batch of
+    rows and the tensors its terms compare them with.
 
     ``loss = nll_weight·NLL + towards_weight·L_towards + away_weight·L_away + kl_weight·KL + l2_weight·Σ‖δ‖²``
     (terms without prompts are left out).
@@ -118,10 +120,53 @@ class Objective:
             names.append("l2")
         return names
 
-    def loss_terms(self, module: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The terms on one batch of rows of a :class:`~recipes.delta_module.DeltaModule`
-        (:func:`recipes.objectives.delta_loss_terms`)."""
-        return delta_loss_terms(self, module, batch)
+    def loss_terms(self, log_probs: torch.Tensor, batch: dict[str, torch.Tensor], towards_ids: torch.Tensor,
+                   away_ids: torch.Tensor, reference: torch.Tensor | None,
+                   deltas: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The terms on one batch of rows (see :func:`recipes.delta.rows.collate_rows`), scored at their last
+        position.
+
+        Args:
+            log_probs: ``[B, V]`` float32 next-token log-probabilities at each row's last position, the deltas
+                patched in.
+            batch: per row ``kind``, ``target``, ``weight``, ``kl_index`` ``[B]`` (and the token ids, unread here).
+            towards_ids, away_ids: ``[K]`` token ids of :attr:`towards` and :attr:`away`.
+            reference: ``[n_kl_prompts, V]`` unpatched log-probabilities after each KL prompt (``None`` without
+                :attr:`kl_prompts`).
+            deltas: the delta tensors (the L2 term and ``norm/<i>``).
+
+        Returns:
+            ``loss`` (weighted sum), the unweighted terms present in the batch (``nll``, ``towards``, ``away``,
+            ``kl``, ``l2``), the probabilities ``p_target``, ``p_towards``, ``p_away`` (detached) and ``norm/<i>``,
+            the L2 norm of delta ``i`` (detached).
+        """
+        names = self.term_names()
+        kind = batch["kind"]
+        terms: dict[str, torch.Tensor] = {}
+        loss = log_probs.new_zeros(())
+        rows = kind == KIND_TARGET
+        if "nll" in names and bool(rows.any()):
+            terms["nll"], terms["p_target"] = target_nll(log_probs[rows], batch["target"][rows], batch["weight"][rows])
+            loss = loss + self.nll_weight * terms["nll"]
+        rows = kind == KIND_STEER
+        if bool(rows.any()):
+            if "towards" in names:
+                terms["towards"], terms["p_towards"] = towards_loss(log_probs[rows], towards_ids)
+                loss = loss + self.towards_weight * terms["towards"]
+            if "away" in names:
+                terms["away"], terms["p_away"] = away_loss(log_probs[rows], away_ids)
+                loss = loss + self.away_weight * terms["away"]
+        rows = kind == KIND_KL
+        if "kl" in names and reference is not None and bool(rows.any()):
+            terms["kl"] = kl_loss(reference[batch["kl_index"][rows]], log_probs[rows])
+            loss = loss + self.kl_weight * terms["kl"]
+        if "l2" in names:
+            terms["l2"] = l2_penalty(list(deltas))
+            loss = loss + self.l2_weight * terms["l2"]
+        for i, delta in enumerate(deltas):
+            terms[f"norm/{i}"] = delta.detach().norm()
+        terms["loss"] = loss
+        return terms
 
 
 def position_slice(position: Position) -> Any:
@@ -147,32 +192,3 @@ def position_slice(position: Position) -> Any:
                                     f"count from the end instead (-1 is the last token)")
         return (slice(None), position)
     raise RecipeConfigError(f"delta position {position!r} is not one of 'all', 'last' or a negative int")
-
-
-SpecT = TypeVar("SpecT")
-
-
-def as_spec(cls: type[SpecT], value: Any) -> SpecT:
-    """``value`` as a ``cls`` dataclass: returned as is if it already is one, built from it if it is a mapping.
-
-    Raises:
-        RecipeConfigError: a mapping with unknown keys, or another type.
-    """
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, dict):
-        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise RecipeConfigError(f"unknown {cls.__name__} keys {unknown}; valid keys: {sorted(known)}")
-        return cls(**value)
-    raise RecipeConfigError(f"expected a {cls.__name__} or a mapping of its fields, got {type(value).__name__}")
-
-
-def spec_dict(value: Any) -> Any:
-    """A dataclass (or a list of them) as plain dicts and lists, for hyperparameters and YAML."""
-    if isinstance(value, list):
-        return [spec_dict(item) for item in value]
-    if hasattr(value, "__dataclass_fields__"):
-        return asdict(value)
-    return value

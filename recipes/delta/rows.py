@@ -19,14 +19,13 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from gradpatch.model_io import left_pad, pad_token_id
+from gradpatch.model_io import left_pad
 
-from .errors import RecipeConfigError
+from ..tokens import encode
 from .objectives import KIND_KL, KIND_STEER, KIND_TARGET
 from .specs import Objective
 
-__all__ = ["KIND_KL", "KIND_STEER", "KIND_TARGET", "PromptRows", "Row", "build_rows", "collate_rows", "encode",
-           "left_pad", "pad_token_id", "single_token_ids"]
+__all__ = ["KIND_KL", "KIND_STEER", "KIND_TARGET", "PromptRows", "Row", "RowCollator", "build_rows", "collate_rows"]
 
 
 @dataclass(frozen=True)
@@ -46,36 +45,6 @@ class Row:
     target: int = -1
     weight: float = 1.0
     kl_index: int = -1
-
-
-def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
-    """Token ids of ``text`` (a Hugging Face tokenizer call).
-
-    Raises:
-        RecipeConfigError: ``text`` gives no tokens.
-    """
-    ids = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-    if not ids:
-        raise RecipeConfigError(f"{text!r} encodes to no tokens; give a non-empty prompt or target")
-    return ids
-
-
-def single_token_ids(tokenizer: Any, words: Sequence[str]) -> list[int]:
-    """The token id of each single-token string in ``words`` (steering sets).
-
-    Raises:
-        RecipeConfigError: a string that is several tokens (the message lists them) or none.
-    """
-    ids = []
-    for word in words:
-        encoded = encode(tokenizer, word, add_special_tokens=False)
-        if len(encoded) != 1:
-            pieces = [tokenizer.decode([i]) for i in encoded]
-            raise RecipeConfigError(
-                f"steering token {word!r} is {len(encoded)} tokens {pieces}; use single-token strings (mind the "
-                f"leading space, e.g. ' Paris'), or put a multi-token continuation in objective.targets")
-        ids.append(encoded[0])
-    return ids
 
 
 def build_rows(tokenizer: Any, objective: Objective) -> list[Row]:
@@ -136,8 +105,8 @@ def collate_rows(rows: Sequence[Row], pad_id: int) -> dict[str, torch.Tensor]:
         pad_id: the pad token id.
 
     Returns:
-        ``input_ids``, ``attention_mask``, ``position_ids`` ``[B, S]`` (left-padded, see :func:`left_pad`) and per
-        row ``kind`` ``[B]`` (int64), ``target`` ``[B]`` (int64, -1 when none), ``weight`` ``[B]`` (float32) and
+        ``input_ids``, ``attention_mask``, ``position_ids`` ``[B, S]`` (left-padded, see
+        :func:`gradpatch.model_io.left_pad`) and per row ``kind`` ``[B]`` (int64), ``target`` ``[B]`` (int64, -1 when none), ``weight`` ``[B]`` (float32) and
         ``kl_index`` ``[B]`` (int64, -1 when none).
     """
     batch = left_pad([row.ids for row in rows], pad_id)

@@ -1,8 +1,8 @@
 """The ROME recipe: key → second-moment statistics → value via ``Trainer.fit`` → rank-one update → before/after.
 
 :func:`run_rome` edits one fact with a :class:`editors.ROME` whose value runner is a
-:class:`~recipes.rome_value.LightningValueRunner`, measures the target probabilities and greedy generations before
-and after the edit, and adds them to the value optimisation's TensorBoard run::
+:class:`~recipes.editing.rome_value.LightningValueRunner`, measures the target probabilities and greedy generations
+before and after the edit, and adds them to the value optimisation's TensorBoard run::
 
     runner = LightningValueRunner(logdir="runs", name="rome")
     rome = ROME(pg, tokenizer, "model.layers_3.mlp.down_proj", value_runner=runner)
@@ -26,9 +26,9 @@ from editors import DEFAULT_SMOLLM2_NODE, ROME, CounterFactCase, Edit, EditReque
 from editors.passes import mean_target_logprobs
 from gradpatch.model_io import model_device
 
-from .errors import RecipeConfigError
-from .generation import greedy_generate
-from .logger import generations_table
+from ..errors import RecipeConfigError
+from ..generation import greedy_generate
+from ..reports.logger import generations_table
 
 __all__ = ["ROMERun", "edit_node", "evaluate_rome", "rewrite_probabilities", "run_rome"]
 
@@ -94,7 +94,7 @@ def run_rome(rome: ROME, request: EditRequest, prompts: Sequence[str] = (), max_
 
     Args:
         rome: the editor (its graph in ``eval()``; its ``value_runner`` a
-            :class:`~recipes.rome_value.LightningValueRunner` for TensorBoard records, any
+            :class:`~recipes.editing.rome_value.LightningValueRunner` for TensorBoard records, any
             :class:`editors.value.ValueRunner` otherwise).
         request: the fact.
         prompts: more prompts to generate from (paraphrases, neighbours); the rewrite prompt comes first.

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import RecipeConfigError
-from .jsonl import JSONLDataModule, read_json_objects
+from ..errors import RecipeConfigError
+from ..jsonl import JSONLDataModule, read_json_objects
 
 __all__ = ["ContinuationDataModule", "ContinuationRecord", "PreferenceDataModule", "PreferenceRecord",
            "read_continuations", "read_preferences"]

@@ -17,9 +17,9 @@ import torch
 from gradpatch.errors import SubspaceConfigError
 from gradpatch.patches import ProbePatch
 
+from ..generation import graph_logits
+from ..tokens import left_pad
 from .continuations import PreferenceRecord
-from .data import left_pad
-from .generation import graph_logits
 
 __all__ = ["caa_vector", "continuation_mean_activations"]
 
@@ -31,7 +31,7 @@ def continuation_mean_activations(module: Any, node: str, prompts: Sequence[str]
     float32.
 
     Args:
-        module: a :class:`~recipes.reft_module.ReFTModule` (its frozen graph, tokenizer and ``encode``).
+        module: a :class:`~recipes.reft.module.ReFTModule` (its frozen graph, tokenizer and ``encode``).
         node: NodePath of a ``[batch, seq, d]`` activation.
         prompts, responses: ``B`` pairs.
 

@@ -1,4 +1,4 @@
-"""Partial-sum checkpoints of the distributed statistics job (:mod:`recipes.stats_job`): one file per rank.
+"""Partial-sum checkpoints of the distributed statistics job (:mod:`recipes.editing.stats_job`): one file per rank.
 
 A rank's file holds its float64 sums ``Σ k kᵀ`` (tensor ``sum_<i>`` ``[d_in, d_in]`` per node, in the job's node
 order) after the first ``documents_done`` documents of its shard, the token count, and the job's
@@ -22,7 +22,7 @@ from safetensors.torch import save as save_safetensors
 
 from gradpatch.files import atomic_write_bytes
 
-from .errors import PartialSumsWarning, StatisticsJobError
+from ..errors import PartialSumsWarning, StatisticsJobError
 
 __all__ = ["FORMAT", "JobIdentity", "PartialSums", "partial_file", "read_partial", "write_partial"]
 

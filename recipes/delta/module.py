@@ -16,13 +16,11 @@ Example (what ``recipes/configs/steer_eiffel.yaml`` does)::
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
 
@@ -30,32 +28,37 @@ from gradpatch import AddPatch, PatchableGraph
 from gradpatch.finite import StepGuard
 from gradpatch.patches import Patch
 
-from .data import PromptRows, RowCollator, build_rows, encode, left_pad, single_token_ids
-from .errors import RecipeConfigError
-from .frozen import EMBEDDED_MODEL_LABEL, DtypeName, FrozenGraphModule, OptimizerName
-from .generation import graph_logits, greedy_generate
-from .intervention_module import InterventionModule
-from .specs import DeltaSpec, Objective, as_spec, position_slice, spec_dict
+from ..errors import RecipeConfigError
+from ..generation import graph_logits, greedy_generate
+from ..tokens import encode, left_pad, single_token_ids
+from ..training.frozen import EMBEDDED_MODEL_LABEL, DtypeName, OptimizerName
+from ..training.patches import PatchTrainingModule
+from ..training.specs import as_spec, spec_dict
+from .objectives import KIND_KL
+from .rows import PromptRows, RowCollator, build_rows
+from .specs import DeltaSpec, Objective, position_slice
 
 __all__ = ["DeltaModule", "DtypeName", "EMBEDDED_MODEL_LABEL"]
 
 
-class DeltaModule(InterventionModule):
+class DeltaModule(PatchTrainingModule):
     """Learn AddPatch deltas (an :class:`gradpatch.Intervention`) at NodePaths of a frozen causal LM: the additive
-    special case of :class:`~recipes.intervention_module.InterventionModule`.
+    sibling of :class:`~recipes.interchange.InterventionModule` on their base
+    :class:`~recipes.training.patches.PatchTrainingModule`.
 
-    Its patches are ``AddPatch`` deltas at fixed positions (one per :class:`~recipes.specs.DeltaSpec`), its objective
-    is the :class:`~recipes.specs.Objective` (:func:`recipes.objectives.delta_loss_terms`) and its data are the
-    objective's own prompts (:meth:`train_dataloader`), not counterfactual records (the interchange methods refuse
-    deltas). The model is wrapped in a :class:`gradpatch.PatchableGraph` extracted on a left-padded example
-    (``input_ids``, ``attention_mask``, ``position_ids``; ``use_cache=False``) and frozen (see
-    :class:`~recipes.frozen.FrozenGraphModule`). Each delta starts at zero; a step runs the patched model on a
-    batch of rows (see :mod:`recipes.data`) and minimises the objective at their last position.
+    Its patches are ``AddPatch`` deltas at fixed positions (one per :class:`~recipes.delta.specs.DeltaSpec`), its
+    objective is the :class:`~recipes.delta.specs.Objective` and its data are the objective's own prompts
+    (:meth:`train_dataloader`). The model is wrapped in a :class:`gradpatch.PatchableGraph` extracted on a left-padded
+    example (``input_ids``, ``attention_mask``, ``position_ids``; ``use_cache=False``) and frozen (see
+    :class:`~recipes.training.frozen.FrozenGraphModule`). Each delta starts at zero; a step runs the patched model on a
+    batch of rows (see :mod:`recipes.delta.rows`) and minimises the objective at their last position
+    (:meth:`loss_terms`).
 
     Args:
-        deltas: where the deltas go (:class:`~recipes.specs.DeltaSpec` or mappings of its fields); each delta has the
-            shape of the activation without its batch and sequence dimensions (``[d_model]`` for a residual stream).
-        objective: what they are trained to do (:class:`~recipes.specs.Objective` or a mapping).
+        deltas: where the deltas go (:class:`~recipes.delta.specs.DeltaSpec` or mappings of its fields); each delta
+            has the shape of the activation without its batch and sequence dimensions (``[d_model]`` for a residual
+            stream).
+        objective: what they are trained to do (:class:`~recipes.delta.specs.Objective` or a mapping).
         model_path: a ``save_pretrained`` directory or a ``.gguf`` file; ``None`` for the embedded
             SmolLM2-135M-Instruct.
         lr: learning rate.
@@ -73,6 +76,7 @@ class DeltaModule(InterventionModule):
     """
 
     spec_type: ClassVar[type] = DeltaSpec
+    spec_example: ClassVar[str] = "{node: ..., position: ...} to deltas"
 
     def __init__(
         self,
@@ -87,23 +91,18 @@ class DeltaModule(InterventionModule):
         *,
         _backbone: tuple[nn.Module, Any] | None = None,
     ) -> None:
-        specs = [as_spec(DeltaSpec, spec) for spec in deltas]
         objective = as_spec(Objective, objective)
-        if not specs:
-            raise RecipeConfigError("no deltas configured: add at least one {node: ..., position: ...} to deltas")
         if batch_size is not None and batch_size < 1:
             raise RecipeConfigError(f"batch_size must be >= 1 or null (all rows in one batch), got {batch_size}")
         term_names = objective.term_names()  # validates before the model is loaded
-        super().__init__(interventions=specs, objective=objective, model_path=model_path, lr=lr, optimizer=optimizer,
+        super().__init__(interventions=deltas, objective=objective, model_path=model_path, lr=lr, optimizer=optimizer,
                          dtype=dtype, _backbone=_backbone)
         self.term_names = term_names
         self.model_path = model_path
         self.batch_size = batch_size
         self.max_norm = max_norm
-        # InterventionModule saved its own arguments too: keep DeltaModule's, as plain data (checkpoints stay
-        # loadable with weights_only and give this constructor's arguments back).
-        self.remove_ignored_hparams(sorted(set(inspect.signature(InterventionModule.__init__).parameters)
-                                           - set(inspect.signature(DeltaModule.__init__).parameters)))
+        # This constructor's arguments, as plain data (checkpoints stay loadable with weights_only and give them back).
+        self.save_hyperparameters(ignore=["_backbone"], logger=False)
         self.hparams["deltas"] = spec_dict(self.specs)
         self.hparams["objective"] = spec_dict(self.objective)
         self.rows = build_rows(self.tokenizer, self.objective)
@@ -114,7 +113,8 @@ class DeltaModule(InterventionModule):
         self.kl_reference: torch.Tensor | None = None  # [n_kl_prompts, V], computed on first use
 
     def build_patches(self, pg: nn.Module, spec: Any) -> list[Patch]:
-        """One zero ``AddPatch`` delta at ``spec.node`` and ``spec.position`` (a :class:`~recipes.specs.DeltaSpec`).
+        """One zero ``AddPatch`` delta at ``spec.node`` and ``spec.position`` (a
+        :class:`~recipes.delta.specs.DeltaSpec`).
 
         Raises:
             RecipeConfigError: a node whose activation is not ``[batch, seq, ...]``, an unknown position.
@@ -126,7 +126,7 @@ class DeltaModule(InterventionModule):
 
     @property
     def delta_specs(self) -> list[DeltaSpec]:
-        """The :class:`~recipes.specs.DeltaSpec` of each delta, in the order of ``deltas``."""
+        """The :class:`~recipes.delta.specs.DeltaSpec` of each delta, in the order of ``deltas``."""
         return self.specs
 
     @property
@@ -152,7 +152,7 @@ class DeltaModule(InterventionModule):
     # --- data ----------------------------------------------------------------------------------------------
 
     def train_dataloader(self) -> DataLoader:
-        """Rows of the objective (see :func:`recipes.data.build_rows`), left-padded, ``batch_size`` per batch and
+        """Rows of the objective (see :func:`recipes.delta.rows.build_rows`), left-padded, ``batch_size`` per batch and
         process.
 
         With ``batch_size=None`` every step is full-batch: each of the ``W`` processes takes ``ceil(rows / W)`` rows
@@ -190,15 +190,21 @@ class DeltaModule(InterventionModule):
 
     # --- objective -----------------------------------------------------------------------------------------
 
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        """One step as :class:`~recipes.frozen.FrozenGraphModule` runs it (the loss on the progress bar); the terms
-        reach TensorBoard through :class:`~recipes.logger.InterventionLogger`, not InterventionModule's
-        ``train/<term>`` logging."""
-        return FrozenGraphModule.training_step(self, batch, batch_idx)
+    def loss_terms(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The objective on one batch of rows (:func:`recipes.delta.rows.collate_rows`): the graph runs once with the
+        deltas patched in, and :meth:`Objective.loss_terms <recipes.delta.specs.Objective.loss_terms>` scores the
+        last position's log-probabilities (the terms reach TensorBoard through
+        :class:`~recipes.reports.InterventionLogger`).
 
-    #: No validation loop (Lightning sees LightningModule's own hook): the data are the objective's rows, and
-    #: InterventionModule's validation step scores IIA on counterfactual records.
-    validation_step = LightningModule.validation_step
+        Returns:
+            ``loss`` and the terms of :meth:`~recipes.delta.specs.Objective.loss_terms`.
+        """
+        with self.graph.patch(self.intervention):
+            logits = self.logits(batch)
+        log_probs = torch.log_softmax(logits[:, -1].float(), dim=-1)  # [B, V]
+        needs_reference = "kl" in self.term_names and bool((batch["kind"] == KIND_KL).any())
+        reference = self.reference_log_probs() if needs_reference else None
+        return self.objective.loss_terms(log_probs, batch, self.towards_ids, self.away_ids, reference, self.deltas)
 
     def logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Logits of the graph on a left-padded batch (patches active in the caller apply): ``[B, S', V]`` where

@@ -16,17 +16,16 @@ Kinds (:class:`ReFTSpec`): ``loreft`` (:class:`~gradpatch.reft.LoReFTPatch`), ``
 (:class:`~gradpatch.reft.DiReFTPatch`), ``add`` (:class:`~gradpatch.reft.AddVectorPatch`, the full-vector
 baseline at the same positions), each at the first/last prompt tokens, tied or untied across them; and ``steer``
 (an ``AddPatch`` vector ``[d]`` at every token, what BiPO trains and CAA computes). The objective is pluggable
-(:mod:`recipes.reft_objectives`, each an :class:`~recipes.intervention_objectives.InterventionObjective`):
-continuation NLL with teacher forcing (default) or BiPO's preference loss. The module is an
-:class:`~recipes.intervention_module.InterventionModule` whose :meth:`~ReFTModule.build_patches` builds these patches:
-it inherits the model loading, the frozen graph, the objective hook, the checks of the data module's records before
-training, the ``train/<term>`` logging and the export; it opts out of the interchange methods (its patches read no
-source) and of the temperature annealing's statistics.
+(:mod:`recipes.reft.objectives`, each a :class:`~recipes.reft.objectives.ReFTObjective` of the response tokens'
+log-probabilities): continuation NLL with teacher forcing (default) or BiPO's preference loss. The module is a sibling
+of :class:`~recipes.interchange.InterventionModule` and :class:`~recipes.delta.DeltaModule` on their base
+:class:`~recipes.training.patches.PatchTrainingModule` (model loading, the frozen graph, the checks of the data
+module's records before training, export and load); it adds its data (continuation and preference records), its
+loss, its ``train/<term>`` logging, its validation and its metrics.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,14 +42,13 @@ from gradpatch.patches import Patch
 from gradpatch.reft import (AddVectorPatch, DiReFTPatch, LoReFTPatch, ReFTPatch, ReFTPositions, check_saved_reft,
                             reft_patch_map)
 
-from .data import encode, left_pad
-from .errors import RecipeConfigError
-from .frozen import DtypeName, OptimizerName
-from .generation import graph_logits
-from .intervention_module import InterventionModule
-from .intervention_objectives import InterventionObjective
-from .reft_generation import generate_with_patches
-from .specs import as_spec, spec_dict
+from ..errors import RecipeConfigError
+from ..generation import generate_with_patches, graph_logits
+from ..tokens import encode, left_pad
+from ..training.frozen import DtypeName, OptimizerName, term_scalars
+from ..training.patches import PatchTrainingModule
+from ..training.specs import as_spec, spec_dict
+from .objectives import BiPOObjective, ContinuationNLLObjective, ReFTObjective
 
 __all__ = ["ReFTKind", "ReFTModule", "ReFTSpec", "Tokenized", "build_reft_patches"]
 
@@ -104,17 +102,16 @@ def build_reft_patches(spec: ReFTSpec, width: int) -> list[Patch]:
             for part in positions.parts(spec.tied)]
 
 
-class ReFTModule(InterventionModule):
+class ReFTModule(PatchTrainingModule):
     """Train ReFT patches or steering vectors at NodePaths of a frozen causal LM on continuation or preference data:
-    the :class:`~recipes.intervention_module.InterventionModule` of patches that edit the representation itself.
+    the sibling of :class:`~recipes.interchange.InterventionModule` whose patches edit the representation itself.
 
-    Its data are continuation or preference records, not counterfactual ones: :meth:`encode`, :meth:`evaluate` and
-    :meth:`write_metrics` take them, and the interchange methods (``iia``, ``interchange_log_probs``) refuse its
-    patches, which read no source.
+    Its data are continuation or preference records: :meth:`encode`, :meth:`evaluate` and :meth:`write_metrics` take
+    them.
 
     Args:
         interventions: :class:`ReFTSpec` (or mappings of its fields).
-        objective: an :class:`~recipes.intervention_objectives.InterventionObjective` (default: continuation NLL).
+        objective: a :class:`~recipes.reft.objectives.ReFTObjective` (default: continuation NLL).
         model_path: a ``save_pretrained`` directory or ``.gguf`` file; ``None`` for the embedded SmolLM2-135M-Instruct.
         lr: learning rate.
         optimizer: ``"adam"``, ``"adamw"`` or ``"sgd"``.
@@ -133,17 +130,14 @@ class ReFTModule(InterventionModule):
     """
 
     spec_type: ClassVar[type] = ReFTSpec
+    spec_example: ClassVar[str] = "{node: ..., kind: loreft, rank: 4}"
 
-    def __init__(self, interventions: list[ReFTSpec], objective: InterventionObjective | None = None,
+    def __init__(self, interventions: list[ReFTSpec], objective: ReFTObjective | None = None,
                  model_path: str | None = None, lr: float = 4e-3, optimizer: OptimizerName = "adamw",
                  append_eos: bool = True, weight_decay: float = 0.0, dtype: DtypeName = "float32", *,
                  _backbone: tuple[nn.Module, Any] | None = None) -> None:
-        if not interventions:
-            raise RecipeConfigError("no interventions configured: add at least one {node: ..., kind: loreft, rank: 4}")
         if not (isinstance(weight_decay, (int, float)) and 0.0 <= weight_decay < float("inf")):
             raise RecipeConfigError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
-        from .reft_objectives import BiPOObjective, ContinuationNLLObjective
-
         unsigned = sorted({as_spec(ReFTSpec, spec).kind for spec in interventions} - {"steer"})
         if isinstance(objective, BiPOObjective) and unsigned:
             raise RecipeConfigError(f"BiPO trains steering vectors (kind 'steer', whose sign it flips at random each "
@@ -154,9 +148,8 @@ class ReFTModule(InterventionModule):
                          model_path=model_path, lr=lr, optimizer=optimizer, dtype=dtype, _backbone=_backbone)
         self.append_eos = append_eos
         self.weight_decay = float(weight_decay)
-        # InterventionModule saved its own arguments too: keep ReFTModule's (checkpoints give them back).
-        self.remove_ignored_hparams(sorted(set(inspect.signature(InterventionModule.__init__).parameters)
-                                           - set(inspect.signature(ReFTModule.__init__).parameters)))
+        self.save_hyperparameters(ignore=["_backbone", "objective"], logger=False)  # checkpoints give them back
+        self.hparams["interventions"] = spec_dict(self.specs)
 
     def graph_call_kwargs(self, model: nn.Module) -> dict[str, Any]:
         """``use_cache=False`` only: the continuation objectives score every response token (all logits)."""
@@ -200,7 +193,7 @@ class ReFTModule(InterventionModule):
 
     def check_records(self, records: Sequence[Any]) -> None:
         """Encode every record (continuation or preference) so that bad input fails before training
-        (:meth:`~recipes.intervention_module.InterventionModule.on_fit_start` calls it on the train and eval records).
+        (:meth:`~recipes.training.patches.PatchTrainingModule.on_fit_start` calls it on the train and eval records).
 
         Raises:
             RecipeConfigError, SubspaceConfigError: as :meth:`encode`.
@@ -262,14 +255,37 @@ class ReFTModule(InterventionModule):
 
     # --- training ------------------------------------------------------------------------------------------
 
-    def step_statistics(self) -> dict[str, torch.Tensor]:
-        """Nothing beside the loss terms (no temperature is annealed, the ReFT patches have no statistics)."""
-        return {}
+    def loss_terms(self, batch: Sequence[Any]) -> dict[str, torch.Tensor]:
+        """The objective's terms on a batch of records: for continuation records the teacher-forced log-probabilities
+        of the responses with the intervention (:meth:`ReFTObjective.continuation_terms
+        <recipes.reft.objectives.ReFTObjective.continuation_terms>`); for preference records those of the chosen and
+        rejected responses summed per row, without the intervention and with it (steering vectors times the
+        objective's :meth:`~recipes.reft.objectives.ReFTObjective.direction`;
+        :meth:`~recipes.reft.objectives.ReFTObjective.preference_terms`).
+
+        Raises:
+            RecipeConfigError: records the objective does not score.
+        """
+        prompts = [record.prompt for record in batch]
+        if hasattr(batch[0], "response"):
+            log_probs, mask = self.token_log_probs(self.encode(prompts, [record.response for record in batch]))
+            return self.objective.continuation_terms(log_probs, mask)
+        chosen = self.encode(prompts, [record.chosen for record in batch])
+        rejected = self.encode(prompts, [record.rejected for record in batch])
+        direction = self.objective.direction(self.training)
+        with torch.no_grad():
+            reference = tuple(self.token_log_probs(side, sign=None)[0].sum(-1) for side in (chosen, rejected))
+        steered = tuple(self.token_log_probs(side, sign=direction)[0].sum(-1) for side in (chosen, rejected))
+        return self.objective.preference_terms(steered, reference, direction)  # type: ignore[arg-type]
+
+    def step_logs(self, terms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What each step logs to the trainer's logger: ``train/<term>``."""
+        return term_scalars(terms, "train/")
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """The objective's terms on the eval batch, logged as ``val_<term>`` (averaged over the eval file)."""
         with torch.no_grad():
-            terms = self.objective.loss_terms(self, batch)
+            terms = self.loss_terms(batch)
         self.log_dict({f"val_{name}": value for name, value in terms.items() if value.numel() == 1},
                       on_step=False, on_epoch=True, batch_size=len(batch))
 
@@ -318,14 +334,15 @@ class ReFTModule(InterventionModule):
         scale = tokens if tokens else max(1, len(records))
         return {**{name: value / scale for name, value in sums.items()}, "examples": len(records)}
 
-    def write_metrics(self, directory: str | Path, metrics: dict[str, Any]) -> dict[str, Any]:
-        """Write ``metrics`` plus the configuration (nodes, kinds, parameter count, steps) to ``metrics.json``.
+    def write_metrics(self, directory: str | Path, records: Sequence[Any]) -> dict[str, Any]:
+        """Write ``metrics.json`` atomically: :meth:`evaluate` on ``records`` plus the configuration (nodes, kinds,
+        parameter count, steps).
 
         Returns:
             What was written.
         """
-        document = {**metrics, "parameters": self.parameter_count(), "steps": int(self.global_step), "lr": self.lr,
-                    "interventions": spec_dict(self.specs)}
+        document = {**self.evaluate(records), "parameters": self.parameter_count(), "steps": int(self.global_step),
+                    "lr": self.lr, "interventions": spec_dict(self.specs)}
         atomic_write_text(Path(directory) / "metrics.json", json.dumps(document, indent=2))
         return document
 

@@ -1,12 +1,12 @@
 """A LightningModule that optimises a few tensors against a frozen PatchableGraph.
 
-:class:`FrozenGraphModule` is the base of :class:`~recipes.intervention_module.InterventionModule` (and of its
-subclasses :class:`~recipes.delta_module.DeltaModule` and :class:`~recipes.reft_module.ReFTModule`) and of
-:class:`~recipes.objective_module.ObjectiveModule`. It holds the graph with every model weight frozen (no gradients,
-no optimizer state, no checkpoint entry) and keeps it in ``eval()`` whatever Lightning does with the training flag;
-subclasses register the trainable tensors and implement :meth:`FrozenGraphModule.loss_terms`. Training stops at
-the first non-finite loss term, gradient or updated tensor with a :class:`gradpatch.errors.NonFiniteError` naming the
-step (see :meth:`FrozenGraphModule.step_guard`).
+:class:`FrozenGraphModule` is the base of :class:`~recipes.training.patches.PatchTrainingModule` (and so of
+:class:`~recipes.delta.DeltaModule`, :class:`~recipes.interchange.InterventionModule` and
+:class:`~recipes.reft.ReFTModule`) and of :class:`~recipes.training.objective_module.ObjectiveModule`. It holds
+the graph with every model weight frozen (no gradients, no optimizer state, no checkpoint entry) and keeps it in
+``eval()`` whatever Lightning does with the training flag; subclasses register the trainable tensors and implement
+:meth:`FrozenGraphModule.loss_terms`. Training stops at the first non-finite loss term, gradient or updated tensor
+with a :class:`gradpatch.errors.NonFiniteError` naming the step (see :meth:`FrozenGraphModule.step_guard`).
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from gradpatch.errors import NonFiniteError
 from gradpatch.finite import StepGuard, non_finite_names
 from gradpatch.model_io import model_device
 
-from .data import left_pad, pad_token_id
-from .errors import RecipeConfigError
+from ..errors import RecipeConfigError
+from ..tokens import left_pad, pad_token_id
 
 #: ``model_label`` of the embedded model (``model_path`` None).
 EMBEDDED_MODEL_LABEL = "embedded SmolLM2-135M-Instruct"
 
-__all__ = ["DtypeName", "FrozenGraphModule", "OptimizerName", "GRAPH_ATTRIBUTE", "call_constants"]
+__all__ = ["DtypeName", "EMBEDDED_MODEL_LABEL", "FrozenGraphModule", "OptimizerName", "GRAPH_ATTRIBUTE",
+           "call_constants", "term_scalars"]
 
 OptimizerName = Literal["adam", "adamw", "sgd"]
 DtypeName = Literal["float32", "bfloat16", "float16"]
@@ -170,8 +171,14 @@ class FrozenGraphModule(LightningModule):
         prefix = GRAPH_ATTRIBUTE + "."
         return {name: p for name, p in self.named_parameters() if not name.startswith(prefix)}
 
+    def step_logs(self, terms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What each step logs to the trainer's logger beside the loss on the progress bar: nothing here; a module
+        that logs its terms or statistics returns them (scalars, e.g. :func:`term_scalars`)."""
+        return {}
+
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        """One step: :meth:`loss_terms` (checked to be finite), the loss on the progress bar.
+        """One step: :meth:`loss_terms` (checked to be finite), the loss on the progress bar, :meth:`step_logs` to
+        the logger.
 
         Returns:
             ``{"loss": loss, "terms": {name: detached scalar}}`` (``terms`` reaches callbacks'
@@ -184,9 +191,13 @@ class FrozenGraphModule(LightningModule):
         self.check_terms_on_every_rank(terms)
         self._step_terms = {name: float(value.detach()) for name, value in terms.items() if value.numel() == 1}
         loss = terms["loss"]
-        self.log("loss", loss.detach(), prog_bar=True, logger=False, on_step=True, on_epoch=False,
-                 batch_size=_batch_size(batch))
-        return {"loss": loss, "terms": {name: value.detach() for name, value in terms.items()}}
+        size = _batch_size(batch)
+        self.log("loss", loss.detach(), prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=size)
+        detached = {name: value.detach() for name, value in terms.items()}
+        logged = self.step_logs(detached)
+        if logged:
+            self.log_dict(logged, on_step=True, on_epoch=False, batch_size=size)
+        return {"loss": loss, "terms": detached}
 
     def check_terms_on_every_rank(self, terms: dict[str, torch.Tensor]) -> None:
         """Stop every rank when a loss term is non-finite on any one, before the backward pass all-reduces gradients
@@ -291,7 +302,14 @@ def _without_graph(state: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in state.items() if not key.startswith(prefix)}
 
 
+def term_scalars(terms: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The one-element entries of ``terms`` under ``prefix`` + their name (``train/ce``), for the logger."""
+    return {f"{prefix}{name}": value for name, value in terms.items() if value.numel() == 1}
+
+
 def _batch_size(batch: Any) -> int:
+    if isinstance(batch, (list, tuple)):
+        return len(batch)
     if isinstance(batch, dict):
         for value in batch.values():
             if isinstance(value, torch.Tensor) and value.ndim:

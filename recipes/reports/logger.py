@@ -23,7 +23,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from .errors import RecipeConfigError
+from ..errors import RecipeConfigError
 
 __all__ = ["InterventionLogger", "generations_table"]
 
@@ -33,7 +33,7 @@ _PROBABILITY_TAGS = {"p_target": "prob/target", "p_towards": "prob/towards", "p_
 class InterventionLogger(Callback):
     """Log loss terms, probabilities, delta norms and histograms, generations and hyperparameters to TensorBoard.
 
-    Works with a :class:`~recipes.delta_module.DeltaModule` (or any module whose ``training_step`` returns
+    Works with a :class:`~recipes.delta.module.DeltaModule` (or any module whose ``training_step`` returns
     ``{"loss", "terms"}`` and that has ``deltas``, ``delta_names()``; ``generate()``, ``generation_prompts()`` and
     ``describe()`` are used when present).
 

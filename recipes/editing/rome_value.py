@@ -6,13 +6,13 @@ wraps it, and each training step is a step of the value search's one loop (:clas
 so the plain-torch runner :func:`editors.value.optimize_value` and this one run the same code::
 
     from editors import ROME
-    from recipes.rome_value import LightningValueRunner
+    from recipes.editing.rome_value import LightningValueRunner
 
     rome = ROME(pg, tokenizer, "model.layers_3.mlp.down_proj",
                 value_runner=LightningValueRunner(logdir="runs", name="rome"))
     edit = rome.edit(request)       # the value optimisation is a Trainer.fit; scalars go to runs/rome/version_N
 
-Each ``Trainer.fit`` logs, through :class:`~recipes.logger.InterventionLogger`, ``loss/total``, ``loss/nll``,
+Each ``Trainer.fit`` logs, through :class:`~recipes.reports.logger.InterventionLogger`, ``loss/total``, ``loss/nll``,
 ``loss/kl``, ``loss/weight_decay``, ``prob/target`` (mean target probability over the context prompts) and
 ``delta_norm/<node>@subject_last`` per step, a histogram of ``δ`` and the hyperparameters.
 """
@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 
 from editors.value import StepCallback, ValueObjective, ValueResult, frozen_parameters, one_fact_search
 
-from .logger import InterventionLogger
+from ..reports.logger import InterventionLogger
 
 __all__ = ["LightningValueRunner", "ROMEValueModule", "trainer_device_args"]
 
@@ -85,7 +85,7 @@ class ROMEValueModule(LightningModule):
 
     @property
     def deltas(self) -> list[nn.Parameter]:
-        """``[δ]`` (for :class:`~recipes.logger.InterventionLogger`)."""
+        """``[δ]`` (for :class:`~recipes.reports.logger.InterventionLogger`)."""
         return [self.delta]
 
     def delta_names(self) -> list[str]:
@@ -184,7 +184,7 @@ class LightningValueRunner:
 
     Args:
         logdir: TensorBoard folder; each call writes a new run ``<logdir>/<name>/version_<n>`` through
-            :class:`~recipes.logger.InterventionLogger`. ``None``: no logging.
+            :class:`~recipes.reports.logger.InterventionLogger`. ``None``: no logging.
         name: run name under ``logdir``.
         progress: show Lightning's progress bar.
         trainer_kwargs: more ``Trainer`` arguments (they override the runner's).

@@ -15,7 +15,7 @@ index slice and returns ``{"loss", "nll", "kl", "weight_decay", "target_prob"}``
     Trainer(max_steps=25, logger=False, enable_checkpointing=False).fit(module)
     delta = module.values["delta"].detach()
 
-It inherits the frozen-graph behaviour of :class:`~recipes.frozen.FrozenGraphModule` (weights frozen and in
+It inherits the frozen-graph behaviour of :class:`~recipes.training.frozen.FrozenGraphModule` (weights frozen and in
 ``eval()``, only the tensors in optimizer and checkpoints). Each step is one call of the objective; there is no data
 (the dataloader yields an empty batch per step).
 """
@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from gradpatch.finite import StepGuard
 
-from .errors import RecipeConfigError
+from ..errors import RecipeConfigError
 from .frozen import FrozenGraphModule, OptimizerName
 
 __all__ = ["ObjectiveFn", "ObjectiveModule", "ProjectFn"]
@@ -94,7 +94,7 @@ class ObjectiveModule(FrozenGraphModule):
 
     @property
     def deltas(self) -> list[nn.Parameter]:
-        """The optimised tensors (for :class:`~recipes.logger.InterventionLogger`)."""
+        """The optimised tensors (for :class:`~recipes.reports.InterventionLogger`)."""
         return list(self.values.values())
 
     def delta_names(self) -> list[str]:

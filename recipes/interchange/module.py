@@ -11,17 +11,17 @@ Example (what ``recipes/configs/das_country.yaml`` does)::
     module.evaluate(data.eval_records)           # IIA
     module.export_intervention("runs/das")       # safetensors + JSON, Intervention.load(...) reads it back
 
-Each step encodes a batch of counterfactual records (:mod:`recipes.counterfactual`), runs base and source rows in
-one forward pass with the patches interchanging at the records' positions (:func:`gradpatch.interchange.interchange`)
-and minimises the objective (:class:`~recipes.intervention_objectives.IITObjective` by default). IIA on the eval
+Each step encodes a batch of counterfactual records (:mod:`recipes.interchange.counterfactual`), runs base and source
+rows in one forward pass with the patches interchanging at the records' positions
+(:func:`gradpatch.interchange.interchange`) and minimises the objective
+(:class:`~recipes.interchange.objectives.IITObjective` by default) on the resulting log-probabilities. IIA on the eval
 file is the validation metric ``iia``; the loss terms, ``iia``, the Boundless boundary width and the mask density go
 to the trainer's logger (TensorBoard in the configs).
 
-The module trains whatever patches its specs build (:meth:`InterventionModule.build_patches`) against whatever its
-objective returns: :class:`~recipes.delta_module.DeltaModule` is the additive special case (``AddPatch`` deltas at
-fixed positions, the delta :class:`~recipes.specs.Objective`, rows of prompts as data), and
-:class:`~recipes.reft_module.ReFTModule` trains patches that edit the representation itself (LoReFT, DiReFT, steering
-vectors) on continuation NLL or BiPO's preference loss.
+The module is a sibling of :class:`~recipes.delta.DeltaModule` (``AddPatch`` deltas on prompts) and
+:class:`~recipes.reft.ReFTModule` (LoReFT, DiReFT, steering vectors on continuations or preferences) on their base
+:class:`~recipes.training.patches.PatchTrainingModule` (specs → patches → Intervention, export and load,
+``from_model``).
 """
 
 from __future__ import annotations
@@ -35,22 +35,22 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from gradpatch import Intervention
 from gradpatch.files import atomic_write_text
-from gradpatch.interchange import InterchangeSide, Position, check_interchange_node, interchange, interchange_logits
+from gradpatch.interchange import (InterchangeSide, Position, check_interchange_node, check_sides, interchange,
+                                   interchange_logits)
 from gradpatch.model_io import model_device
 from gradpatch.patches import Patch
-from gradpatch.reft import ReFTPatch
 from gradpatch.subspace import (BoundlessSubspacePatch, FullInterchangePatch, RotatedSubspacePatch,
                                 SigmoidMaskPatch, TrainablePatch)
 
+from ..errors import RecipeConfigError
+from ..generation import graph_logits
+from ..tokens import left_pad, single_token_ids
+from ..training.frozen import DtypeName, OptimizerName, term_scalars
+from ..training.patches import PatchTrainingModule
+from ..training.specs import spec_dict
 from .counterfactual import CounterfactualRecord
-from .data import left_pad, single_token_ids
-from .errors import RecipeConfigError
-from .frozen import DtypeName, FrozenGraphModule, OptimizerName, call_constants
-from .generation import graph_logits
-from .intervention_objectives import IITObjective, InterventionObjective
-from .specs import as_spec, spec_dict
+from .objectives import IITObjective, InterventionObjective
 
 __all__ = ["Encoded", "InterchangeSpec", "InterventionModule", "PatchKind"]
 
@@ -106,18 +106,13 @@ def build_patch(spec: InterchangeSpec, width: int) -> TrainablePatch:
     raise RecipeConfigError(f"intervention kind {spec.kind!r} is not one of 'rotated', 'boundless', 'mask', 'full'")
 
 
-class InterventionModule(FrozenGraphModule):
+class InterventionModule(PatchTrainingModule):
     """Train trainable interchange patches at NodePaths of a frozen causal LM on counterfactual records.
-
-    A subclass trains other patches by naming its spec type (:attr:`spec_type`) and overriding
-    :meth:`build_patches` (see :class:`~recipes.delta_module.DeltaModule`, :class:`~recipes.reft_module.ReFTModule`);
-    the interchange methods (:meth:`interchange_log_probs`, :meth:`iia`, :meth:`evaluate`) need patches that read a
-    source.
 
     Args:
         interventions: where and which patches (:class:`InterchangeSpec` or mappings of its fields); all read the
             record's source.
-        objective: an :class:`~recipes.intervention_objectives.InterventionObjective` (default: IIT cross-entropy).
+        objective: an :class:`~recipes.interchange.objectives.InterventionObjective` (default: IIT cross-entropy).
         model_path: a ``save_pretrained`` directory or ``.gguf`` file; ``None`` for the embedded SmolLM2-135M-Instruct.
         lr: learning rate.
         optimizer: ``"adam"``, ``"adamw"`` or ``"sgd"``.
@@ -138,42 +133,28 @@ class InterventionModule(FrozenGraphModule):
         NodePathError: an unknown NodePath (the message lists the closest ones).
     """
 
-    #: The dataclass of ``interventions`` (mappings are converted to it).
     spec_type: ClassVar[type] = InterchangeSpec
+    spec_example: ClassVar[str] = "{node: ..., kind: ..., dim: ...}"
 
     def __init__(self, interventions: list[InterchangeSpec], objective: InterventionObjective | None = None,
                  model_path: str | None = None, lr: float = 1e-3, optimizer: OptimizerName = "adam",
                  position: Position = "last", temperature_start: float = 50.0, temperature_end: float = 0.1,
                  shared_batch: bool | None = None, dtype: DtypeName = "float32", *,
                  _backbone: tuple[nn.Module, Any] | None = None) -> None:
-        super().__init__(lr=lr, optimizer=optimizer)
-        self.specs = [as_spec(self.spec_type, spec) for spec in interventions]
-        if not self.specs:
-            raise RecipeConfigError("no interventions configured: add at least one {node: ..., kind: ..., dim: ...}")
         if not (temperature_start > 0 and temperature_end > 0):
             raise RecipeConfigError(f"temperatures must be > 0, got {temperature_start}, {temperature_end}")
-        self.objective = objective if objective is not None else IITObjective()
+        super().__init__(interventions, objective if objective is not None else IITObjective(), model_path=model_path,
+                         lr=lr, optimizer=optimizer, dtype=dtype, _backbone=_backbone)
         self.position = position
         self.shared_batch = shared_batch
         self.temperatures = (float(temperature_start), float(temperature_end))
         self.save_hyperparameters(ignore=["_backbone", "objective"], logger=False)
         self.hparams["interventions"] = spec_dict(self.specs)
-        model = self.load_backbone(model_path, dtype, _backbone)
-        self.call_kwargs = self.graph_call_kwargs(model)
-        pg = self.attach_left_padded_graph(model, **self.call_kwargs)
-        self.built_patches: list[Patch] = []  # in the order of the specs
-        patches: dict[str, list[Patch]] = {}
-        for spec in self.specs:
-            built = self.build_patches(pg, spec)
-            patches.setdefault(spec.node, []).extend(built)
-            self.built_patches.extend(built)
-        self.intervention = Intervention(patches)  # tensor values become nn.Parameters, trainable patches submodules
 
-    def graph_call_kwargs(self, model: nn.Module) -> dict[str, Any]:
-        """The constant keyword arguments of every graph call, fixed when the graph is extracted
-        (:func:`~recipes.frozen.call_constants`: ``use_cache=False`` and, where the model takes it,
-        ``logits_to_keep=1``: the interchange objectives score the last position only)."""
-        return call_constants(model)
+    @property
+    def patches(self) -> list[TrainablePatch]:
+        """The interchange patches (each reads the record's source), in the order of ``interventions``."""
+        return [patch for patch in self.built_patches if isinstance(patch, TrainablePatch)]
 
     def build_patches(self, pg: nn.Module, spec: Any) -> list[Patch]:
         """The patches of one spec at ``spec.node`` of ``pg`` (here one :func:`build_patch` of an
@@ -185,37 +166,6 @@ class InterventionModule(FrozenGraphModule):
             NodePathError: an unknown NodePath.
         """
         return [build_patch(spec, check_interchange_node(pg, spec.node))]
-
-    @classmethod
-    def from_model(cls, model: nn.Module, tokenizer: Any, **config: Any) -> "InterventionModule":
-        """An InterventionModule on a model already in memory (the other constructor arguments in ``config``)."""
-        return cls(**config, _backbone=(model, tokenizer))
-
-    @property
-    def patches(self) -> list[Patch]:
-        """The patches, in the order of ``interventions``."""
-        return list(self.built_patches)
-
-    def interchange_patches(self) -> list[TrainablePatch]:
-        """:attr:`patches`, checked to read a source.
-
-        Raises:
-            RecipeConfigError: a patch that is not a :class:`~gradpatch.subspace.TrainablePatch` or is a
-                :class:`~gradpatch.reft.ReFTPatch` (an ``AddPatch`` delta, a LoReFT edit read no source: there is
-                nothing to interchange).
-        """
-        others = sorted({type(p).__name__ for p in self.patches
-                         if not isinstance(p, TrainablePatch) or isinstance(p, ReFTPatch)})
-        if others:
-            raise RecipeConfigError(f"{type(self).__name__} holds {', '.join(others)} patches, which read no source: "
-                                    f"interchange and IIA need interchange patches (InterchangeSpec kinds "
-                                    f"'rotated', 'boundless', 'mask', 'full') in an InterventionModule")
-        return self.patches  # type: ignore[return-value]
-
-    @property
-    def model(self) -> nn.Module:
-        """The wrapped model (frozen)."""
-        return self.__dict__["_model"]
 
     # --- data ----------------------------------------------------------------------------------------------
 
@@ -247,24 +197,16 @@ class InterventionModule(FrozenGraphModule):
         Raises:
             RecipeConfigError, SubspaceConfigError: as :meth:`encode` and :func:`gradpatch.interchange.interchange`.
         """
-        from gradpatch.interchange import check_sides
-
         for start in range(0, len(records), batch_size):
             encoded = self.encode(records[start:start + batch_size])
             check_sides(encoded.base, [encoded.source])
-
-    def on_fit_start(self) -> None:
-        """Check the data module's records (train and eval) before the first step."""
-        data = getattr(self.trainer, "datamodule", None)
-        for name in ("train_records", "eval_records"):
-            self.check_records(getattr(data, name, None) or [])
 
     # --- forward passes ------------------------------------------------------------------------------------
 
     def interchange_log_probs(self, encoded: Encoded, patches: Sequence[TrainablePatch] | None = None) -> torch.Tensor:
         """Next-token log-probabilities at each base prompt's end with the patches interchanging: ``[B, V]``
         float32 (``patches``: others than :attr:`patches` at the same nodes, e.g. full interchange)."""
-        chosen = self.interchange_patches() if patches is None else list(patches)
+        chosen = self.patches if patches is None else list(patches)
         mapping: dict[str, list[TrainablePatch]] = {}
         for spec, patch in zip(self.specs, chosen):
             mapping.setdefault(spec.node, []).append(patch)
@@ -289,31 +231,28 @@ class InterventionModule(FrozenGraphModule):
         fraction = min(1.0, self.global_step / (max_steps - 1))
         return start + (end - start) * fraction
 
-    def loss_terms(self, batch: Any) -> dict[str, torch.Tensor]:
-        """The objective's terms on ``batch`` (:meth:`InterventionObjective.loss_terms`), with τ of the trainable
-        patches set to :meth:`temperature` first."""
+    def loss_terms(self, batch: Sequence[CounterfactualRecord]) -> dict[str, torch.Tensor]:
+        """The objective's terms on a batch of records (:meth:`InterventionObjective.loss_terms`): τ of the patches
+        set to :meth:`temperature`, the records encoded, the interchanged log-probabilities ``[B, V]`` (and, when the
+        objective reads them, the unpatched ones) and the patches' penalty handed to the objective."""
         tau = self.temperature()
         for patch in self.patches:
-            if isinstance(patch, TrainablePatch):
-                patch.temperature = tau
-        return self.objective.loss_terms(self, batch)
+            patch.temperature = tau
+        encoded = self.encode(batch)
+        log_probs = self.interchange_log_probs(encoded)
+        reference = None
+        if self.objective.reads_reference:
+            with torch.no_grad():
+                reference = self.base_log_probs(encoded)
+        penalty = torch.stack([patch.penalty().to(log_probs.device) for patch in self.patches]).sum()
+        return self.objective.loss_terms(log_probs, encoded.labels, reference, penalty)
 
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        """One step (see :class:`~recipes.frozen.FrozenGraphModule`), logging ``train/<term>`` and
-        :meth:`step_statistics` to the logger."""
-        result = super().training_step(batch, batch_idx)
-        logged = {f"train/{name}": value for name, value in result["terms"].items() if value.numel() == 1}
-        logged.update(self.step_statistics())
-        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=len(batch))
-        return result
-
-    def step_statistics(self) -> dict[str, torch.Tensor]:
-        """What each step logs beside the loss terms: ``temperature`` and each patch's statistics
+    def step_logs(self, terms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What each step logs to the trainer's logger: ``train/<term>``, ``temperature`` and each patch's statistics
         (``boundary_width/<i>``, ``mask_density/<i>``), scalars."""
-        logged = {"temperature": torch.tensor(self.temperature())}
+        logged = term_scalars(terms, "train/") | {"temperature": torch.tensor(self.temperature())}
         for i, patch in enumerate(self.patches):
-            if isinstance(patch, TrainablePatch):
-                logged.update({f"{name}/{i}": torch.tensor(value) for name, value in patch.stats().items()})
+            logged.update({f"{name}/{i}": torch.tensor(value) for name, value in patch.stats().items()})
         return logged
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -325,7 +264,7 @@ class InterventionModule(FrozenGraphModule):
             batch_size: int = 64) -> torch.Tensor:
         """Interchange intervention accuracy: the fraction of records whose interchanged prediction (argmax at the
         base prompt's end) is the label (scalar)."""
-        patches = self.interchange_patches() if patches is None else patches  # refused before any encoding
+        patches = self.patches if patches is None else patches
         hits = 0
         for start in range(0, len(records), batch_size):
             encoded = self.encode(records[start:start + batch_size])
@@ -340,7 +279,7 @@ class InterventionModule(FrozenGraphModule):
             ``{"iia", "full_interchange_iia", "examples", "node", "kind", "dim"}`` (``dim``: the subspace size, the
             learned boundary width for Boundless DAS, the number of mask entries above 0.5 for a sigmoid mask).
         """
-        patches = self.interchange_patches()
+        patches = self.patches
         full = [FullInterchangePatch(patch.width) for patch in patches]
         first, spec = patches[0], self.specs[0]
         dim = (spec.dim if spec.kind == "rotated" else round(first.stats()["boundary_width"]) if spec.kind ==
@@ -358,21 +297,3 @@ class InterventionModule(FrozenGraphModule):
                    "nodes": [spec.node for spec in self.specs]}
         atomic_write_text(Path(directory) / "metrics.json", json.dumps(metrics, indent=2))
         return metrics
-
-    def export_intervention(self, directory: str | Path) -> Path:
-        """Write the trained patches (``intervention.json`` + ``.safetensors``, with the model's fingerprint).
-
-        Raises:
-            NonFiniteError: a parameter holds NaN or inf (nothing is written).
-        """
-        return self.intervention.save(directory, model=self.model)
-
-    def load_intervention(self, directory: str | Path) -> None:
-        """Load patches trained with this configuration into the module.
-
-        Raises:
-            InterventionLoadError: another kind, subspace size, node or shape (the reason is named).
-            FingerprintMismatchError: saved for another model.
-        """
-        loaded = Intervention.load(directory, graph=self.graph, like=self.intervention)
-        self.intervention.load_state_dict(loaded.state_dict())

@@ -9,7 +9,7 @@ Each line of a file is one record::
 ``source_position`` (an index, negative from the end) or ``base_subject`` and ``source_subject`` (the last token of
 that subject) say where to intervene; without them the module's default position applies (``"last"`` unless
 configured otherwise; ``null`` interchanges every position, which needs base and source of the same token length,
-checked by :class:`~recipes.intervention_module.InterventionModule` before training).
+checked by :class:`~recipes.interchange.module.InterventionModule` before training).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import RecipeConfigError
-from .jsonl import JSONLDataModule, read_json_objects
+from ..errors import RecipeConfigError
+from ..jsonl import JSONLDataModule, read_json_objects
 
 __all__ = ["CounterfactualDataModule", "CounterfactualRecord", "read_counterfactuals"]
 

@@ -1,6 +1,5 @@
-"""Loss terms of the delta recipes, as functions of last-position log-probabilities, and their sum over a batch of
-rows (:func:`delta_loss_terms`, what :class:`~recipes.specs.Objective` computes for a
-:class:`~recipes.delta_module.DeltaModule`).
+"""Loss terms of the delta recipes, as functions of last-position log-probabilities (their weighted sum over a batch
+of rows is :meth:`recipes.delta.specs.Objective.loss_terms`).
 
 Each term function takes ``log_probs`` ``[B, V]`` (float32 ``log_softmax`` of the logits at the last position of the
 ``B`` rows that belong to the term) and returns a scalar loss plus a detached scalar probability for logging.
@@ -8,14 +7,12 @@ Each term function takes ``log_probs`` ``[B, V]`` (float32 ``log_softmax`` of th
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-__all__ = ["KIND_KL", "KIND_STEER", "KIND_TARGET", "away_loss", "delta_loss_terms", "kl_loss", "l2_penalty",
-           "target_nll", "towards_loss"]
+__all__ = ["KIND_KL", "KIND_STEER", "KIND_TARGET", "away_loss", "kl_loss", "l2_penalty", "target_nll",
+           "towards_loss"]
 
-#: Kinds of training rows (:class:`recipes.data.Row`), each scored by its own terms: a target continuation (NLL),
+#: Kinds of training rows (:class:`recipes.delta.rows.Row`), each scored by its own terms: a target continuation (NLL),
 #: a steering prompt (towards/away), a KL prompt.
 KIND_TARGET = 0
 KIND_STEER = 1
@@ -97,52 +94,3 @@ def kl_loss(reference_log_probs: torch.Tensor, log_probs: torch.Tensor) -> torch
 def l2_penalty(deltas: list[torch.Tensor]) -> torch.Tensor:
     """``Σ_i ‖δ_i‖²`` over the deltas (scalar)."""
     return torch.stack([delta.pow(2).sum() for delta in deltas]).sum()
-
-
-def delta_loss_terms(objective: Any, module: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """An :class:`~recipes.specs.Objective` on one batch of rows (see :func:`recipes.data.collate_rows`), scored at
-    their last position with the module's intervention applied.
-
-    Args:
-        objective: the :class:`~recipes.specs.Objective` (weights, steering tokens, KL prompts).
-        module: the :class:`~recipes.delta_module.DeltaModule` (its ``graph``, ``intervention``, ``logits``,
-            ``reference_log_probs``, ``towards_ids``, ``away_ids``, ``deltas``).
-        batch: ``input_ids``, ``attention_mask``, ``position_ids`` ``[B, S]`` and per row ``kind``, ``target``,
-            ``weight``, ``kl_index`` ``[B]``.
-
-    Returns:
-        ``loss`` (weighted sum), the unweighted terms present in the batch (``nll``, ``towards``, ``away``, ``kl``,
-        ``l2``), the probabilities ``p_target``, ``p_towards``, ``p_away`` (detached) and ``norm/<i>``, the L2 norm
-        of delta ``i`` (detached).
-    """
-    names = objective.term_names()
-    with module.graph.patch(module.intervention):
-        logits = module.logits(batch)
-    log_probs = torch.log_softmax(logits[:, -1].float(), dim=-1)  # [B, V]
-    kind = batch["kind"]
-    terms: dict[str, torch.Tensor] = {}
-    loss = log_probs.new_zeros(())
-    rows = kind == KIND_TARGET
-    if "nll" in names and bool(rows.any()):
-        terms["nll"], terms["p_target"] = target_nll(log_probs[rows], batch["target"][rows], batch["weight"][rows])
-        loss = loss + objective.nll_weight * terms["nll"]
-    rows = kind == KIND_STEER
-    if bool(rows.any()):
-        if "towards" in names:
-            terms["towards"], terms["p_towards"] = towards_loss(log_probs[rows], module.towards_ids)
-            loss = loss + objective.towards_weight * terms["towards"]
-        if "away" in names:
-            terms["away"], terms["p_away"] = away_loss(log_probs[rows], module.away_ids)
-            loss = loss + objective.away_weight * terms["away"]
-    rows = kind == KIND_KL
-    if "kl" in names and bool(rows.any()):
-        reference = module.reference_log_probs()[batch["kl_index"][rows]]
-        terms["kl"] = kl_loss(reference, log_probs[rows])
-        loss = loss + objective.kl_weight * terms["kl"]
-    if "l2" in names:
-        terms["l2"] = l2_penalty(module.deltas)
-        loss = loss + objective.l2_weight * terms["l2"]
-    for i, delta in enumerate(module.deltas):
-        terms[f"norm/{i}"] = delta.detach().norm()
-    terms["loss"] = loss
-    return terms

@@ -10,7 +10,7 @@ on one or several nodes, started by Lightning's launcher, ``torchrun`` or SLURM)
    (one ``all_gather`` of a few integers) and all stop with :class:`StatisticsJobError` if they disagree.
 3. Each rank adds ``Σ k kᵀ`` per node in float64 in place (:class:`editors.SecondMomentSums`: one ``[d_in, d_in]``
    accumulator per node plus one batch of activations) and writes its partial sums atomically every
-   ``checkpoint_every`` documents (:mod:`recipes.stats_partial`); a killed job started again resumes each rank
+   ``checkpoint_every`` documents (:mod:`recipes.editing.stats_partial`); a killed job started again resumes each rank
    after its last checkpoint, and gives the uninterrupted job's result.
 4. At the end the counts are gathered, then each node's accumulator is all-reduced once (in place; ``d_in²``
    numbers per node, the only large collective), and rank 0 writes the cache files editors read
@@ -43,7 +43,7 @@ from editors.statistics import (Corpus, SecondMoment, SecondMomentSums, default_
                                 save_second_moment, second_moment_cache_file, statistics_fingerprint)
 from gradpatch.errors import NonFiniteError
 
-from .errors import StatisticsJobError
+from ..errors import StatisticsJobError
 from .process_group import owned_process_group
 from .stats_partial import JobIdentity, PartialSums, partial_file, read_partial, write_partial
 
