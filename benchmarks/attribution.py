@@ -55,7 +55,7 @@ from gradpatch.attribution import (
     resolve_nodes,
     verify_top,
 )
-from gradpatch.loaders import load_embedded_model
+from gradpatch.files.loaders import load_embedded_model
 
 DATA = Path(__file__).resolve().parent / "data"
 KW = {"use_cache": False}

@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 
 from benchmarks.build_reft_data import NEGATIVE, POSITIVE
-from gradpatch.loaders import load_embedded_model
+from gradpatch.files.loaders import load_embedded_model
 from recipes import BiPOObjective, PreferenceDataModule, ReFTModule, caa_vector
 
 DATA = Path(__file__).resolve().parent / "data"

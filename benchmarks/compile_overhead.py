@@ -49,7 +49,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 
 from gradpatch import AddPatch, PatchableGraph, ProbePatch, ZeroPatch
-from gradpatch.loaders import WEIGHT_DTYPES as DTYPES, embedded_or_random_model
+from gradpatch.files.loaders import WEIGHT_DTYPES as DTYPES, embedded_or_random_model
 
 
 def _timed(fn: Callable[[], Any], synchronize: Callable[[], None]) -> float:

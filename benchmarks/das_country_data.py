@@ -26,8 +26,8 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gradpatch.files import atomic_write_text
-from gradpatch.loaders import load_embedded_model
+from gradpatch.files.atomic import atomic_write_text
+from gradpatch.files.loaders import load_embedded_model
 
 TEMPLATE = "{city} is a city in the country of"
 

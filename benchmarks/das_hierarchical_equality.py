@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gradpatch import FullInterchangePatch, PatchableGraph, RotatedSubspacePatch
-from gradpatch.interchange import interchange_patch_map
+from gradpatch.interventions.interchange import interchange_patch_map
 
 EMBEDDING = 4
 WIDTH = 4 * EMBEDDING

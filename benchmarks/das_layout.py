@@ -24,7 +24,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gradpatch.loaders import load_embedded_model
+from gradpatch.files.loaders import load_embedded_model
 from recipes.interchange.counterfactual import read_counterfactuals
 from recipes.interchange.module import InterventionModule
 

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _load(tiny: bool, device: str) -> tuple[Any, Any, list[str]]:
     """``(graph, tokenizer, nodes)``: the embedded SmolLM2-135M at MEMIT's layers 2-6, or the tiny Llama."""
     from editors import DEFAULT_SMOLLM2_NODES, editable_graph
-    from gradpatch.loaders import load_embedded_model
+    from gradpatch.files.loaders import load_embedded_model
     from recipes.testing import tiny_backbone
 
     if tiny:

@@ -44,7 +44,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from gradpatch.testing import tiny_llama
 from gradpatch import AddPatch, PatchableGraph, ProbePatch
-from gradpatch.loaders import WEIGHT_DTYPES as DTYPES, embedded_or_random_model
+from gradpatch.files.loaders import WEIGHT_DTYPES as DTYPES, embedded_or_random_model
 
 
 def _count_nodes(pg: PatchableGraph) -> dict[str, int]:

@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 
 from gradpatch import AddPatch, PatchableGraph
-from gradpatch.loaders import WEIGHT_DTYPES as DTYPES, embedded_or_random_model
+from gradpatch.files.loaders import WEIGHT_DTYPES as DTYPES, embedded_or_random_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,7 +165,7 @@ def main() -> None:
         model, tokenizer = tiny_backbone()
         label = "tiny random Llama (2 layers, hidden 64)"
     else:
-        from gradpatch.loaders import load_embedded_model
+        from gradpatch.files.loaders import load_embedded_model
 
         model, tokenizer = load_embedded_model()
         label = "SmolLM2-135M-Instruct"

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         requests = _tiny_requests(args.batch)
         config.clamp_factor, config.context_length_params = 500.0, ((5, 4), (10, 4))
     else:
-        from gradpatch.loaders import load_embedded_model
+        from gradpatch.files.loaders import load_embedded_model
 
         model, tokenizer = load_embedded_model(device=args.device)
         node = args.node or DEFAULT_SMOLLM2_NODES[-1]

@@ -30,7 +30,7 @@ from editors.defaults import DEFAULT_SMOLLM2_NODES
 from editors.solve.multi_update import null_space_projector
 from editors.statistics.keys import ContextPrefixes, context_activations
 from editors.statistics.second_moment import layer_second_moments
-from gradpatch.loaders import load_model
+from gradpatch.files.loaders import load_model
 
 THRESHOLDS = (2e-2, 1e-2)  # AlphaEditConfig's default, and the value of docs/memit.md's evaluation-set runs
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback
 
-from gradpatch.loaders import load_embedded_model
+from gradpatch.files.loaders import load_embedded_model
 from recipes import ContinuationDataModule, ReFTModule
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -39,8 +39,8 @@ if __package__ in (None, ""):
 from benchmarks.peak_rss import peak_mib, reset_peak, resident_mib
 from benchmarks.reft_country import country_data, fit_steps, score
 from benchmarks.reft_pyreft import save_for_pyreft
-from gradpatch.loaders import load_embedded_model
-from gradpatch.reft import ReFTPositions
+from gradpatch.files.loaders import load_embedded_model
+from gradpatch.interventions.reft import ReFTPositions
 from recipes import ReFTModule
 from recipes.tokens import encode, left_pad, pad_token_id
 

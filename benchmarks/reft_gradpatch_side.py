@@ -23,8 +23,8 @@ if __package__ in (None, ""):
 
 from benchmarks.timed_steps import median, timed_steps
 from gradpatch import LoReFTPatch, PatchableGraph
-from gradpatch.loaders import load_embedded_model
-from gradpatch.reft import reft_patch_map
+from gradpatch.files.loaders import load_embedded_model
+from gradpatch.interventions.reft import reft_patch_map
 
 
 def assign_rotation(patch: LoReFTPatch, rotation: torch.Tensor, seed: int) -> None:

@@ -37,8 +37,8 @@ if __package__ in (None, ""):
 
 from benchmarks.reft_gradpatch_side import loreft_from
 from gradpatch import LoReFTPatch, PatchableGraph, ProbePatch
-from gradpatch.loaders import load_embedded_model
-from gradpatch.reft import reft_patch_map
+from gradpatch.files.loaders import load_embedded_model
+from gradpatch.interventions.reft import reft_patch_map
 
 #: The LlamaConfig fields pyreft's transformers (4.45) needs to rebuild the model (5.24 renamed rope_theta).
 _CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

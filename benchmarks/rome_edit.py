@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         config.n_samples = 64
         config.clamp_factor = 500.0
     else:
-        from gradpatch.loaders import load_model
+        from gradpatch.files.loaders import load_model
 
         model, tokenizer = load_model(args.model)
         node = args.node or DEFAULT_SMOLLM2_NODE

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from gradpatch import PatchableGraph
-from gradpatch.dispatch import execution_device
+from gradpatch.extraction.dispatch import execution_device
 from gradpatch.optional.quantized import is_quantized_parameter
 from gradpatch.model_io import model_device, pad_token_id, right_pad
 

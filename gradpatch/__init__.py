@@ -17,17 +17,18 @@ from .errors import (
     ShapeSpecializationError,
     SubspaceConfigError,
 )
-from .fingerprint import model_fingerprint
-from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, UnusedModule
-from .interchange import InterchangeSide, interchange
-from .intervention import Intervention
-from .node_path import NodeData
-from .options import ExtractionOptions
+from .files.fingerprint import model_fingerprint
+from .extraction.graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, UnusedModule
+from .interventions.interchange import InterchangeSide, interchange
+from .interventions.intervention import Intervention
+from .extraction.node_path import NodeData
+from .extraction.options import ExtractionOptions
 from .layouts import ModelLayout
 from .patchable_graph import PatchableGraph
 from .patches import AddPatch, CustomPatch, Patch, ProbePatch, RecordPatch, ReplacePatch, ZeroPatch
-from .reft import AddVectorPatch, DiReFTPatch, LoReFTPatch, ReFTPatch, ReFTPositions
-from .subspace import (BoundlessSubspacePatch, FullInterchangePatch, RotatedSubspacePatch, SigmoidMaskPatch,
+from .interventions.reft import AddVectorPatch, DiReFTPatch, LoReFTPatch, ReFTPatch, ReFTPositions
+from .interventions.subspace import (BoundlessSubspacePatch, FullInterchangePatch, RotatedSubspacePatch,
+                                     SigmoidMaskPatch,
                        TrainablePatch)
 
 __all__ = [

@@ -17,7 +17,7 @@ whatever patches are active. :meth:`PatchableGraph.compile` arranges that as fol
   whose code breaks the graph) runs eagerly, with a :class:`~gradpatch.errors.CompilationWarning` naming it.
 
 Which graphs are active inside a compiled wrapper is decided by each ``CompiledGraphModule``'s ``_gp_forward``
-(see :mod:`gradpatch.graph_modules`), an instance attribute dynamo guards on.
+(see :mod:`gradpatch.extraction.graph_modules`), an instance attribute dynamo guards on.
 """
 
 from __future__ import annotations

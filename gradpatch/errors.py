@@ -11,7 +11,7 @@ class ExtractionError(GradpatchError):
     """A module's graph could not be extracted (data-dependent control flow, grad-mode changes, ...).
 
     Raised to the caller only with ``ExtractionOptions(error_on_compilation_failure=True)``; otherwise the
-    module falls back to an :class:`~gradpatch.graph_modules.OpaqueGraphModule`.
+    module falls back to an :class:`~gradpatch.extraction.graph_modules.OpaqueGraphModule`.
     """
 
 

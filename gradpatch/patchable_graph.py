@@ -12,15 +12,15 @@ import torch
 from torch import nn
 
 from . import generation
-from .attributes import pretrained_base
+from .extraction.attributes import pretrained_base
 from .compiled import CompiledCalls, patch_set_key
 from .errors import NodePathError, ShapeSpecializationError
-from .node_path import NodeData, NodeTree
-from .options import ExtractionOptions
+from .extraction.node_path import NodeData, NodeTree
+from .extraction.options import ExtractionOptions
 from .patches import FiniteCheck, Patch, ProbePatch, RecordPatch, check_value_shape
 from .patch_table import PatchTable
-from .serialization import FileLike, graph_bytes, read, write
-from .variants import GraphVariants
+from .files.serialization import FileLike, graph_bytes, read, write
+from .extraction.variants import GraphVariants
 
 PatchSpec = Union[Patch, Sequence[Patch]]
 PatchMap = Mapping[Union[str, NodeData], PatchSpec]
@@ -50,12 +50,12 @@ class PatchableGraph(nn.Module):
 
     ``PatchableGraph(module, [options,] *example_args, **example_kwargs)`` (graphpatch's order; options first is
     accepted too) runs ``module`` once on the example inputs and extracts a graph per submodule call (see
-    :mod:`gradpatch.extraction`). Calling the PatchableGraph runs those graphs: outside a :meth:`patch` block it
-    returns what ``module`` returns (same values, same gradients), on inputs of other batch sizes and sequence
+    :mod:`gradpatch.extraction.extractor`). Calling the PatchableGraph runs those graphs: outside a :meth:`patch` block
+    it returns what ``module`` returns (same values, same gradients), on inputs of other batch sizes and sequence
     lengths too. Parameters are shared with ``module``. Arguments that hold tensors (or a KV cache) are graph
     inputs; the others (``use_cache=False``, say) are constants of the graph, and a call that leaves one out uses
     the example's. A call of another kind — other inputs, other constants, another class of sizes — gets graphs of
-    its own, extracted once (:mod:`gradpatch.variants`); ``pg.graph`` draws the example's.
+    its own, extracted once (:mod:`gradpatch.extraction.variants`); ``pg.graph`` draws the example's.
 
     Args:
         module: the model, any ``nn.Module`` (transformers models included; pass ``use_cache=False`` for plain
@@ -215,7 +215,7 @@ class PatchableGraph(nn.Module):
 
     @property
     def graph(self) -> NodeData:
-        """The navigable NodePath tree (see :class:`~gradpatch.node_path.NodeData`) of the example's graphs."""
+        """The navigable NodePath tree (see :class:`~gradpatch.extraction.NodeData`) of the example's graphs."""
         return self._tree.root
 
     @property
@@ -278,7 +278,7 @@ class PatchableGraph(nn.Module):
 
         Args:
             patch_map: NodePath (string or ``pg.graph`` node) -> patch or list of patches (applied in order);
-                or an :class:`~gradpatch.intervention.Intervention`. Blocks nest; inner patches apply after outer.
+                or an :class:`~gradpatch.interventions.Intervention`. Blocks nest; inner patches apply after outer.
             check_finite: after the patches at each node, raise :class:`~gradpatch.errors.NonFiniteError` naming
                 the first node whose patched value holds NaN or ±inf (one check per patched node and call).
 

@@ -122,7 +122,7 @@ def check_value_shape(path: str, patch: Patch, info: ValueInfo | None, operation
         PatchShapeError: the value cannot broadcast (the message gives both shapes).
         SubspaceConfigError: a trainable subspace patch whose width is not the node's last dimension.
     """
-    check_width = getattr(patch, "check_width", None)  # trainable subspace patches (gradpatch.subspace)
+    check_width = getattr(patch, "check_width", None)  # trainable subspace patches (gradpatch.interventions.subspace)
     if callable(check_width) and info is not None and info.shape:
         check_width(int(info.shape[-1]), path)
     value = getattr(patch, "value", None)

@@ -6,10 +6,10 @@ once, then one forward pass per new token, patches active at each. A delta at th
 acts on the last prompt token and then on each new token once, as it was trained on the last position; what it
 changed in earlier tokens stays in the cache (recomputing without a cache would drop it).
 
-ReFT patches (:mod:`gradpatch.reft`) given to :func:`greedy_generate` as ``patches`` edit each prompt's first/last
-tokens during the prefill pass only; the generated tokens are not intervened on (as pyreft generates), and what the
-edit changed reaches them through the KV cache. Other patches in ``patches`` (a BiPO/CAA steering ``AddPatch``) apply
-at every pass, to every token.
+ReFT patches (:mod:`gradpatch.interventions.reft`) given to :func:`greedy_generate` as ``patches`` edit each prompt's
+first/last tokens during the prefill pass only; the generated tokens are not intervened on (as pyreft generates), and
+what the edit changed reaches them through the KV cache. Other patches in ``patches`` (a BiPO/CAA steering ``AddPatch``)
+apply at every pass, to every token.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 
 from gradpatch.model_io import call_left_padded, logits_of, model_device
 from gradpatch.patches import Patch
-from gradpatch.reft import prefill_patch_map
+from gradpatch.interventions.reft import prefill_patch_map
 
 from .tokens import encode, left_pad, pad_token_id
 

@@ -57,7 +57,7 @@ def tiny_backbone(seed: int = 0, layers: int = 2) -> tuple[nn.Module, Any]:
 
 def save_tiny_backbone(directory: str | Path, seed: int = 0, layers: int = 2) -> Path:
     """Save :func:`tiny_backbone` with ``save_pretrained`` (model and tokenizer) into ``directory``, a model path
-    that ``gradpatch.loaders.load_model`` and ``gradpatch fit --model`` accept.
+    that ``gradpatch.files.loaders.load_model`` and ``gradpatch fit --model`` accept.
 
     Returns:
         ``directory``.

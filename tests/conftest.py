@@ -89,6 +89,6 @@ def token_ids() -> torch.Tensor:
 
 @pytest.fixture(scope="session")
 def smollm2() -> tuple[nn.Module, object]:
-    from gradpatch.loaders import load_embedded_model
+    from gradpatch.files.loaders import load_embedded_model
 
     return load_embedded_model()

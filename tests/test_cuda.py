@@ -69,7 +69,7 @@ def test_int8_layers_on_the_gpu(tmp_path: Path):
 
 
 def test_no_second_copy_of_the_weights():
-    from gradpatch.loaders import random_embedded_model
+    from gradpatch.files.loaders import random_embedded_model
 
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()

@@ -327,3 +327,26 @@ def test_the_intervention_modules_are_siblings_on_one_base() -> None:
                 assert not borrowed, f"{name}.{node.name} borrows another class's method: {borrowed}"
     assert DeltaModule.training_step.__module__ == "recipes.training.frozen"
     assert DeltaModule.loss_terms.__module__ == "recipes.delta.module"
+
+
+#: The rooms of gradpatch/ (issue 46): each behind a front door with an ``__all__``.
+GRADPATCH_ROOMS = {"attribution", "extraction", "files", "interventions"}
+MAX_GRADPATCH_TOP_MODULES = 15
+
+
+def test_gradpatch_is_a_house_with_rooms() -> None:
+    """At most 15 modules at gradpatch/'s door (``__init__`` included), the rooms each behind a front door whose
+    ``__all__`` names only what it gives, and every name of ``gradpatch.__all__`` importable from ``gradpatch``."""
+    import importlib
+
+    top = sorted(p.name for p in (ROOT / "gradpatch").glob("*.py"))
+    rooms = {p.parent.name for p in (ROOT / "gradpatch").glob("*/__init__.py")}
+    assert len(top) <= MAX_GRADPATCH_TOP_MODULES, f"{len(top)} modules directly under gradpatch/ (move some into " \
+                                                  f"a room): {top}"
+    assert GRADPATCH_ROOMS <= rooms, f"gradpatch/ lacks the rooms {sorted(GRADPATCH_ROOMS - rooms)}"
+    for package in ["gradpatch", *(f"gradpatch.{room}" for room in sorted(GRADPATCH_ROOMS))]:
+        module = importlib.import_module(package)
+        names = _front_door_all(package)
+        assert names, f"{package} has an empty __all__"
+        missing = [name for name in sorted(names) if not hasattr(module, name)]
+        assert not missing, f"{package}.__all__ names what it cannot give: {missing}"

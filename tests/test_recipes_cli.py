@@ -99,7 +99,7 @@ def test_fit_from_yaml_on_a_model_directory(tmp_path, capsys):
     assert [record["path"] for record in document["patches"]] == ["model.layers_1.output"]
     assert "intervention saved to" in capsys.readouterr().err
 
-    from gradpatch.loaders import load_model
+    from gradpatch.files.loaders import load_model
 
     model, tokenizer = load_model(model_dir)
     ids = tokenizer("the city of", return_tensors="pt").input_ids

@@ -156,7 +156,7 @@ def test_bipo_config_parses(tmp_path: Path) -> None:
 
 def test_generation_applies_reft_at_the_prefill_only_and_batches_like_single_prompts() -> None:
     from gradpatch import LoReFTPatch
-    from gradpatch.reft import reft_patch_map
+    from gradpatch.interventions.reft import reft_patch_map
     from recipes.generation import generate_with_patches
 
     model, tokenizer = tiny_backbone()

@@ -1,4 +1,4 @@
-"""gradpatch/reft.py: LoReFT/DiReFT/AddVector patches, f+l positions, tied/untied, save/load checks."""
+"""gradpatch/interventions/reft.py: LoReFT/DiReFT/AddVector patches, f+l positions, tied/untied, save/load checks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from gradpatch import DiReFTPatch, Intervention, LoReFTPatch, PatchableGraph, ReFTPositions
 from gradpatch.errors import InterventionLoadError, SubspaceConfigError
-from gradpatch.reft import check_saved_reft, reft_patch_map
+from gradpatch.interventions.reft import check_saved_reft, reft_patch_map
 
 NODE = "model.layers_0.output"
 

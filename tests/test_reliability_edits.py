@@ -14,7 +14,7 @@ from editors import Edit, EditRequest, load_edits, resolve_layer, save_edits
 from editors.errors import EditError, EditFingerprintError, EditLoadError, EditNotConvergedError
 from gradpatch import PatchableGraph, model_fingerprint
 from gradpatch.errors import FingerprintMismatchError, NonFiniteError
-from gradpatch.files import sha256_hex
+from gradpatch.files.atomic import sha256_hex
 
 
 class Toy(nn.Module):

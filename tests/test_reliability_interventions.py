@@ -11,7 +11,7 @@ from safetensors.torch import save as save_safetensors
 
 from gradpatch import AddPatch, Intervention, PatchableGraph, ReplacePatch, ZeroPatch, model_fingerprint
 from gradpatch.errors import FingerprintMismatchError, InterventionLoadError, NonFiniteError
-from gradpatch.files import atomic_write_bytes, sha256_hex
+from gradpatch.files.atomic import atomic_write_bytes, sha256_hex
 
 NODE = "model.layers_0.mlp.down_proj.output"
 
@@ -36,7 +36,7 @@ def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypa
     def failing_fsync(fd: int) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr("gradpatch.files.os.fsync", failing_fsync)
+    monkeypatch.setattr("gradpatch.files.atomic.os.fsync", failing_fsync)
     with pytest.raises(OSError, match="disk full"):
         atomic_write_bytes(target, b"new contents")
     assert target.read_bytes() == b"old"
@@ -73,7 +73,7 @@ def test_an_interrupted_save_leaves_a_pair_that_fails_to_load(tmp_path, monkeypa
     def crash(path: Path, text: str) -> Path:
         raise KeyboardInterrupt  # the process dies after the tensors file, before the JSON
 
-    monkeypatch.setattr("gradpatch.intervention.atomic_write_text", crash)
+    monkeypatch.setattr("gradpatch.interventions.intervention.atomic_write_text", crash)
     with pytest.raises(KeyboardInterrupt):
         _intervention(1).save(folder)
     assert (folder / "intervention.json").read_text() == before

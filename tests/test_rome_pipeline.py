@@ -180,7 +180,7 @@ def _leaves(record, prefix=""):
 def test_eval_rome_command(tmp_path) -> None:
     """``eval-rome`` is ``eval-edit --method rome``: eval-rome's JSON fields, and the values of ``evaluate_rome`` (the
     recipe it ran before, with the Lightning value runner) within 1e-5."""
-    from gradpatch.loaders import load_model
+    from gradpatch.files.loaders import load_model
     from recipes.cli import main
     from recipes.editing.rome_recipe import evaluate_rome
     from recipes.editing.rome_value import LightningValueRunner

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from editors import Corpus, compute_second_moments, editable_graph, layer_second_moments, resolve_layer
 from editors.passes import with_start_token
-from gradpatch.loaders import load_model
+from gradpatch.files.loaders import load_model
 from recipes import PartialSumsWarning, SecondMomentJob, StatisticsJobError, run_statistics_job
 from recipes.editing.stats_partial import partial_file
 from recipes.testing import WORDS, save_tiny_backbone, tiny_backbone

@@ -10,8 +10,9 @@ import torch
 
 from gradpatch import Intervention, PatchableGraph, ProbePatch
 from gradpatch.errors import FingerprintMismatchError, InterventionLoadError, SubspaceConfigError
-from gradpatch.interchange import InterchangeSide, interchange, interchange_logits, last_token_of
-from gradpatch.subspace import BoundlessSubspacePatch, FullInterchangePatch, RotatedSubspacePatch, SigmoidMaskPatch
+from gradpatch.interventions.interchange import InterchangeSide, interchange, interchange_logits, last_token_of
+from gradpatch.interventions.subspace import (BoundlessSubspacePatch, FullInterchangePatch, RotatedSubspacePatch,
+                                              SigmoidMaskPatch)
 from recipes.testing import tiny_backbone
 
 NODE = "model.layers_0.output"

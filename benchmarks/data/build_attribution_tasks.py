@@ -29,8 +29,8 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from gradpatch.files import atomic_write_text
-from gradpatch.loaders import load_embedded_model
+from gradpatch.files.atomic import atomic_write_text
+from gradpatch.files.loaders import load_embedded_model
 
 HERE = Path(__file__).resolve().parent
 CITY_TEMPLATE = "The city of {} is in the country of"

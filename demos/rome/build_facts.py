@@ -46,7 +46,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from demos.rome.verify_cases import verify_case
 from editors.evaluation.counterfact import CounterFactCase
-from gradpatch.files import atomic_write_text
+from gradpatch.files.atomic import atomic_write_text
 from recipes.generation import greedy_generate
 
 HERE = Path(__file__).resolve().parent
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from gradpatch.loaders import load_embedded_model
+    from gradpatch.files.loaders import load_embedded_model
 
     torch.set_grad_enabled(False)
     model, tokenizer = load_embedded_model()

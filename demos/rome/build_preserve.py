@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from demos.rome.build_facts import RELATIONS, Candidate, candidates
-from gradpatch.files import atomic_write_text
+from gradpatch.files.atomic import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 BANKS = ("facts.json", "facts_dev.json", "cases.json")

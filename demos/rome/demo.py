@@ -35,7 +35,7 @@ from typing import Any
 from editors import ROME, CounterFactCase, ROMEConfig, editable_graph, load_cases
 from editors.causal_trace import KINDS, TraceResult, causal_trace, save_trace
 from editors.defaults import DEFAULT_N_SAMPLES
-from gradpatch.loaders import EMBEDDED_MODEL_NAME, default_device, load_model
+from gradpatch.files.loaders import EMBEDDED_MODEL_NAME, default_device, load_model
 from gradpatch.progress import ProgressBar
 from recipes.errors import RecipeConfigError
 from recipes.editing.rome_recipe import ROMERun, edit_node, evaluate_rome, run_rome

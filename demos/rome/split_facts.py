@@ -27,7 +27,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from gradpatch.files import atomic_write_text
+from gradpatch.files.atomic import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 

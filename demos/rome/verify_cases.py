@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the per-case rows to this JSON file")
     args = parser.parse_args(argv)
 
-    from gradpatch.loaders import load_model
+    from gradpatch.files.loaders import load_model
 
     torch.set_grad_enabled(False)
     model, tokenizer = load_model(args.model)

@@ -6,7 +6,7 @@ import io
 import json
 from pathlib import Path
 
-from gradpatch.files import atomic_write_bytes, atomic_write_text
+from gradpatch.files.atomic import atomic_write_bytes, atomic_write_text
 
 from .plot import plot_trace
 from .result import TraceResult
@@ -17,8 +17,8 @@ __all__ = ["save_trace"]
 def save_trace(result: TraceResult, out_dir: str | Path, *, model_name: str = "") -> dict[str, Path]:
     """Write ``out_dir/trace.json`` and one heatmap ``out_dir/trace_<kind>.png`` per traced kind.
 
-    Each file goes to a temporary file first and is renamed into place (:func:`gradpatch.files.atomic_write_bytes`),
-    so an interrupted run never leaves half a file.
+    Each file goes to a temporary file first and is renamed into place
+    (:func:`gradpatch.files.atomic.atomic_write_bytes`), so an interrupted run never leaves half a file.
 
     Args:
         result: a :class:`~editors.causal_trace.TraceResult`.

@@ -1,9 +1,9 @@
 """The files of saved edits: ``edit.safetensors`` (the factors) and ``edit.json`` (NodePaths, request, fingerprint,
 hyperparameters, the tensors file's SHA-256) — never pickled.
 
-Both files are written atomically (:mod:`gradpatch.files`), the JSON last, and every field, factor shape and the digest
-are checked on reading, raising :class:`~editors.errors.EditLoadError` naming the file. :mod:`editors.edits.edit` turns
-the records into :class:`~editors.edits.edit.Edit` objects.
+Both files are written atomically (:mod:`gradpatch.files.atomic`), the JSON last, and every field, factor shape and the
+digest are checked on reading, raising :class:`~editors.errors.EditLoadError` naming the file. :mod:`editors.edits.edit`
+turns the records into :class:`~editors.edits.edit.Edit` objects.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import save as save_safetensors
 
-from gradpatch.files import atomic_write_bytes, atomic_write_text, read_json, read_tensors, sha256_hex
+from gradpatch.files.atomic import atomic_write_bytes, atomic_write_text, read_json, read_tensors, sha256_hex
 from gradpatch.finite import check_finite
 
 from ..errors import EditLoadError

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradpatch.files import atomic_write_text
+from gradpatch.files.atomic import atomic_write_text
 from gradpatch.model_io import logits_of, model_device, pad_token_id, right_pad
 
 from ..defaults import LENGTH_PARAMS

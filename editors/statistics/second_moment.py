@@ -30,7 +30,7 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from gradpatch import model_fingerprint
-from gradpatch.files import atomic_write_bytes
+from gradpatch.files.atomic import atomic_write_bytes
 from gradpatch.model_io import model_device, pad_token_id, right_pad, wrapped_model
 from gradpatch.progress import ProgressBar
 

@@ -80,7 +80,7 @@ def _run(args: argparse.Namespace) -> int:
     from gradpatch.attribution import AttributionError, prompt_batch, resolve_nodes, verify_top
     from gradpatch.attribution.methods import run_method
     from gradpatch.errors import NonFiniteError
-    from gradpatch.loaders import EMBEDDED_MODEL_NAME, default_device, load_model
+    from gradpatch.files.loaders import EMBEDDED_MODEL_NAME, default_device, load_model
 
     from ..reports import save_attribution
 

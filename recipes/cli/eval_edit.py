@@ -67,7 +67,7 @@ def evaluate_edits(args: argparse.Namespace) -> dict[str, Any] | int:
         The JSON record (see the module docstring), or 2 after printing a usage error that names the fix.
     """
     from editors import config_for, editable_graph, editor_for, evaluate_sequential, load_cases
-    from gradpatch.loaders import default_device, load_model
+    from gradpatch.files.loaders import default_device, load_model
 
     command = getattr(args, "command", None) or NAME
     nodes = _nodes(args, command)
@@ -130,7 +130,7 @@ def evaluate_edits(args: argparse.Namespace) -> dict[str, Any] | int:
 
 def write_metrics(args: argparse.Namespace, result: dict[str, Any]) -> int:
     """Write ``result`` to ``--out`` (atomically) and print the scores; returns 0."""
-    from gradpatch.files import atomic_write_text
+    from gradpatch.files.atomic import atomic_write_text
 
     out = Path(args.out)
     atomic_write_text(out, json.dumps(result, indent=1, ensure_ascii=False) + "\n")

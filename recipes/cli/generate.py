@@ -27,7 +27,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     """Run ``gradpatch generate`` (see the module docstring); returns the exit status."""
     from gradpatch import AddPatch, Intervention, PatchableGraph
     from gradpatch.errors import FingerprintMismatchError, InterventionLoadError, SubspaceConfigError
-    from gradpatch.loaders import default_device, load_model
+    from gradpatch.files.loaders import default_device, load_model
 
     from ..errors import RecipeConfigError
     from ..generation import generate_with_patches

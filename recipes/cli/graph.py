@@ -27,7 +27,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from gradpatch import NodePathError, PatchableGraph
-    from gradpatch.loaders import load_model
+    from gradpatch.files.loaders import load_model
 
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model)

@@ -21,7 +21,7 @@ def add_model_option(p: argparse.ArgumentParser) -> None:
 
 
 def add_device_option(p: argparse.ArgumentParser) -> None:
-    """Add ``--device`` (default: cuda when available, else cpu; see :func:`gradpatch.loaders.default_device`)."""
+    """Add ``--device`` (default: cuda when available, else cpu; see :func:`gradpatch.files.loaders.default_device`)."""
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
 
 

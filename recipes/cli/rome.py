@@ -29,7 +29,7 @@ def _run_rome(args: argparse.Namespace) -> int:
     from editors import ROME, EditRequest, ROMEConfig, editable_graph
     from editors import EditNotConvergedError, SubjectNotFoundError
     from gradpatch.errors import NonFiniteError
-    from gradpatch.loaders import default_device, load_model
+    from gradpatch.files.loaders import default_device, load_model
 
     from ..errors import RecipeConfigError
     from ..editing import LightningValueRunner, edit_node, run_rome

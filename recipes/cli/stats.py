@@ -46,7 +46,7 @@ def _run(args: argparse.Namespace) -> int:
     from editors import LayerKindError, editable_graph
     from editors.passes import with_start_token
     from gradpatch.errors import NonFiniteError
-    from gradpatch.loaders import load_model
+    from gradpatch.files.loaders import load_model
 
     from ..errors import StatisticsJobError
     from ..editing import SecondMomentJob, run_statistics_job

@@ -46,7 +46,7 @@ def _run(args: argparse.Namespace) -> int:
     from editors.passes import prompt_and_span
     from gradpatch import PatchableGraph
     from gradpatch.model_io import model_device
-    from gradpatch.loaders import EMBEDDED_MODEL_NAME, default_device, load_model
+    from gradpatch.files.loaders import EMBEDDED_MODEL_NAME, default_device, load_model
     from gradpatch.progress import ProgressBar
 
     from ..reports import log_trace_to_tensorboard

@@ -3,7 +3,7 @@
 A rank's file holds its float64 sums ``Σ k kᵀ`` (tensor ``sum_<i>`` ``[d_in, d_in]`` per node, in the job's node
 order) after the first ``documents_done`` documents of its shard, the token count, and the job's
 :class:`JobIdentity` as JSON metadata. It is written atomically (temporary file + rename,
-:func:`gradpatch.files.atomic_write_bytes`), so a job killed while writing leaves the previous checkpoint whole.
+:func:`gradpatch.files.atomic.atomic_write_bytes`), so a job killed while writing leaves the previous checkpoint whole.
 
 Reading sorts a file into three cases: absent (start the shard), damaged (named in a :class:`PartialSumsWarning`,
 start the shard again) or from another configuration (refused: :class:`StatisticsJobError` with the reason).
@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as save_safetensors
 
-from gradpatch.files import atomic_write_bytes
+from gradpatch.files.atomic import atomic_write_bytes
 
 from ..errors import PartialSumsWarning, StatisticsJobError
 

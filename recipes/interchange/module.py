@@ -13,7 +13,7 @@ Example (what ``recipes/configs/das_country.yaml`` does)::
 
 Each step encodes a batch of counterfactual records (:mod:`recipes.interchange.counterfactual`), runs base and source
 rows in one forward pass with the patches interchanging at the records' positions
-(:func:`gradpatch.interchange.interchange`) and minimises the objective
+(:func:`gradpatch.interventions.interchange.interchange`) and minimises the objective
 (:class:`~recipes.interchange.objectives.IITObjective` by default) on the resulting log-probabilities. IIA on the eval
 file is the validation metric ``iia``; the loss terms, ``iia``, the Boundless boundary width and the mask density go
 to the trainer's logger (TensorBoard in the configs).
@@ -35,12 +35,13 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from gradpatch.files import atomic_write_text
-from gradpatch.interchange import (InterchangeSide, Position, check_interchange_node, check_sides, interchange,
+from gradpatch.files.atomic import atomic_write_text
+from gradpatch.interventions.interchange import (InterchangeSide, Position, check_interchange_node, check_sides,
+                                                 interchange,
                                    interchange_logits)
 from gradpatch.model_io import model_device
 from gradpatch.patches import Patch
-from gradpatch.subspace import (BoundlessSubspacePatch, FullInterchangePatch, RotatedSubspacePatch,
+from gradpatch.interventions.subspace import (BoundlessSubspacePatch, FullInterchangePatch, RotatedSubspacePatch,
                                 SigmoidMaskPatch, TrainablePatch)
 
 from ..errors import RecipeConfigError
@@ -63,9 +64,9 @@ class InterchangeSpec:
 
     Attributes:
         node: NodePath of a ``[batch, seq, d]`` activation (e.g. ``"model.layers_8.output"``, the residual stream).
-        kind: ``"rotated"`` (DAS, :class:`~gradpatch.subspace.RotatedSubspacePatch`), ``"boundless"`` (Boundless
-            DAS), ``"mask"`` (:class:`~gradpatch.subspace.SigmoidMaskPatch`) or ``"full"`` (full-vector interchange,
-            nothing to train: the exact baseline).
+        kind: ``"rotated"`` (DAS, :class:`~gradpatch.interventions.RotatedSubspacePatch`), ``"boundless"`` (Boundless
+            DAS), ``"mask"`` (:class:`~gradpatch.interventions.SigmoidMaskPatch`) or ``"full"`` (full-vector
+            interchange, nothing to train: the exact baseline).
         dim: subspace size ``k`` of ``"rotated"`` (1 ≤ k ≤ d).
         boundary: initial β of ``"boundless"``.
         init: initial mask logit of ``"mask"``.
@@ -80,7 +81,7 @@ class InterchangeSpec:
 
 @dataclass
 class Encoded:
-    """A tokenized batch of records: base and source sides (:class:`gradpatch.interchange.InterchangeSide`) and the
+    """A tokenized batch of records: base and source sides (:class:`gradpatch.interventions.InterchangeSide`) and the
     label token ids ``[B]``."""
 
     base: InterchangeSide
@@ -120,10 +121,11 @@ class InterventionModule(PatchTrainingModule):
             ``"last"`` or ``None`` (every token: base and source must have equal token lengths).
         temperature_start, temperature_end: τ of Boundless/mask patches, annealed linearly over ``max_steps``.
         shared_batch: base and source rows in one forward pass (``True``), or a source pass without gradients that
-            stops at the last patched node, then the base pass (``False``; :func:`gradpatch.interchange.interchange`);
-            ``None`` (default): one pass on GPUs, where fewer launches pay, the two passes on the CPU, where compute
-            does (the shared batch carries the source rows through the later layers and the backward pass: 1.73× the
-            seconds per DAS step at layer 10 of SmolLM2, batch 16, one CPU thread; ``benchmarks/das_layout.py``).
+            stops at the last patched node, then the base pass (``False``;
+            :func:`gradpatch.interventions.interchange.interchange`); ``None`` (default): one pass on GPUs, where fewer
+            launches pay, the two passes on the CPU, where compute does (the shared batch carries the source rows
+            through the later layers and the backward pass: 1.73× the seconds per DAS step at layer 10 of SmolLM2, batch
+            16, one CPU thread; ``benchmarks/das_layout.py``).
         dtype: dtype the model is loaded in (patches stay float32).
         _backbone: ``(model, tokenizer)`` already loaded (tests, notebooks; see :meth:`from_model`).
 
@@ -195,7 +197,8 @@ class InterventionModule(PatchTrainingModule):
         """Encode every record and check base/source agreement, so bad input fails before training.
 
         Raises:
-            RecipeConfigError, SubspaceConfigError: as :meth:`encode` and :func:`gradpatch.interchange.interchange`.
+            RecipeConfigError, SubspaceConfigError: as :meth:`encode` and
+            :func:`gradpatch.interventions.interchange.interchange`.
         """
         for start in range(0, len(records), batch_size):
             encoded = self.encode(records[start:start + batch_size])

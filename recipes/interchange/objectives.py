@@ -35,7 +35,7 @@ class InterventionObjective:
                 reading the source.
             labels: ``[B]`` the counterfactual label token ids.
             reference: ``[B, V]`` the same without patches (no gradient), or ``None`` unless :attr:`reads_reference`.
-            penalty: the patches' summed :meth:`~gradpatch.subspace.TrainablePatch.penalty` (scalar).
+            penalty: the patches' summed :meth:`~gradpatch.interventions.subspace.TrainablePatch.penalty` (scalar).
 
         Returns:
             ``{"loss": scalar to minimise, ...}``: the other scalars are logged (``iia`` among them).
@@ -51,7 +51,7 @@ class IITObjective(InterventionObjective):
     - CE: ``-log P(label)`` at the base prompt's last position with every patch reading the source.
     - KL: ``KL(P_unpatched(base) ‖ P_interchanged(base))`` at that position (a weak pull towards the model's own
       distribution; 0 by default).
-    - sparsity: the patches' :meth:`~gradpatch.subspace.TrainablePatch.penalty` (the L1 norm of a sigmoid mask).
+    - sparsity: the patches' :meth:`~gradpatch.interventions.TrainablePatch.penalty` (the L1 norm of a sigmoid mask).
 
     Also returns ``iia``: the fraction of rows whose interchanged argmax is the label (detached).
 

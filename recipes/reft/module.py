@@ -12,10 +12,10 @@ Example (what ``recipes/configs/loreft_capitals.yaml`` does)::
     module.generate(["Q: capital of Peru?\\nA:"])   # KV-cache generation, ReFT at the prompt's positions
     module.export_intervention("runs/loreft")          # safetensors + JSON (rank, positions, part, model fingerprint)
 
-Kinds (:class:`ReFTSpec`): ``loreft`` (:class:`~gradpatch.reft.LoReFTPatch`), ``direft``
-(:class:`~gradpatch.reft.DiReFTPatch`), ``add`` (:class:`~gradpatch.reft.AddVectorPatch`, the full-vector
-baseline at the same positions), each at the first/last prompt tokens, tied or untied across them; and ``steer``
-(an ``AddPatch`` vector ``[d]`` at every token, what BiPO trains and CAA computes). The objective is pluggable
+Kinds (:class:`ReFTSpec`): ``loreft`` (:class:`~gradpatch.interventions.reft.LoReFTPatch`), ``direft``
+(:class:`~gradpatch.interventions.DiReFTPatch`), ``add`` (:class:`~gradpatch.interventions.AddVectorPatch`, the
+full-vector baseline at the same positions), each at the first/last prompt tokens, tied or untied across them; and
+``steer`` (an ``AddPatch`` vector ``[d]`` at every token, what BiPO trains and CAA computes). The objective is pluggable
 (:mod:`recipes.reft.objectives`, each a :class:`~recipes.reft.objectives.ReFTObjective` of the response tokens'
 log-probabilities): continuation NLL with teacher forcing (default) or BiPO's preference loss. The module is a sibling
 of :class:`~recipes.interchange.InterventionModule` and :class:`~recipes.delta.DeltaModule` on their base
@@ -36,10 +36,11 @@ import torch
 from torch import nn
 
 from gradpatch import AddPatch
-from gradpatch.files import atomic_write_text
-from gradpatch.interchange import check_interchange_node
+from gradpatch.files.atomic import atomic_write_text
+from gradpatch.interventions.interchange import check_interchange_node
 from gradpatch.patches import Patch
-from gradpatch.reft import (AddVectorPatch, DiReFTPatch, LoReFTPatch, ReFTPatch, ReFTPositions, check_saved_reft,
+from gradpatch.interventions.reft import (AddVectorPatch, DiReFTPatch, LoReFTPatch, ReFTPatch, ReFTPositions,
+                                          check_saved_reft,
                             reft_patch_map)
 
 from ..errors import RecipeConfigError

@@ -115,7 +115,7 @@ class FrozenGraphModule(LightningModule):
         ``tokenizer``, ``model_label`` and ``pad_id``; the model is kept unregistered (its weights live in the graph
         given to :meth:`attach_graph`)."""
         if backbone is None:
-            from gradpatch.loaders import load_model
+            from gradpatch.files.loaders import load_model
 
             model, tokenizer = load_model(model_path, dtype=getattr(torch, dtype))
             self.model_label = model_path or EMBEDDED_MODEL_LABEL

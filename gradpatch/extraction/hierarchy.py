@@ -53,7 +53,7 @@ def shallow_copy(module: nn.Module) -> nn.Module:
     """A new module object sharing parameters, buffers and submodules, with its own registries.
 
     accelerate's per-instance ``forward`` (which would run the original module's hook and code) is left out:
-    wrappers run the hook themselves (:mod:`gradpatch.dispatch`).
+    wrappers run the hook themselves (:mod:`gradpatch.extraction.dispatch`).
     """
     copy = object.__new__(type(module))
     copy.__dict__ = dict(module.__dict__)

@@ -56,7 +56,7 @@ def _import_transformers() -> Any:
         import transformers
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "gradpatch.loaders needs transformers: pip install 'gradpatch[hf]' "
+            "gradpatch.files.loaders needs transformers: pip install 'gradpatch[hf]' "
             "(or pip install transformers gguf)"
         ) from exc
     return transformers

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from .value_info import holds_input
+from ..value_info import holds_input
 
 
 @dataclass

@@ -18,7 +18,7 @@ from torch import fx, nn
 
 from .attributes import attribute_value, patchable_attributes
 from .dispatch import Dispatch, accelerate_hook, run_hooked
-from .errors import CompilationWarning, ExtractionError
+from ..errors import CompilationWarning, ExtractionError
 from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, UnusedModule
 from .hierarchy import (
     assemble,
@@ -32,9 +32,9 @@ from .hierarchy import (
 from .inputs import InputPlan, plan_inputs, substitute
 from .naming import assign_node_names, unique_names
 from .options import ExtractionOptions
-from .patch_table import LEAF_NAME
+from ..patch_table import LEAF_NAME
 from .tracer import ValueTracer, check_traceable, concrete_execution, contains_proxy, resolve_attribute
-from .value_info import ValueInfo, describe, holds_input
+from ..value_info import ValueInfo, describe, holds_input
 
 __all__ = [
     "CompiledGraphModule",

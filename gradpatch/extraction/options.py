@@ -27,7 +27,7 @@ class ExtractionOptions:
             for it; its submodule calls run unwrapped) or ``module -> replacement module`` (same function and
             parameters, a forward that is easier to trace; traced instead).
         error_on_compilation_failure: raise :class:`~gradpatch.errors.ExtractionError` instead of falling back to
-            an :class:`~gradpatch.graph_modules.OpaqueGraphModule` when a module's graph cannot be extracted.
+            an :class:`~gradpatch.extraction.graph_modules.OpaqueGraphModule` when a module's graph cannot be extracted.
         postprocessing_function: ``fn(root_wrapper, original_module)`` called after extraction; it may edit the
             graphs in place (they are recompiled afterwards).
         skip_compilation: extract no graphs at all; every module becomes an ``OpaqueGraphModule`` (only inputs,

@@ -24,9 +24,9 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from .errors import SubspaceConfigError
-from .model_io import call_left_padded, left_pad
-from .patches import Patch
+from ..errors import SubspaceConfigError
+from ..model_io import call_left_padded, left_pad
+from ..patches import Patch
 from .subspace import TrainablePatch
 
 __all__ = ["InterchangeSide", "Position", "check_interchange_node", "check_sides", "interchange", "interchange_logits",

@@ -11,9 +11,9 @@ edit Φ of a frozen model's hidden representations ``h`` (``[..., d]``) at a few
 Positions follow pyreft: ``"f7+l7"`` is the first 7 and the last 7 tokens of the prompt (:class:`ReFTPositions`).
 Each patch records its positions and its ``part`` (``"all"`` positions with weights tied across them, or only the
 ``"first"`` / ``"last"`` ones, two patches with untied weights), so a saved :class:`~gradpatch.Intervention`
-knows where it applies. The patches are :class:`~gradpatch.subspace.TrainablePatch` subclasses (their kinds are
-registered in :data:`gradpatch.subspace.TRAINABLE_KINDS` for save/load); :func:`reft_patch_map` places them at the
-prompt positions of a left-padded batch, and :func:`prefill_patch_map` does it for the prefill pass of
+knows where it applies. The patches are :class:`~gradpatch.interventions.TrainablePatch` subclasses (their kinds are
+registered in :data:`gradpatch.interventions.subspace.TRAINABLE_KINDS` for save/load); :func:`reft_patch_map` places
+them at the prompt positions of a left-padded batch, and :func:`prefill_patch_map` does it for the prefill pass of
 KV-cache generation only (the generated tokens are not intervened on, as in pyreft).
 """
 
@@ -28,10 +28,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .errors import InterventionLoadError, SubspaceConfigError
-from .files import read_json
+from ..errors import InterventionLoadError, SubspaceConfigError
+from ..files.atomic import read_json
 from .intervention import JSON_NAME
-from .patches import Patch, Slice
+from ..patches import Patch, Slice
 from .subspace import TRAINABLE_KINDS, TrainablePatch, _orthogonal_linear
 
 __all__ = ["AddVectorPatch", "DiReFTPatch", "LoReFTPatch", "PromptPositionsPatch", "ReFTPatch", "ReFTPositions",

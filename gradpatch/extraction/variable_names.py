@@ -22,7 +22,7 @@ from types import CodeType, FrameType
 import torch
 from torch import fx
 
-from ._torch_compat import set_node_name
+from .._torch_compat import set_node_name
 
 #: Frames of these packages are library code, not the model's: their locals never name nodes.
 _LIBRARY_DIRS = tuple(str(Path(module.__file__).resolve().parent) for module in (torch, sys.modules[__package__]))

@@ -17,10 +17,10 @@ from typing import Any, Callable
 
 from torch import fx, nn
 
-from ._torch_compat import compile_graph_code
+from .._torch_compat import compile_graph_code
 from .dispatch import Dispatch
-from .patch_table import PATCH_TABLE_ATTRIBUTE, PatchTable, apply_patches, patched_graph
-from .value_info import ValueInfo
+from ..patch_table import PATCH_TABLE_ATTRIBUTE, PatchTable, apply_patches, patched_graph
+from ..value_info import ValueInfo
 
 
 class CompiledGraphModule(fx.GraphModule):
@@ -67,7 +67,7 @@ class CompiledGraphModule(fx.GraphModule):
         self._install_forward(forward)
 
     def set_dispatch(self, dispatch: Dispatch) -> None:
-        """Run accelerate's hook of the original module around this graph (see :mod:`gradpatch.dispatch`)."""
+        """Run accelerate's hook of the original module around this graph (see :mod:`gradpatch.extraction.dispatch`)."""
         self._gp_dispatch = dispatch
         self._install_forward(self._gp_clean_forward)
 

@@ -14,13 +14,13 @@ from typing import Any, Iterator
 import torch
 from torch import fx, nn
 
-from .errors import NodePathError
+from ..errors import NodePathError
 from .graph_code import graph_code
 from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, UnusedModule
 from .hierarchy import is_container, node_name
-from .patch_table import leaf_name
+from ..patch_table import leaf_name
 from .tracer import OutputRebuilder, check_shape_guard
-from .value_info import ValueInfo
+from ..value_info import ValueInfo
 
 #: The attributes every node has besides its children (graphpatch's names).
 RESERVED = ("_code", "_path", "_shape")
@@ -38,7 +38,8 @@ class NodeData:
         _path: the NodePath string.
         _shape: ``torch.Size`` of the example value for tensor leaves; for graphs and containers, a tree of the
             shapes below (``pg.graph._shape.output.sub_0``); ``None`` for other values.
-        _code: generated code of a graph under its forward's own signature (:mod:`gradpatch.graph_code`), or the
+        _code: generated code of a graph under its forward's own signature (:mod:`gradpatch.extraction.graph_code`), or
+            the
             line of generated code that computes a leaf.
     """
 
@@ -105,7 +106,7 @@ class NodeData:
     @property
     def code(self) -> str:
         """What ``_code`` shows: a graph's generated code under its forward's own signature
-        (:mod:`gradpatch.graph_code`), or the line of generated code that computes a leaf."""
+        (:mod:`gradpatch.extraction.graph_code`), or the line of generated code that computes a leaf."""
         return self._code
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from ._torch_compat import set_node_name
+from .._torch_compat import set_node_name
 from .hierarchy import RESERVED_LEAF_NAMES, leaf_node_name
 
 

@@ -27,11 +27,11 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .errors import GradpatchError, InputSignatureError
-from .extraction import Extractor
+from ..errors import GradpatchError, InputSignatureError
+from .extractor import Extractor
 from .graph_modules import CompiledGraphModule
 from .options import ExtractionOptions
-from .value_info import holds_input, is_live_object
+from ..value_info import holds_input, is_live_object
 
 #: (training, kind of call, class of sizes or None for graphs without size decisions)
 VariantKey = tuple[bool, tuple, Any]
@@ -63,7 +63,7 @@ class GraphVariants:
 
         Raises:
             InputSignatureError: the arguments do not fit the model's ``forward``.
-            ExtractionError: see :class:`~gradpatch.extraction.Extractor`.
+            ExtractionError: see :class:`~gradpatch.extraction.extractor.Extractor`.
         """
         quick = (training, _quick_kind(args), _quick_kind(kwargs))
         wrapper = self._recent.get(quick)
@@ -302,6 +302,6 @@ def _transformers_extraction() -> Any:
     model's code may use them (transformers is imported); importing it otherwise would cost seconds."""
     if "transformers.masking_utils" not in sys.modules:
         return nullcontext()
-    from .optional.transformers import eager_mask_decisions
+    from .masks import eager_mask_decisions
 
     return eager_mask_decisions()

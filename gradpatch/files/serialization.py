@@ -26,7 +26,7 @@ from safetensors.torch import save as save_tensors
 from torch import nn
 
 from .fingerprint import model_fingerprint
-from .options import ExtractionOptions
+from ..extraction.options import ExtractionOptions
 
 FORMAT = "gradpatch.graph"
 VERSION = 1

@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import fx, nn
 
-from ._torch_compat import TreeSpec, tree_flatten, tree_unflatten, untraced_modules
-from .errors import DataDependentControlFlow, ShapeSpecializationError
+from .._torch_compat import TreeSpec, tree_flatten, tree_unflatten, untraced_modules
+from ..errors import DataDependentControlFlow, ShapeSpecializationError
 from .variable_names import VariableNamer
 
 #: Tensor attributes whose values are fixed by the example (rank, dtype, device) and are returned concretely.

@@ -12,18 +12,18 @@ import torch
 from safetensors.torch import save as save_safetensors
 from torch import nn
 
-from .errors import FingerprintMismatchError, InterventionLoadError
-from .files import atomic_write_bytes, atomic_write_text, read_json, read_tensors, sha256_hex
-from .finite import check_finite
-from .fingerprint import model_fingerprint
-from .patches import AddPatch, CustomPatch, Patch, ProbePatch, RecordPatch, ReplacePatch, ZeroPatch
+from ..errors import FingerprintMismatchError, InterventionLoadError
+from ..files.atomic import atomic_write_bytes, atomic_write_text, read_json, read_tensors, sha256_hex
+from ..finite import check_finite
+from ..files.fingerprint import model_fingerprint
+from ..patches import AddPatch, CustomPatch, Patch, ProbePatch, RecordPatch, ReplacePatch, ZeroPatch
 from .subspace import TRAINABLE_KINDS, TrainablePatch
 
-FORMAT = "gradpatch.intervention"
+FORMAT = "gradpatch.interventions.intervention"
 #: 2: value shapes and dtypes, Python scalar values, the tensors file's SHA-256 (version 1 files still load).
 #: 3: trainable subspace patches (kind, constructor config, one tensor per state_dict entry with its shape).
 #: 4: an orthogonal weight saved as the matrix itself (``rotation.weight``, R ``[k, d]``) instead of torch's
-#: parametrization internals (:meth:`~gradpatch.subspace.TrainablePatch.saved_state`; version 3 files still load).
+#: parametrization internals (:meth:`~gradpatch.interventions.TrainablePatch.saved_state`; version 3 files still load).
 VERSION = 4
 JSON_NAME = "intervention.json"
 TENSORS_NAME = "intervention.safetensors"
@@ -40,7 +40,7 @@ class Intervention(nn.Module):
 
     ``with pg.patch(intervention): ...`` applies it. Tensor values of ``AddPatch``/``ReplacePatch`` become
     parameters (an ``nn.Parameter`` given is used as is; another tensor is copied into a new one); trainable
-    subspace patches (:mod:`gradpatch.subspace`) are registered as submodules (``self.trainable``).
+    subspace patches (:mod:`gradpatch.interventions.subspace`) are registered as submodules (``self.trainable``).
 
     Args:
         patches: NodePath -> patch or list of patches, e.g.
@@ -253,7 +253,7 @@ def _value(tensors: dict[str, torch.Tensor], record: dict[str, Any], tensors_pat
 def _trainable(tensors: dict[str, torch.Tensor], record: dict[str, Any], tensors_path: Path,
                fix: str) -> TrainablePatch:
     """Rebuild a trainable subspace patch from its record: the constructor from ``config``, then its saved state
-    (:meth:`~gradpatch.subspace.TrainablePatch.saved_state`: an orthogonal R itself; files written before hold the
+    (:meth:`~gradpatch.interventions.TrainablePatch.saved_state`: an orthogonal R itself; files written before hold the
     full ``state_dict`` with torch's parametrization internals, and load too).
 
     Raises:

@@ -1,10 +1,10 @@
 """Trainable subspace patches: interchange interventions with learned parameters (DAS, Boundless DAS, masks).
 
 Each patch is an ``nn.Module`` *and* a :class:`~gradpatch.patches.Patch`: it goes into ``pg.patch`` and into an
-:class:`~gradpatch.intervention.Intervention` like any patch, and its parameters are what an optimiser trains.
+:class:`~gradpatch.interventions.Intervention` like any patch, and its parameters are what an optimiser trains.
 It maps a base activation ``b`` and a source activation ``s`` (both ``[..., d]``, ``d`` the node's width) to the
-intervened activation; :mod:`gradpatch.interchange` runs the source and base inputs and gives each patch both.
-Used directly in ``pg.patch``, a patch takes its source from :attr:`TrainablePatch.source` (a fixed ``[d]`` or
+intervened activation; :mod:`gradpatch.interventions.interchange` runs the source and base inputs and gives each patch
+both. Used directly in ``pg.patch``, a patch takes its source from :attr:`TrainablePatch.source` (a fixed ``[d]`` or
 ``[batch, d]`` activation, e.g. recorded from a source prompt) and applies at ``slice``.
 
 - :class:`RotatedSubspacePatch`: distributed interchange intervention, DII(b, s) = b + Rᵀ(R s − R b) with
@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
-from .errors import PatchShapeError, SubspaceConfigError
-from .patches import Patch, Slice
+from ..errors import PatchShapeError, SubspaceConfigError
+from ..patches import Patch, Slice
 
 __all__ = ["BoundlessSubspacePatch", "FullInterchangePatch", "RotatedSubspacePatch", "SigmoidMaskPatch", "TrainablePatch",
            "TRAINABLE_KINDS"]
@@ -50,7 +50,7 @@ class TrainablePatch(nn.Module, Patch):
         slice: the positions it applies to when used directly in ``pg.patch`` (as any patch's ``slice``).
 
     Attributes:
-        source: the source activation used outside :mod:`gradpatch.interchange` (``None`` until set).
+        source: the source activation used outside :mod:`gradpatch.interventions.interchange` (``None`` until set).
         temperature: τ of the sigmoid patches (the training loop anneals it; ignored by the rotation).
 
     Raises:
@@ -82,7 +82,7 @@ class TrainablePatch(nn.Module, Patch):
     def op(self, original: torch.Tensor) -> torch.Tensor:
         if self.source is None:
             raise PatchShapeError(f"{type(self).__name__} has no source activation: set patch.source to a [d] or "
-                                  f"[batch, d] tensor, or train and run it through gradpatch.interchange")
+                                  f"[batch, d] tensor, or train and run it through gradpatch.interventions.interchange")
         source = self.source.to(device=original.device, dtype=original.dtype)
         if source.dim() == 2 and original.dim() == 3:  # [batch, d] at every selected position
             source = source[:, None]
@@ -305,7 +305,7 @@ class FullInterchangePatch(TrainablePatch):
         return source
 
 
-#: Saved kind name -> class (what :class:`~gradpatch.intervention.Intervention` loads).
+#: Saved kind name -> class (what :class:`~gradpatch.interventions.intervention.Intervention` loads).
 TRAINABLE_KINDS: dict[str, type[TrainablePatch]] = {
     cls.__name__: cls for cls in (RotatedSubspacePatch, BoundlessSubspacePatch, SigmoidMaskPatch,
                                   FullInterchangePatch)}
