@@ -281,3 +281,17 @@ def test_greedy_generate_is_one_loop_for_graphs_and_models(backbone):
     assert all(text.strip() for text in plain)
     with pytest.raises(ValueError, match="batch_size"):
         greedy_generate(pg, tokenizer, prompts, batch_size=0)
+
+
+def test_compiled_training_takes_the_steps_of_eager_training(backbone):
+    """``compile`` runs the frozen graph through torch.compile (here ``aot_eager``: AOTAutograd's forward and
+    backward graphs, without inductor's kernels): the same deltas as eager training after the same steps."""
+    torch.compiler.reset()
+    eager, compiled = make_module(backbone), make_module(backbone, compile={"backend": "aot_eager"})
+    assert compiled.hparams["compile"] == {"backend": "aot_eager"}
+    for module in (eager, compiled):
+        quiet_trainer(6).fit(module)
+    assert compiled.graph._compiled.patch_sets >= 1 and eager.graph._compiled is None  # the compiled module compiled
+    assert eager.deltas[0].abs().sum() > 0
+    torch.testing.assert_close(compiled.deltas[0], eager.deltas[0], rtol=1e-4, atol=1e-6)
+    torch.compiler.reset()

@@ -66,6 +66,8 @@ class DeltaModule(PatchTrainingModule):
         batch_size: rows per batch; ``None`` puts all rows in one batch (full-batch steps).
         max_norm: if set, each delta's L2 norm is clamped to it after every optimizer step.
         dtype: dtype the model is loaded in (deltas stay float32 and are cast when added).
+        compile: as :class:`~recipes.training.patches.PatchTrainingModule` (``True``, or torch.compile's keyword
+            arguments: the frozen graph runs compiled).
         _backbone: ``(model, tokenizer)`` already loaded (used instead of ``model_path``; not a CLI option, not
             saved in hyperparameters). :meth:`from_model` passes it.
 
@@ -88,6 +90,7 @@ class DeltaModule(PatchTrainingModule):
         batch_size: int | None = None,
         max_norm: float | None = None,
         dtype: DtypeName = "float32",
+        compile: bool | dict[str, Any] = False,
         *,
         _backbone: tuple[nn.Module, Any] | None = None,
     ) -> None:
@@ -96,7 +99,7 @@ class DeltaModule(PatchTrainingModule):
             raise RecipeConfigError(f"batch_size must be >= 1 or null (all rows in one batch), got {batch_size}")
         term_names = objective.term_names()  # validates before the model is loaded
         super().__init__(interventions=deltas, objective=objective, model_path=model_path, lr=lr, optimizer=optimizer,
-                         dtype=dtype, _backbone=_backbone)
+                         dtype=dtype, compile=compile, _backbone=_backbone)
         self.term_names = term_names
         self.model_path = model_path
         self.batch_size = batch_size

@@ -127,6 +127,8 @@ class InterventionModule(PatchTrainingModule):
             through the later layers and the backward pass: 1.73× the seconds per DAS step at layer 10 of SmolLM2, batch
             16, one CPU thread; ``benchmarks/das_layout.py``).
         dtype: dtype the model is loaded in (patches stay float32).
+        compile: as :class:`~recipes.training.patches.PatchTrainingModule` (``True``, or torch.compile's keyword
+            arguments: the frozen graph runs compiled).
         _backbone: ``(model, tokenizer)`` already loaded (tests, notebooks; see :meth:`from_model`).
 
     Raises:
@@ -141,12 +143,12 @@ class InterventionModule(PatchTrainingModule):
     def __init__(self, interventions: list[InterchangeSpec], objective: InterventionObjective | None = None,
                  model_path: str | None = None, lr: float = 1e-3, optimizer: OptimizerName = "adam",
                  position: Position = "last", temperature_start: float = 50.0, temperature_end: float = 0.1,
-                 shared_batch: bool | None = None, dtype: DtypeName = "float32", *,
-                 _backbone: tuple[nn.Module, Any] | None = None) -> None:
+                 shared_batch: bool | None = None, dtype: DtypeName = "float32",
+                 compile: bool | dict[str, Any] = False, *, _backbone: tuple[nn.Module, Any] | None = None) -> None:
         if not (temperature_start > 0 and temperature_end > 0):
             raise RecipeConfigError(f"temperatures must be > 0, got {temperature_start}, {temperature_end}")
         super().__init__(interventions, objective if objective is not None else IITObjective(), model_path=model_path,
-                         lr=lr, optimizer=optimizer, dtype=dtype, _backbone=_backbone)
+                         lr=lr, optimizer=optimizer, dtype=dtype, compile=compile, _backbone=_backbone)
         self.position = position
         self.shared_batch = shared_batch
         self.temperatures = (float(temperature_start), float(temperature_end))

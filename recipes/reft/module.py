@@ -121,6 +121,8 @@ class ReFTModule(PatchTrainingModule):
             orthogonal parametrization of LoReFT's R: torch's Householder map reads the signs of that tensor's diagonal
             with ``int()``, so a decayed diagonal (1 -> 0.999) would turn R into zeros.
         dtype: dtype the model is loaded in (the patches stay float32).
+        compile: as :class:`~recipes.training.patches.PatchTrainingModule` (``True``, or torch.compile's keyword
+            arguments: the frozen graph runs compiled).
         _backbone: ``(model, tokenizer)`` already loaded (see :meth:`from_model`).
 
     Raises:
@@ -135,8 +137,8 @@ class ReFTModule(PatchTrainingModule):
 
     def __init__(self, interventions: list[ReFTSpec], objective: ReFTObjective | None = None,
                  model_path: str | None = None, lr: float = 4e-3, optimizer: OptimizerName = "adamw",
-                 append_eos: bool = True, weight_decay: float = 0.0, dtype: DtypeName = "float32", *,
-                 _backbone: tuple[nn.Module, Any] | None = None) -> None:
+                 append_eos: bool = True, weight_decay: float = 0.0, dtype: DtypeName = "float32",
+                 compile: bool | dict[str, Any] = False, *, _backbone: tuple[nn.Module, Any] | None = None) -> None:
         if not (isinstance(weight_decay, (int, float)) and 0.0 <= weight_decay < float("inf")):
             raise RecipeConfigError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
         unsigned = sorted({as_spec(ReFTSpec, spec).kind for spec in interventions} - {"steer"})
@@ -146,7 +148,8 @@ class ReFTModule(PatchTrainingModule):
                                     f"objective for them")
         super().__init__(interventions=interventions,
                          objective=objective if objective is not None else ContinuationNLLObjective(),
-                         model_path=model_path, lr=lr, optimizer=optimizer, dtype=dtype, _backbone=_backbone)
+                         model_path=model_path, lr=lr, optimizer=optimizer, dtype=dtype, compile=compile,
+                         _backbone=_backbone)
         self.append_eos = append_eos
         self.weight_decay = float(weight_decay)
         self.save_hyperparameters(ignore=["_backbone", "objective"], logger=False)  # checkpoints give them back

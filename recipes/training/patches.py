@@ -45,6 +45,10 @@ class PatchTrainingModule(FrozenGraphModule):
         lr: learning rate.
         optimizer: ``"adam"``, ``"adamw"`` or ``"sgd"``.
         dtype: dtype the model is loaded in (the patches stay float32).
+        compile: run the frozen graph compiled (``pg.compile``: forward and backward through AOTAutograd, one
+            compiled artefact per patch set, patch values as graph inputs; docs/engine.md, "Compiled graphs"):
+            ``True`` for torch.compile's defaults (inductor), or a mapping of its keyword arguments
+            (``{"backend": "aot_eager"}``, ``{"mode": "reduce-overhead"}``); ``False`` (default) runs it eagerly.
         _backbone: ``(model, tokenizer)`` already loaded (see :meth:`from_model`; not saved in hyperparameters).
 
     Raises:
@@ -58,8 +62,8 @@ class PatchTrainingModule(FrozenGraphModule):
     spec_example: ClassVar[str]
 
     def __init__(self, interventions: Sequence[Any], objective: Any, model_path: str | None = None,
-                 lr: float = 1e-3, optimizer: OptimizerName = "adam", dtype: DtypeName = "float32", *,
-                 _backbone: tuple[nn.Module, Any] | None = None) -> None:
+                 lr: float = 1e-3, optimizer: OptimizerName = "adam", dtype: DtypeName = "float32",
+                 compile: bool | dict[str, Any] = False, *, _backbone: tuple[nn.Module, Any] | None = None) -> None:
         super().__init__(lr=lr, optimizer=optimizer)
         self.specs = [as_spec(self.spec_type, spec) for spec in interventions]
         if not self.specs:
@@ -68,6 +72,8 @@ class PatchTrainingModule(FrozenGraphModule):
         model = self.load_backbone(model_path, dtype, _backbone)
         self.call_kwargs = self.graph_call_kwargs(model)
         pg = self.attach_left_padded_graph(model, **self.call_kwargs)
+        if compile:
+            pg.compile(**({} if compile is True else dict(compile)))
         self.built_patches: list[Patch] = []  # in the order of the specs
         patches: dict[str, list[Patch]] = {}
         for spec in self.specs:
