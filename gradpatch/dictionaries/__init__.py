@@ -1,0 +1,42 @@
+"""Sparse dictionaries on the op graph: sparse autoencoders, transcoders and skip transcoders as ``nn.Module``s,
+their local losses, their files (ours, SAELens's, sparsify's, circuit-tracer's) and their splicing as patches.
+
+Example::
+
+    from gradpatch.dictionaries import SparseAutoencoder, splice
+    sae = SparseAutoencoder(d_in=576, d_sae=2304, activation="topk", k=32)
+    with pg.patch(s := splice(pg, sae, "model.layers_12.output")):   # exact: the error term is kept
+        pg(ids)
+    s.latents                                                          # [batch, seq, 2304]
+
+See docs/dictionaries.md.
+"""
+
+from .activations import ACTIVATIONS, batch_topk, jumprelu, rectangle, step, topk
+from .errors import DictionaryConfigError, DictionaryError, DictionaryLoadError, DictionaryShapeError
+from .losses import auxk_loss, jumprelu_l0, l1_penalty, normalized_mse, remove_parallel_gradient, unit_norm_rows
+from .modules import DictionaryConfig, SkipTranscoder, SparseAutoencoder, SparseDictionary, Transcoder
+
+__all__ = [
+    "ACTIVATIONS",
+    "DictionaryConfig",
+    "DictionaryConfigError",
+    "DictionaryError",
+    "DictionaryLoadError",
+    "DictionaryShapeError",
+    "SkipTranscoder",
+    "SparseAutoencoder",
+    "SparseDictionary",
+    "Transcoder",
+    "auxk_loss",
+    "batch_topk",
+    "jumprelu",
+    "jumprelu_l0",
+    "l1_penalty",
+    "normalized_mse",
+    "rectangle",
+    "remove_parallel_gradient",
+    "step",
+    "topk",
+    "unit_norm_rows",
+]
