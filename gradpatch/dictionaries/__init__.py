@@ -16,6 +16,7 @@ from .activations import ACTIVATIONS, batch_topk, jumprelu, rectangle, step, top
 from .errors import DictionaryConfigError, DictionaryError, DictionaryLoadError, DictionaryShapeError
 from .losses import auxk_loss, jumprelu_l0, l1_penalty, normalized_mse, remove_parallel_gradient, unit_norm_rows
 from .modules import DictionaryConfig, SkipTranscoder, SparseAutoencoder, SparseDictionary, Transcoder
+from .splice import DictionaryPatch, Splice, TranscoderInput, splice
 
 __all__ = [
     "ACTIVATIONS",
@@ -23,11 +24,14 @@ __all__ = [
     "DictionaryConfigError",
     "DictionaryError",
     "DictionaryLoadError",
+    "DictionaryPatch",
     "DictionaryShapeError",
     "SkipTranscoder",
     "SparseAutoencoder",
     "SparseDictionary",
+    "Splice",
     "Transcoder",
+    "TranscoderInput",
     "auxk_loss",
     "batch_topk",
     "jumprelu",
@@ -36,6 +40,7 @@ __all__ = [
     "normalized_mse",
     "rectangle",
     "remove_parallel_gradient",
+    "splice",
     "step",
     "topk",
     "unit_norm_rows",
