@@ -13,10 +13,14 @@ See docs/dictionaries.md.
 """
 
 from .activations import ACTIVATIONS, batch_topk, jumprelu, rectangle, step, topk
+from .circuit_tracer_format import export_circuit_tracer, load_circuit_tracer
 from .errors import DictionaryConfigError, DictionaryError, DictionaryLoadError, DictionaryShapeError
 from .losses import auxk_loss, jumprelu_l0, l1_penalty, normalized_mse, remove_parallel_gradient, unit_norm_rows
 from .modules import DictionaryConfig, SkipTranscoder, SparseAutoencoder, SparseDictionary, Transcoder
+from .saelens_format import export_saelens, load_saelens
+from .sparsify_format import load_sparsify
 from .splice import DictionaryPatch, Splice, TranscoderInput, splice
+from .storage import load_dictionary, save_dictionary
 
 __all__ = [
     "ACTIVATIONS",
@@ -34,12 +38,19 @@ __all__ = [
     "TranscoderInput",
     "auxk_loss",
     "batch_topk",
+    "export_circuit_tracer",
+    "export_saelens",
     "jumprelu",
     "jumprelu_l0",
     "l1_penalty",
+    "load_circuit_tracer",
+    "load_dictionary",
+    "load_saelens",
+    "load_sparsify",
     "normalized_mse",
     "rectangle",
     "remove_parallel_gradient",
+    "save_dictionary",
     "splice",
     "step",
     "topk",
