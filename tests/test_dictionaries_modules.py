@@ -81,7 +81,8 @@ def test_batchtopk_keeps_k_per_token_on_average_and_evaluates_with_its_threshold
     sae.eval()
     h = sae.pre_activations(x)
     assert torch.equal(sae.encode(x), h * (h > sae.batch_threshold))
-    assert torch.allclose(sae.encode(x[:1]), sae.encode(x)[:1], atol=1e-6)  # a token's latents no longer depend on its batch
+    # a token's latents no longer depend on the rest of its batch
+    assert torch.allclose(sae.encode(x[:1]), sae.encode(x)[:1], atol=1e-6)
 
 
 def test_losses() -> None:

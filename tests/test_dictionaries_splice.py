@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradpatch import NodePathError, ProbePatch, testing
+from gradpatch import CustomPatch, NodePathError, ProbePatch, testing
 from gradpatch.dictionaries import (DictionaryConfigError, DictionaryShapeError, SkipTranscoder, SparseAutoencoder,
                                     Transcoder, splice)
 
@@ -39,7 +39,7 @@ def test_sae_with_error_term_is_exact_and_reads_latents(graph: str, node: str, r
     s = splice(pg, sae, node)
     with pg.patch(s):
         spliced = pg(IDS).logits
-    assert (spliced - original).abs().max() < 1e-5
+    assert torch.equal(spliced, original)  # bit for bit (the requirement is 1e-5)
     assert s.latents.shape == (3, 6, 96) and int((s.latents != 0).sum(-1).max()) <= 8
     with pg.patch(splice(pg, sae, node, error_term=False)):
         reconstructed = pg(IDS).logits
@@ -80,7 +80,7 @@ def test_skip_transcoder_reads_the_mlp_input_and_replaces_its_output(llama_graph
         transcoder.W_skip.normal_(0, 0.1, generator=torch.Generator().manual_seed(5))
     original = llama_graph(IDS).logits
     with llama_graph.patch(s := splice(llama_graph, transcoder)):
-        assert (llama_graph(IDS).logits - original).abs().max() < 1e-5
+        assert torch.equal(llama_graph(IDS).logits, original)
     assert s.latents.shape == (3, 6, 80)
     probe = ProbePatch()
     with llama_graph.patch({read: probe}):
@@ -107,11 +107,19 @@ def test_sae_splice_during_llama_generation(llama_graph) -> None:
         assert torch.equal(llama_graph.generate(IDS[:1], **GREEDY), original)
 
 
-def test_gradients_reach_the_dictionary_through_the_spliced_graph(llama_graph) -> None:
+@pytest.mark.parametrize("error_term", [False, True])
+def test_gradients_reach_the_dictionary_through_the_spliced_graph(llama_graph, error_term: bool) -> None:
     sae = _sae()
-    with llama_graph.patch(splice(llama_graph, sae, "model.layers_0.output", error_term=False)):
+    with llama_graph.patch(splice(llama_graph, sae, "model.layers_0.output", error_term=error_term)):
         llama_graph(IDS).logits.logsumexp(-1).mean().backward()
     assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in (sae.W_enc, sae.W_dec, sae.b_enc))
+    if error_term:  # the same gradient as SAELens's x̂ + (x − x̂).detach()
+        ours = sae.W_enc.grad.clone()
+        sae.zero_grad()
+        saelens = CustomPatch(custom_op=lambda x: sae(x) + (x - sae(x)).detach())
+        with llama_graph.patch({"model.layers_0.output": saelens}):
+            llama_graph(IDS).logits.logsumexp(-1).mean().backward()
+        assert torch.allclose(ours, sae.W_enc.grad, atol=1e-6)
 
 
 def test_bad_splices_are_refused_before_any_forward(llama_graph) -> None:

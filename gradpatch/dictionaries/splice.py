@@ -7,11 +7,13 @@ downstream is::
 
     output(x, z') + [error_term] · (y − output(x, z)) + Σ_i α_i W_dec[i]      (y = x for an SAE)
 
-where output(x, z) = z W_dec + b_dec (+ x W_skipᵀ) and α are the ``steer`` coefficients. With the error term (the
-default) and no edit, the downstream value is y itself up to float rounding, so the spliced model computes what the
-model does while the latents read out (:attr:`DictionaryPatch.latents`); editing a latent then changes the value by
-exactly (z' − z) W_dec. The error term is detached, as SAELens's is: gradients reach x and the dictionary through the
-reconstruction only. Without it, the model runs on the dictionary's reconstruction (what CE-loss-recovered scores).
+where output(x, z) = z W_dec + b_dec (+ x W_skipᵀ) and α are the ``steer`` coefficients. The error term is detached,
+as SAELens's is: gradients reach x and the dictionary through the reconstruction only. It is computed as
+y + (output(x, z') − output(x, z)) with y and the second output detached, the same value and gradient as
+output(x, z') + (y − output(x, z)) but without its float rounding: with no edit the downstream value is y bit for
+bit, so the spliced model computes exactly what the model does while the latents read out
+(:attr:`DictionaryPatch.latents`), and editing a latent changes the value by (z' − z) W_dec. Without the error term
+the model runs on the dictionary's output (what CE loss recovered scores).
 
 The patches apply in every forward pass while ``pg.patch`` is active: ``pg(...)``, ``pg.generate`` (each KV-cache
 step's new tokens), and training (the dictionary's parameters get gradients through the patched graph).
@@ -134,9 +136,9 @@ class DictionaryPatch(Patch):
             self.recorded.append(self.latents)
         edited = self._edited(z)
         value = dictionary.output(x, edited)
-        if self.error_term:
+        if self.error_term:  # y + (x̂' − x̂): the same sum as x̂' + (y − x̂), but exactly y when nothing is edited
             clean = value if edited is z else dictionary.output(x, z)
-            value = value + (original.to(value.dtype) - clean).detach()
+            value = original.detach().to(value.dtype) + (value - clean.detach())
         if self.steer:
             alphas = torch.tensor(list(self.steer.values()), dtype=value.dtype, device=value.device)
             value = value + alphas @ dictionary.W_dec[list(self.steer)]
