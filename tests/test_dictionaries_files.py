@@ -80,14 +80,15 @@ def test_saelens_topk_equals_saelens_equations_and_exports_back(tmp_path: Path) 
     assert again.config == sae.config and torch.equal(again(X), sae(X))
 
 
-@pytest.mark.parametrize("architecture", ["standard", "jumprelu", "skip_transcoder", "jumprelu_transcoder"])
+@pytest.mark.parametrize("architecture", ["standard", "jumprelu", "skip_transcoder", "jumprelu_transcoder",
+                                          "jumprelu_skip_transcoder"])
 def test_saelens_other_architectures(tmp_path: Path, architecture: str) -> None:
     transcoder = "transcoder" in architecture
     d_out = 5 if transcoder else D
     t = _tensors(2, W_enc=(D, M), b_enc=(M,), W_dec=(M, d_out), b_dec=(d_out,))
     if "jumprelu" in architecture:
         t["threshold"] = torch.linspace(-0.2, 0.6, M)  # a negative θ: SAELens's ReLU(h)·H(h − θ) still holds
-    if architecture == "skip_transcoder":
+    if architecture.endswith("skip_transcoder"):
         t["W_skip"] = _tensors(3, W_skip=(d_out, D))["W_skip"]
     cfg = {"architecture": architecture, "d_in": D, "d_sae": M, "apply_b_dec_to_input": not transcoder}
     if transcoder:

@@ -14,6 +14,7 @@ SAELens architecture         gradpatch dictionary
 ``transcoder``               Transcoder, ReLU
 ``skip_transcoder``          SkipTranscoder, ReLU
 ``jumprelu_transcoder``      Transcoder, JumpReLU
+``jumprelu_skip_transcoder`` SkipTranscoder, JumpReLU
 ============================ ======================================================================
 
 SAELens's JumpReLU is ReLU(h) · H(h − θ); ours is h · H(h − θ), the same function once θ < 0 is raised to 0, which
@@ -44,7 +45,7 @@ SAELENS_WEIGHTS = "sae_weights.safetensors"
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "standard": ("sae", "relu"), "topk": ("sae", "topk"), "jumprelu": ("sae", "jumprelu"),
     "transcoder": ("transcoder", "relu"), "skip_transcoder": ("skip_transcoder", "relu"),
-    "jumprelu_transcoder": ("transcoder", "jumprelu")}
+    "jumprelu_transcoder": ("transcoder", "jumprelu"), "jumprelu_skip_transcoder": ("skip_transcoder", "jumprelu")}
 _FIX = "give the folder SAE.save_model wrote (cfg.json + sae_weights.safetensors)"
 
 
@@ -138,8 +139,8 @@ def export_saelens(dictionary: SparseDictionary, directory: str | Path, hook_nam
         ``directory``.
 
     Raises:
-        DictionaryConfigError: a kind and activation SAELens has no architecture for (a TopK transcoder, a JumpReLU
-            skip transcoder).
+        DictionaryConfigError: a kind and activation SAELens has no architecture for (a TopK or BatchTopK
+            transcoder).
     """
     directory = Path(directory)
     config = dictionary.config
