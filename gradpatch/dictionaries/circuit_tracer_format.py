@@ -26,7 +26,7 @@ import torch
 import yaml
 from safetensors.torch import save as save_safetensors
 
-from ..files import atomic_write_bytes, atomic_write_text, read_tensors
+from ..files import atomic_write_bytes, atomic_write_text, read_tensors, read_yaml
 from .errors import DictionaryConfigError, DictionaryLoadError
 from .modules import DictionaryConfig, SparseDictionary
 from .storage import dictionary_from_tensors
@@ -41,15 +41,10 @@ def _read_config(path: Path) -> list[tuple[int, Path]]:
     """(layer, file) of each transcoder of ``config.yaml``, sorted by layer.
 
     Raises:
-        DictionaryLoadError: unreadable YAML, missing keys, a remote or ``.npz`` file, a repeated or missing layer.
+        DictionaryLoadError: a missing file, unreadable YAML, missing keys, a remote or ``.npz`` file, a repeated or
+            missing layer.
     """
-    if not path.is_file():
-        raise DictionaryLoadError(f"{path} does not exist; {_FIX}")
-    try:
-        config = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
-        raise DictionaryLoadError(f"{path} is unreadable or not YAML ({error}); {_FIX}") from error
-    entries = config.get("transcoders") if isinstance(config, dict) else None
+    entries = read_yaml(path, DictionaryLoadError, _FIX).get("transcoders")
     if not isinstance(entries, list) or not entries:
         raise DictionaryLoadError(f"{path} has no 'transcoders' list; {_FIX}")
     files: dict[int, Path] = {}
@@ -83,7 +78,8 @@ def load_circuit_tracer(config_path: str | Path, input_node: str, output_node: s
         layer -> ReLU (skip) transcoder, in layer order.
 
     Raises:
-        DictionaryLoadError: as ``_read_config``; a missing or extra tensor, mismatched widths, NaN or ±inf.
+        DictionaryLoadError: a missing or unreadable ``config.yaml`` or layer file, a remote or ``.npz`` file, a
+            repeated or missing layer, a missing or extra tensor, mismatched widths, NaN or ±inf.
     """
     transcoders = {}
     for layer, file in _read_config(Path(config_path)):
