@@ -11,27 +11,27 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from gradpatch.dictionaries import SparseAutoencoder, Transcoder, load_dictionary
-from recipes.dictionary import ActivationBuffer, DictionaryModule
+from recipes.dictionary import ActivationBuffer, DictionaryModule, EndToEndDictionaryModule
 from recipes.errors import RecipeConfigError
 
 CHUNKS = torch.randint(3, 100, (48, 8), generator=torch.Generator().manual_seed(0))  # 48 sequences of 8 tokens
 
 
-def _fit(module: DictionaryModule, root: Path, steps: int) -> list[float]:
-    """Fit for ``steps`` batches of 4 sequences; returns the FVU of each optimizer step."""
-    fvus: list[float] = []
+def _fit(module: DictionaryModule, root: Path, steps: int, term: str = "fvu") -> list[float]:
+    """Fit for ``steps`` batches of 4 sequences; returns the loss term ``term`` of each optimizer step."""
+    values: list[float] = []
     original = module.loss_terms
 
-    def recording(rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        terms = original(rows)
-        fvus.append(float(terms["fvu"].detach()))
+    def recording(batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        terms = original(batch)
+        values.append(float(terms[term].detach()))
         return terms
 
     module.loss_terms = recording  # type: ignore[method-assign]
     trainer = Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root))
     trainer.fit(module, DataLoader(CHUNKS, batch_size=4))
-    return fvus
+    return values
 
 
 def test_topk_sae_trains_on_streamed_activations(llama_graph, tmp_path: Path) -> None:
@@ -74,3 +74,13 @@ def test_buffer_mixes_and_is_bounded() -> None:
 def test_a_dictionary_without_nodes_is_refused(llama_graph) -> None:
     with pytest.raises(RecipeConfigError, match="names no node"):
         DictionaryModule(llama_graph, Transcoder(64, 32, activation="relu", input_node="model.layers_0.mlp.x"))
+
+
+@pytest.mark.parametrize("activation", ["topk", "relu"])
+def test_end_to_end_training_lowers_the_kl_of_the_spliced_model(llama_graph, tmp_path: Path, activation: str) -> None:
+    sae = SparseAutoencoder(64, 128, activation, k=8 if activation == "topk" else None, node="model.layers_1.output",
+                            generator=torch.Generator().manual_seed(0))
+    module = EndToEndDictionaryModule(llama_graph, sae, lr=1e-2, sparsity_coefficient=1e-4)
+    kls = _fit(module, tmp_path, steps=40, term="kl")
+    assert len(kls) == 40 and sum(kls[-3:]) < 0.6 * sum(kls[:3])
+    assert (tmp_path / "dictionary" / "dictionary.json").is_file()

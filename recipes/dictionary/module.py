@@ -5,8 +5,8 @@
 
 1. reads the dictionary's input node (and a transcoder's output node) in one forward pass of the frozen graph that
    stops after the deepest node read (:func:`editors.passes.node_activations`), without gradients;
-2. pushes those ``batch · seq`` rows into a bounded shuffle buffer (:class:`~recipes.dictionary.buffer.ActivationBuffer`)
-   and, once it holds ``buffer_rows``, trains on as many rows drawn from it at random (steps before that only fill it);
+2. pushes those ``batch · seq`` rows into a bounded shuffle buffer
+   (:class:`~recipes.dictionary.buffer.ActivationBuffer`) and, once it holds ``buffer_rows``, trains on as many rows drawn from it at random (steps before that only fill it);
 3. minimises the local loss of the dictionary's kind (:mod:`gradpatch.dictionaries.losses`):
 
    - every kind: normalised MSE (FVU) of the prediction against the target (the input for an SAE, the output node's
@@ -14,7 +14,7 @@
    - TopK / BatchTopK: + ``auxk_coefficient`` · AuxK over the dead latents (Gao et al. 2024, appendix A.2;
      α = 1/32, k_aux = d_out / 2 as sparsify uses);
    - ReLU: + ``sparsity_coefficient`` · L1 (Σ |z_i| ‖W_dec[i]‖); JumpReLU: + ``sparsity_coefficient`` · L0 with the
-     straight-through θ gradient (Rajamanoharan et al. 2024, eq. 12);
+     straight-through θ gradient (Rajamanoharan et al. 2024, eq. 12); logged as ``penalty``;
 4. with ``unit_norm_decoder``, removes each decoder row's parallel gradient component before the optimizer step and
    renormalises the rows after it (Gao et al. section 2.2).
 
@@ -113,23 +113,39 @@ class DictionaryModule(FrozenGraphModule):
         z = dictionary.activate(h)
         prediction = dictionary.output(x, z)
         fvu = normalized_mse(prediction, target)
-        with torch.no_grad():
-            self.tokens_since_fired += x.shape[0]
-            self.tokens_since_fired[(z > 0).any(0)] = 0
-        dead = self.tokens_since_fired > self.dead_after_tokens
-        terms = {"fvu": fvu, "l0": (z > 0).float().sum(-1).mean().detach(), "dead_fraction": dead.float().mean()}
-        activation = dictionary.config.activation
-        if activation in ("topk", "batchtopk"):
+        dead = self.track_firing(z)
+        terms = {"fvu": fvu, **self.sparsity_terms(h, z)}
+        if dictionary.config.activation in ("topk", "batchtopk"):
             terms["auxk"] = auxk_loss(h, target - prediction, dictionary.W_dec, dead, max(dictionary.d_out // 2, 1))
             terms["loss"] = fvu + self.auxk_coefficient * terms["auxk"]
-        elif activation == "relu":
-            terms["l1"] = l1_penalty(z, dictionary.W_dec)
-            terms["loss"] = fvu + self.sparsity_coefficient * terms["l1"]
         else:
-            terms["l0_penalty"] = jumprelu_l0(h, dictionary.threshold, dictionary.config.bandwidth)
-            terms["loss"] = fvu + self.sparsity_coefficient * terms["l0_penalty"]
+            terms["loss"] = fvu + self.sparsity_coefficient * terms["penalty"]
+        return self.logged(terms, z)
+
+    def track_firing(self, z: torch.Tensor) -> torch.Tensor:
+        """Count ``z``'s ``[n, m]`` tokens into :attr:`tokens_since_fired` (0 for the latents that fired); returns the
+        dead latents ``[m]`` (booleans)."""
+        with torch.no_grad():
+            self.tokens_since_fired += z.shape[0]
+            self.tokens_since_fired[(z > 0).any(0)] = 0
+        return self.tokens_since_fired > self.dead_after_tokens
+
+    def sparsity_terms(self, h: torch.Tensor, z: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{"penalty": ...}`` to weigh by λ: L1 for ReLU, L0 for JumpReLU; ``{}`` for TopK and BatchTopK."""
+        config = self.dictionary.config
+        if config.activation == "relu":
+            return {"penalty": l1_penalty(z, self.dictionary.W_dec)}
+        if config.activation == "jumprelu":
+            return {"penalty": jumprelu_l0(h, self.dictionary.threshold, config.bandwidth)}
+        return {}
+
+    def logged(self, terms: dict[str, torch.Tensor], z: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``terms`` with ``l0`` (mean active latents per token of ``z``) and ``dead_fraction`` added, all but
+        ``loss`` logged."""
+        terms["l0"] = (z > 0).float().sum(-1).mean().detach()
+        terms["dead_fraction"] = (self.tokens_since_fired > self.dead_after_tokens).float().mean()
         self.log_dict({name: value.detach() for name, value in terms.items() if name != "loss"}, on_step=True,
-                      on_epoch=False, batch_size=x.shape[0])
+                      on_epoch=False, batch_size=z.shape[0])
         return terms
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
