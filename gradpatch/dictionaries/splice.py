@@ -41,15 +41,16 @@ class TranscoderInput(Patch):
 
     Attributes:
         width: the transcoder's ``d_in`` (checked against the node when ``pg.patch`` is entered).
-        value: the value of the current forward pass, until the output patch takes it.
+        held: the value of the current forward pass, until the output patch takes it (not named ``value``: the
+            engine reads a patch's ``value`` as a patch value to check and to train).
     """
 
     width: int
-    value: torch.Tensor | None = field(default=None, repr=False)
+    held: torch.Tensor | None = field(default=None, repr=False)
     requires_clone: bool = field(default=False, init=False, repr=False)
 
     def op(self, original: Any) -> Any:
-        self.value = original
+        self.held = original
         return original
 
     def check_width(self, width: int, path: str) -> None:
@@ -105,7 +106,7 @@ class DictionaryPatch(Patch):
     def _input(self, original: torch.Tensor) -> torch.Tensor:
         if self.source is None:
             return original
-        x, self.source.value = self.source.value, None
+        x, self.source.held = self.source.held, None
         if x is None:
             raise DictionaryShapeError("the transcoder's input node did not run before its output node in this forward "
                                        "pass; splice it reading a node that the model computes first")
