@@ -63,8 +63,9 @@ def _architecture(cfg: dict[str, Any], where: Path) -> str:
         return "standard"
     if architecture not in _ARCHITECTURES:
         raise DictionaryLoadError(f"{where}: SAELens architecture {architecture!r} is not one gradpatch reads "
-                                  f"({sorted(_ARCHITECTURES)}); a gated or matryoshka training checkpoint must be "
-                                  f"saved for inference by SAELens first")
+                                  f"({sorted(_ARCHITECTURES)}); gated, abstopk, matching_pursuit and temporal SAEs are "
+                                  f"not implemented, and a BatchTopK or Matryoshka training checkpoint must first be "
+                                  f"saved for inference by SAELens (it writes them as jumprelu)")
     return architecture
 
 

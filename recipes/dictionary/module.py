@@ -1,7 +1,8 @@
 """Training a sparse dictionary in Lightning on activations streamed from a frozen PatchableGraph (local losses).
 
 :class:`DictionaryModule` is a :class:`~recipes.frozen.FrozenGraphModule` whose trainable tensors are one
-:class:`gradpatch.dictionaries.SparseDictionary`. Each training batch is token ids ``[batch, seq]``; the step
+:class:`gradpatch.dictionaries.SparseDictionary`. Each training batch is token ids ``[batch, seq]`` without padding
+(packed chunks of a corpus, what SAELens and sparsify train on; every position counts); the step
 
 1. reads the dictionary's input node (and a transcoder's output node) in one forward pass of the frozen graph that
    stops after the deepest node read (:func:`editors.passes.node_activations`), without gradients;
