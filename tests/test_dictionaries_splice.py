@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradpatch import CustomPatch, NodePathError, ProbePatch, testing
+from gradpatch import CustomPatch, NodePathError, PatchableGraph, ProbePatch, testing
 from gradpatch.dictionaries import (DictionaryConfigError, DictionaryShapeError, SkipTranscoder, SparseAutoencoder,
                                     Transcoder, splice)
 
@@ -140,3 +140,15 @@ def test_bad_splices_are_refused_before_any_forward(llama_graph) -> None:
                        output_node="model.layers_0.output")
     with pytest.raises(DictionaryShapeError, match="did not run before"), llama_graph.patch(backwards):
         llama_graph(IDS)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_dictionary_in_a_half_precision_model(tiny_llama, dtype: torch.dtype) -> None:
+    pg = PatchableGraph(tiny_llama.to(dtype), IDS, use_cache=False)
+    original = pg(IDS).logits
+    s = splice(pg, _sae(), "model.layers_0.output")
+    with pg.patch(s):
+        assert torch.equal(pg(IDS).logits, original)
+    assert s.latents.dtype == torch.float32
+    with pg.patch(splice(pg, _sae(), "model.layers_0.output", error_term=False)):
+        assert pg(IDS).logits.dtype == dtype
