@@ -152,3 +152,15 @@ def test_a_float32_dictionary_in_a_half_precision_model(tiny_llama, dtype: torch
     assert s.latents.dtype == torch.float32
     with pg.patch(splice(pg, _sae(), "model.layers_0.output", error_term=False)):
         assert pg(IDS).logits.dtype == dtype
+
+
+def test_several_dictionaries_at_once(llama_graph) -> None:
+    """A transcoder per layer (circuit-tracer's replacement model) and an SAE on the same residual node as a
+    transcoder's input: nested pg.patch blocks, exact with the error terms, each recording its own latents."""
+    splices = [splice(llama_graph, Transcoder(64, 48, activation="relu", generator=torch.Generator().manual_seed(i)),
+                      f"model.layers_{i}.mlp.x", output_node=f"model.layers_{i}.mlp.output") for i in range(2)]
+    splices.append(splice(llama_graph, _sae(), "model.layers_0.output"))
+    original = llama_graph(IDS).logits
+    with llama_graph.patch(splices[0]), llama_graph.patch(splices[1]), llama_graph.patch(splices[2]):
+        assert torch.equal(llama_graph(IDS).logits, original)
+    assert [tuple(s.latents.shape) for s in splices] == [(3, 6, 48), (3, 6, 48), (3, 6, 96)]
