@@ -10,7 +10,7 @@ all tokens (positions where the attention mask is 1):
 - ``ce_loss_original``, ``ce_loss_spliced``, ``ce_loss_zero_ablation``: the mean next-token cross-entropy over every
   position that has a next token; ``ce_loss_recovered`` = (CE_zero − CE_spliced) / (CE_zero − CE_original), SAELens's
   definition (NaN when zero ablation does not change the loss);
-- ``kl``: mean over those positions of KL(p_original ‖ p_spliced);
+- ``kl``: mean over all tokens of KL(p_original ‖ p_spliced) (the last position included, as SAELens averages it);
 - ``n_tokens``: the tokens counted in the activation metrics.
 """
 
@@ -59,8 +59,9 @@ class _Sums:
         self.active = 0.0
         self.fired = torch.zeros(d_sae, dtype=torch.bool)
         self.tokens = 0
-        self.losses = {"original": 0.0, "spliced": 0.0, "zero": 0.0, "kl": 0.0}
+        self.losses = {"original": 0.0, "spliced": 0.0, "zero": 0.0}
         self.positions = 0
+        self.kl = 0.0
 
     def add_activations(self, target: torch.Tensor, output: torch.Tensor, latents: torch.Tensor) -> None:
         target, output = target.double(), output.double()
@@ -81,8 +82,8 @@ class _Sums:
             fvu=fvu, explained_variance=1.0 - fvu, l0=self.active / max(self.tokens, 1),
             dead_fraction=float((~self.fired).double().mean()), ce_loss_original=ce["original"],
             ce_loss_spliced=ce["spliced"], ce_loss_zero_ablation=ce["zero"],
-            ce_loss_recovered=(ce["zero"] - ce["spliced"]) / span if span != 0 else float("nan"), kl=ce["kl"],
-            n_tokens=self.tokens)
+            ce_loss_recovered=(ce["zero"] - ce["spliced"]) / span if span != 0 else float("nan"),
+            kl=self.kl / max(self.tokens, 1), n_tokens=self.tokens)
 
 
 def _next_token_losses(logits: torch.Tensor, ids: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
@@ -141,5 +142,5 @@ def _add_batch(pg: Any, spliced: Splice, inputs: dict[str, Any], sums: _Sums) ->
         for name, value in (("original", original), ("spliced", logits), ("zero", zero)):
             sums.losses[name] += float(_next_token_losses(value, ids, scored))
         log_p, log_q = F.log_softmax(original.float(), -1), F.log_softmax(logits.float(), -1)
-        sums.losses["kl"] += float(((log_p.exp() * (log_p - log_q)).sum(-1)[:, :-1] * scored).sum())
+        sums.kl += float(((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum())
         sums.positions += int(scored.sum())
