@@ -6,17 +6,27 @@ parameters (seeded; JumpReLU thresholds in [−0.1, 0.4]; TopK with ``rescale_ac
 ``SAE.load_from_disk`` (the folders gradpatch exported). Both write, beside each SAE, ``saelens_outputs.safetensors``:
 the inputs ``x`` ``[64, d_in]`` (seed 0), SAELens's ``encode(x)``, ``decode(encode(x))`` and ``forward(x)``.
 
-Run: ``/work/peers/saelens/bin/python benchmarks/dictionaries_saelens_side.py make|check DIR``.
+``evaluate DIR``: SAELens's reconstruction metrics (``sae_lens.evals.get_recons_loss`` on each batch of
+``DIR/tokens.safetensors``, averaged over all tokens as ``get_downstream_reconstruction_metrics`` averages them) of
+each SAE folder in ``DIR/saes/``, on the Hugging Face model saved in ``DIR/model`` wrapped by ``HookedProxyLM``;
+written to ``DIR/saes/<name>/saelens_metrics.json``.
+
+Run: ``/work/peers/saelens/bin/python benchmarks/dictionaries_saelens_side.py make|check|evaluate DIR``.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from sae_lens import SAE
+from sae_lens.evals import get_recons_loss
+from sae_lens.load_model import HookedProxyLM
+from sae_lens.training.activation_scaler import ActivationScaler
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 D_IN, D_SAE, D_OUT = 32, 96, 40
 EXTRA: dict[str, dict] = {"standard": {}, "topk": {"k": 8, "rescale_acts_by_decoder_norm": True}, "jumprelu": {},
@@ -53,6 +63,26 @@ def check(root: Path) -> None:
         write_outputs(SAE.load_from_disk(folder), folder)
 
 
+def evaluate(root: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(root / "model")
+    batches = [tokens for _, tokens in sorted(load_file(str(root / "tokens.safetensors")).items())]
+    for folder in sorted(path for path in (root / "saes").iterdir() if path.is_dir()):
+        sae = SAE.load_from_disk(folder)
+        proxy = HookedProxyLM(model, tokenizer, hook_names=[sae.cfg.metadata.hook_name])
+        values: dict[str, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for tokens in batches:
+                metrics = get_recons_loss(sae, proxy, ActivationScaler(), tokens, compute_kl=True,
+                                          compute_ce_loss=True)
+                for name, value in metrics.items():
+                    values.setdefault(name, []).append(value.flatten())
+        means = {name: float(torch.cat(parts).mean()) for name, parts in values.items()}
+        means["ce_loss_score"] = (means["ce_loss_with_ablation"] - means["ce_loss_with_sae"]) / (
+            means["ce_loss_with_ablation"] - means["ce_loss_without_sae"])
+        (folder / "saelens_metrics.json").write_text(json.dumps(means))
+
+
 if __name__ == "__main__":
     command, directory = sys.argv[1], Path(sys.argv[2])
-    {"make": make, "check": check}[command](directory)
+    {"make": make, "check": check, "evaluate": evaluate}[command](directory)
