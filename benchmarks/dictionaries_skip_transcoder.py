@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 import time
 import warnings
 
@@ -64,13 +66,15 @@ def main() -> None:
     read, write = f"model.layers_{args.layer}.mlp.x", f"model.layers_{args.layer}.mlp.output"
     width = model.config.hidden_size
     report = {}
+    scratch = tempfile.mkdtemp(prefix="dictionaries_skip_transcoder_")
     for kind in (Transcoder, SkipTranscoder):
         dictionary = kind(width, args.latents, activation="topk", k=args.k, input_node=read, output_node=write,
                           generator=torch.Generator().manual_seed(0))
         fill = 8  # batches in the buffer: the first update comes with the 8th batch
         module = DictionaryModule(pg, dictionary, buffer_rows=fill * args.batch_size * CHUNK, lr=args.lr)
         trainer = Trainer(max_steps=train_chunks // args.batch_size, max_epochs=1, accelerator="cpu", logger=False,
-                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          default_root_dir=scratch)  # where DictionaryModule writes the dictionary at the end
         start = time.perf_counter()
         trainer.fit(module, DataLoader(chunks[:train_chunks], batch_size=args.batch_size))
         seconds = time.perf_counter() - start
@@ -79,6 +83,7 @@ def main() -> None:
         updates = trainer.global_step - (fill - 1)
         report[type(dictionary).__name__] = {**metrics, "train_seconds": round(seconds, 1), "updates": updates,
                                             "trained_tokens": updates * args.batch_size * CHUNK}
+    shutil.rmtree(scratch)
     print(json.dumps({"layer": args.layer, "read": read, "write": write, "latents": args.latents, "k": args.k,
                       "lr": args.lr, "train_tokens": train_chunks * CHUNK, "eval_tokens": eval_chunks * CHUNK,
                       "dictionaries": report}, indent=2))
