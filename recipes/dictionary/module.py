@@ -21,7 +21,8 @@
 
 A latent is dead when it has not fired on the last ``dead_after_tokens`` training tokens (Gao et al.: 10M). Logged
 every step: ``fvu``, ``l0`` (mean active latents per token), ``dead_fraction`` and the loss terms. At the end of fit
-the dictionary is written with :func:`gradpatch.dictionaries.save_dictionary` to ``<default_root_dir>/dictionary``.
+the dictionary is written with :func:`gradpatch.dictionaries.save_dictionary` to ``<default_root_dir>/dictionary``
+(Lightning's ``default_root_dir`` is the working directory unless the ``Trainer`` is given one).
 """
 
 from __future__ import annotations
