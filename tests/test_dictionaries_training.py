@@ -11,6 +11,7 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from gradpatch.dictionaries import SparseAutoencoder, Transcoder, load_dictionary
+from gradpatch.errors import NonFiniteError
 from recipes.dictionary import ActivationBuffer, DictionaryModule, EndToEndDictionaryModule
 from recipes.errors import RecipeConfigError
 
@@ -84,3 +85,12 @@ def test_end_to_end_training_lowers_the_kl_of_the_spliced_model(llama_graph, tmp
     kls = _fit(module, tmp_path, steps=40, term="kl")
     assert len(kls) == 40 and sum(kls[-3:]) < 0.6 * sum(kls[:3])
     assert (tmp_path / "dictionary" / "dictionary.json").is_file()
+
+
+def test_a_diverged_dictionary_stops_training_and_writes_nothing(llama_graph, tmp_path: Path) -> None:
+    sae = SparseAutoencoder(64, 128, "topk", k=8, node="model.layers_0.output")
+    with torch.no_grad():
+        sae.b_enc[3] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"'fvu'.*non-finite at step 0.*no dictionary was written"):
+        _fit(DictionaryModule(llama_graph, sae, buffer_rows=32), tmp_path, steps=4)
+    assert not (tmp_path / "dictionary").exists()

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from editors.passes import node_activations
+from gradpatch.finite import StepGuard
 from gradpatch.dictionaries import (SparseDictionary, auxk_loss, jumprelu_l0, l1_penalty, normalized_mse,
                                     remove_parallel_gradient, save_dictionary, unit_norm_rows)
 
@@ -89,6 +90,11 @@ class DictionaryModule(FrozenGraphModule):
         self.unit_norm_decoder = unit_norm_decoder
         self.buffer = ActivationBuffer(buffer_rows, torch.Generator().manual_seed(seed))
         self.register_buffer("tokens_since_fired", torch.zeros(dictionary.d_sae, dtype=torch.long))
+
+    def step_guard(self) -> StepGuard:
+        """How a non-finite step is reported (a :class:`gradpatch.errors.NonFiniteError`; nothing is written)."""
+        return StepGuard(type(self).__name__, f"lower the learning rate (lr={self.lr:g}) or check the dictionary's "
+                                              f"starting weights; no dictionary was written")
 
     def setup(self, stage: str) -> None:
         """Silence Lightning's warning about steps that return ``None``: the steps that fill the buffer do."""
