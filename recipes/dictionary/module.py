@@ -7,7 +7,8 @@
 1. reads the dictionary's input node (and a transcoder's output node) in one forward pass of the frozen graph that
    stops after the deepest node read (:func:`editors.passes.node_activations`), without gradients;
 2. pushes those ``batch · seq`` rows into a bounded shuffle buffer
-   (:class:`~recipes.dictionary.buffer.ActivationBuffer`) and, once it holds ``buffer_rows``, trains on as many rows drawn from it at random (steps before that only fill it);
+   (:class:`~recipes.dictionary.buffer.ActivationBuffer`) and, once it holds ``buffer_rows``, trains on as many rows
+   drawn from it at random (steps before that only fill it);
 3. minimises the local loss of the dictionary's kind (:mod:`gradpatch.dictionaries.losses`):
 
    - every kind: normalised MSE (FVU) of the prediction against the target (the input for an SAE, the output node's
