@@ -57,7 +57,7 @@ class EndToEndDictionaryModule(DictionaryModule):
         """``{"loss", "kl", "fvu", "l0", "dead_fraction", ...}`` on token ids ``[batch, seq]``."""
         pg, dictionary = self.graph, self.dictionary
         read, write = self.nodes[0], self.nodes[-1]
-        probes = {read: ProbePatch(), write: ProbePatch()} if read != write else {read: ProbePatch()}
+        probes = {read: ProbePatch(), write: ProbePatch()}  # one probe when they coincide (an SAE)
         with torch.no_grad(), pg.patch(probes):
             reference = pg(ids, use_cache=False).logits
         spliced = splice(pg, dictionary, read, output_node=write, error_term=False)
