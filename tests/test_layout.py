@@ -278,8 +278,8 @@ def test_one_model_layout_table() -> None:
 
 #: At most this many modules directly under recipes/ (what the rooms share); the rest lives in rooms by concern.
 MAX_RECIPES_TOP_MODULES = 12
-#: The rooms of recipes/, each a sub-package with a front door (``recipes/dictionary/`` will join them).
-RECIPES_ROOMS = {"cli", "delta", "editing", "interchange", "reft", "reports", "training"}
+#: The rooms of recipes/, each a sub-package with a front door.
+RECIPES_ROOMS = {"cli", "delta", "dictionary", "editing", "interchange", "reft", "reports", "training"}
 
 
 def test_recipes_is_a_house_with_rooms() -> None:
@@ -330,7 +330,7 @@ def test_the_intervention_modules_are_siblings_on_one_base() -> None:
 
 
 #: The rooms of gradpatch/ (issue 46): each behind a front door with an ``__all__``.
-GRADPATCH_ROOMS = {"attribution", "extraction", "files", "interventions"}
+GRADPATCH_ROOMS = {"attribution", "dictionaries", "extraction", "files", "interventions"}
 MAX_GRADPATCH_TOP_MODULES = 15
 
 

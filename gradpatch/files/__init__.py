@@ -5,9 +5,9 @@ GGUF file).
 The door re-exports what the layers above use most.
 """
 
-from .atomic import atomic_write_bytes, atomic_write_text, read_json, read_tensors, sha256_hex
+from .atomic import atomic_write_bytes, atomic_write_text, read_json, read_tensors, read_yaml, sha256_hex
 from .fingerprint import model_fingerprint
 from .loaders import embedded_or_random_model, load_embedded_model, load_model, random_embedded_model
 
 __all__ = ["atomic_write_bytes", "atomic_write_text", "embedded_or_random_model", "load_embedded_model", "load_model",
-           "model_fingerprint", "random_embedded_model", "read_json", "read_tensors", "sha256_hex"]
+           "model_fingerprint", "random_embedded_model", "read_json", "read_tensors", "read_yaml", "sha256_hex"]

@@ -13,13 +13,13 @@ import json
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "read_json", "read_tensors", "sha256_hex"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "read_json", "read_tensors", "read_yaml", "sha256_hex"]
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
@@ -69,14 +69,32 @@ def read_json(path: Path, error: type[Exception], fix: str) -> dict[str, Any]:
     Raises:
         error: the file is missing, unreadable, not UTF-8 JSON, or not a JSON object; the message names ``path``.
     """
+    return _read_object(path, error, fix, "JSON", json.loads, json.JSONDecodeError)
+
+
+def read_yaml(path: Path, error: type[Exception], fix: str) -> dict[str, Any]:
+    """Parse a file holding one YAML mapping (as :func:`read_json`, for YAML: a config file of another library).
+
+    Raises:
+        error: the file is missing, unreadable, not UTF-8 YAML, or not a mapping; the message names ``path``.
+    """
+    import yaml
+
+    return _read_object(path, error, fix, "YAML", yaml.safe_load, yaml.YAMLError)
+
+
+def _read_object(path: Path, error: type[Exception], fix: str, kind: str, parse: Callable[[str], Any],
+                 syntax_error: type[Exception]) -> dict[str, Any]:
+    """The mapping that ``parse`` reads from the UTF-8 text of ``path``; ``error`` naming ``path``, ``kind`` and
+    ``fix`` when the file is missing, unreadable, not ``kind`` or holds something else than a mapping."""
     if not path.is_file():
         raise error(f"{path} does not exist; {fix}")
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise error(f"{path} is unreadable or not JSON ({exc}); {fix}") from exc
+        document = parse(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, syntax_error) as exc:
+        raise error(f"{path} is unreadable or not {kind} ({exc}); {fix}") from exc
     if not isinstance(document, dict):
-        raise error(f"{path} holds a JSON {type(document).__name__}, not an object; {fix}")
+        raise error(f"{path} holds a {kind} {type(document).__name__}, not an object; {fix}")
     return document
 
 

@@ -1,0 +1,60 @@
+"""Dictionaries against SAELens: the same SAE file gives the same latents and outputs in both libraries, both ways.
+
+SAELens (in its own virtualenv: benchmarks/dictionaries_saelens_side.py) builds one randomly initialised SAE per
+architecture that gradpatch reads and saves it in its layout; gradpatch loads each with
+:func:`gradpatch.dictionaries.load_saelens` and compares ``encode``, ``decode(encode(x))`` and ``forward`` on the
+same inputs with SAELens's own outputs. Then gradpatch exports each with :func:`~gradpatch.dictionaries.export_saelens`,
+SAELens loads the exports with ``SAE.load_from_disk`` and the same three are compared again. Prints JSON: per
+architecture, the largest absolute differences (float32).
+
+Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dictionaries_saelens.py
+--python /work/peers/saelens/bin/python`` (SAELens 6.54.0 installed there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from gradpatch.dictionaries import SparseDictionary, export_saelens, load_saelens
+
+SIDE = Path(__file__).with_name("dictionaries_saelens_side.py")
+
+
+def differences(dictionary: SparseDictionary, folder: Path) -> dict[str, float]:
+    """Largest |gradpatch − SAELens| of the latents, decoded latents and forward on SAELens's inputs."""
+    reference = load_file(str(folder / "saelens_outputs.safetensors"))
+    with torch.no_grad():
+        latents = dictionary.encode(reference["x"])
+        ours = {"latents": latents, "decoded": dictionary.decode(latents), "forward": dictionary(reference["x"])}
+    return {name: float((ours[name] - reference[name]).abs().max()) for name in ours}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--python", required=True, help="the Python of SAELens's virtualenv")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        made, exported = Path(scratch) / "saelens", Path(scratch) / "exported"
+        subprocess.run([args.python, str(SIDE), "make", str(made)], check=True, capture_output=True)
+        report: dict[str, dict] = {}
+        for folder in sorted(path for path in made.iterdir() if path.is_dir()):
+            dictionary = load_saelens(folder)
+            report[folder.name] = {"loaded": differences(dictionary, folder)}
+            export_saelens(dictionary, exported / folder.name)
+        subprocess.run([args.python, str(SIDE), "check", str(exported)], check=True, capture_output=True)
+        for folder in sorted(path for path in exported.iterdir() if path.is_dir()):
+            report[folder.name]["exported"] = differences(load_saelens(folder), folder)
+    version = subprocess.run([args.python, "-c", "import sae_lens; print(sae_lens.__version__)"], check=True,
+                             capture_output=True, text=True).stdout.split()[-1]
+    print(json.dumps({"sae_lens": version, "max_abs_difference": report}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

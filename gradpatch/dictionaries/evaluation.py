@@ -1,0 +1,146 @@
+"""Evaluating a dictionary on a model, as the field defines it (SAELens's metrics).
+
+For batches of token ids, three forward passes each: the model as it is (probes read the dictionary's nodes), the
+model with the dictionary spliced *without* its error term, and the model with the written node zero-ablated. Over
+all tokens (positions where the attention mask is 1):
+
+- ``fvu`` = Σ‖y − ŷ‖² / Σ‖y − mean(y)‖² (y the written node's value, ŷ the dictionary's output; the mean over all
+  tokens); ``explained_variance`` = 1 − fvu;
+- ``l0``: mean active latents per token; ``dead_fraction``: latents that fired on no token;
+- ``ce_loss_original``, ``ce_loss_spliced``, ``ce_loss_zero_ablation``: the mean next-token cross-entropy over every
+  position that has a next token; ``ce_loss_recovered`` = (CE_zero − CE_spliced) / (CE_zero − CE_original), SAELens's
+  definition (NaN when zero ablation does not change the loss);
+- ``kl``: mean over all tokens of KL(p_original ‖ p_spliced) (the last position included, as SAELens averages it);
+- ``n_tokens``: the tokens counted in the activation metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..patches import ProbePatch, ZeroPatch
+from .modules import SparseDictionary
+from .splice import Splice, splice
+
+__all__ = ["DictionaryMetrics", "evaluate_dictionary"]
+
+
+@dataclass
+class DictionaryMetrics:
+    """What :func:`evaluate_dictionary` measures (module docstring); :meth:`to_dict` gives the JSON keys."""
+
+    fvu: float
+    explained_variance: float
+    l0: float
+    dead_fraction: float
+    ce_loss_original: float
+    ce_loss_spliced: float
+    ce_loss_zero_ablation: float
+    ce_loss_recovered: float
+    kl: float
+    n_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Sums:
+    """Running float64 sums over tokens."""
+
+    def __init__(self, d_out: int, d_sae: int) -> None:
+        self.error = 0.0
+        self.sum = torch.zeros(d_out, dtype=torch.float64)
+        self.square = 0.0
+        self.active = 0.0
+        self.fired = torch.zeros(d_sae, dtype=torch.bool)
+        self.tokens = 0
+        self.losses = {"original": 0.0, "spliced": 0.0, "zero": 0.0}
+        self.positions = 0
+        self.kl = 0.0
+
+    def add_activations(self, target: torch.Tensor, output: torch.Tensor, latents: torch.Tensor) -> None:
+        target, output = target.double(), output.double()
+        self.error += float((target - output).pow(2).sum())
+        self.sum += target.sum(0).cpu()
+        self.square += float(target.pow(2).sum())
+        self.active += float((latents > 0).sum())
+        self.fired |= (latents > 0).any(0).cpu()
+        self.tokens += target.shape[0]
+
+    def metrics(self) -> DictionaryMetrics:
+        mean = self.sum / max(self.tokens, 1)
+        variance = self.square - self.tokens * float(mean.pow(2).sum())
+        fvu = self.error / variance if variance > 0 else float("nan")
+        ce = {name: value / max(self.positions, 1) for name, value in self.losses.items()}
+        span = ce["zero"] - ce["original"]
+        return DictionaryMetrics(
+            fvu=fvu, explained_variance=1.0 - fvu, l0=self.active / max(self.tokens, 1),
+            dead_fraction=float((~self.fired).double().mean()), ce_loss_original=ce["original"],
+            ce_loss_spliced=ce["spliced"], ce_loss_zero_ablation=ce["zero"],
+            ce_loss_recovered=(ce["zero"] - ce["spliced"]) / span if span != 0 else float("nan"),
+            kl=self.kl / max(self.tokens, 1), n_tokens=self.tokens)
+
+
+def _next_token_losses(logits: torch.Tensor, ids: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """Σ of −log p(next token) over the ``scored`` positions ``[batch, seq − 1]`` (scalar)."""
+    losses = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+    return (losses * scored.flatten()).sum()
+
+
+def evaluate_dictionary(pg: Any, dictionary: SparseDictionary, batches: Iterable[torch.Tensor | Mapping[str, Any]],
+                        node: str | None = None, output_node: str | None = None) -> DictionaryMetrics:
+    """SAELens-style metrics of ``dictionary`` spliced into ``pg`` (module docstring).
+
+    Args:
+        pg: the :class:`~gradpatch.PatchableGraph` (its forward returns ``.logits``).
+        dictionary: the SAE or transcoder (on the model's device).
+        batches: token ids ``[batch, seq]``, or mappings with ``input_ids`` and optionally ``attention_mask``
+            (passed to the model; masked positions are not counted).
+        node, output_node: the NodePaths read and written (default: the dictionary's config's).
+
+    Returns:
+        The metrics over all batches.
+
+    Raises:
+        DictionaryConfigError, NodePathError, DictionaryShapeError: as :func:`~gradpatch.dictionaries.splice`.
+    """
+    spliced = splice(pg, dictionary, node, output_node=output_node, error_term=False)
+    read, write = spliced.input_node, spliced.output_node
+    sums = _Sums(dictionary.d_out, dictionary.d_sae)
+    training = dictionary.training
+    dictionary.eval()  # BatchTopK: per-token latents with its threshold, no update of it
+    try:
+        for batch in batches:
+            inputs = dict(batch) if isinstance(batch, Mapping) else {"input_ids": batch}
+            _add_batch(pg, spliced, inputs, sums)
+    finally:
+        dictionary.train(training)
+    return sums.metrics()
+
+
+def _add_batch(pg: Any, spliced: Splice, inputs: dict[str, Any], sums: _Sums) -> None:
+    """The three forward passes of one batch, added to ``sums``."""
+    ids = inputs["input_ids"]
+    mask = inputs.get("attention_mask", torch.ones_like(ids)).bool()
+    scored = mask[:, :-1] & mask[:, 1:]
+    probes = {spliced.input_node: ProbePatch(), spliced.output_node: ProbePatch()}  # one probe when they coincide
+    with torch.no_grad():
+        with pg.patch(probes):
+            original = pg(**inputs, use_cache=False).logits
+        with pg.patch(spliced):
+            logits = pg(**inputs, use_cache=False).logits
+        with pg.patch({spliced.output_node: ZeroPatch()}):
+            zero = pg(**inputs, use_cache=False).logits
+        x, y = probes[spliced.input_node].activation[mask], probes[spliced.output_node].activation[mask]
+        latents = spliced.latents[mask]  # the spliced pass read the unchanged input node
+        sums.add_activations(y, spliced.patch.dictionary.output(x, latents), latents)
+        for name, value in (("original", original), ("spliced", logits), ("zero", zero)):
+            sums.losses[name] += float(_next_token_losses(value, ids, scored))
+        log_p, log_q = F.log_softmax(original.float(), -1), F.log_softmax(logits.float(), -1)
+        sums.kl += float(((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum())
+        sums.positions += int(scored.sum())

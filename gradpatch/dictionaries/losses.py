@@ -1,0 +1,93 @@
+"""Local training losses of sparse dictionaries, as pure functions of tensors.
+
+Shapes: targets and reconstructions ``[..., d]`` (every leading dimension counts as tokens), latents and
+pre-activations ``[..., m]``, decoder ``W_dec`` ``[m, d]``.
+
+- :func:`normalized_mse`: Σ‖x̂ − x‖² / Σ‖x − mean(x)‖², the fraction of variance unexplained (FVU) that Gao et al.
+  2024 (arXiv 2406.04093, section 2.1) and sparsify train on; 1 for the mean predictor.
+- :func:`auxk_loss`: Gao et al.'s auxiliary loss for dead latents (appendix A.2): the residual e = x − x̂ is
+  reconstructed from the ``k_aux`` largest pre-activations of the dead latents only, ê = TopK_aux(h_dead) W_dec;
+  the loss is normalized_mse(ê, e), scaled by min(n_dead / k_aux, 1) as sparsify does.
+- :func:`l1_penalty`: Σ_i |z_i| ‖W_dec[i]‖ per token, averaged (ReLU SAEs; the decoder norm keeps the penalty from
+  being dodged by shrinking z and growing W_dec, Anthropic's April 2024 update).
+- :func:`jumprelu_l0`: Σ_i H(h_i − θ_i) per token, averaged, with the straight-through θ gradient of Rajamanoharan
+  et al. 2024 (arXiv 2407.14435, eq. 12).
+- :func:`unit_norm_rows` and :func:`remove_parallel_gradient`: the unit-norm decoder constraint (Gao et al. section
+  2.2: after each step rows are renormalised, and the gradient component parallel to each row is removed first).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .activations import step
+
+__all__ = ["auxk_loss", "jumprelu_l0", "l1_penalty", "normalized_mse", "remove_parallel_gradient", "unit_norm_rows"]
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def normalized_mse(reconstruction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Σ‖x̂ − x‖² / Σ‖x − mean(x)‖² over all tokens (scalar; the mean is over tokens, per dimension).
+
+    Args:
+        reconstruction: x̂ ``[..., d]``.
+        target: x ``[..., d]``, same shape.
+    """
+    x = _tokens(target)
+    error = (_tokens(reconstruction) - x).pow(2).sum()
+    return error / (x - x.mean(0)).pow(2).sum().clamp_min(torch.finfo(x.dtype).tiny)
+
+
+def auxk_loss(pre_activations: torch.Tensor, residual: torch.Tensor, W_dec: torch.Tensor,  # noqa: N803
+              dead: torch.Tensor, k_aux: int) -> torch.Tensor:
+    """Gao et al.'s AuxK loss (appendix A.2), scaled by min(n_dead / k_aux, 1) (0 when no latent is dead).
+
+    Args:
+        pre_activations: h ``[..., m]``.
+        residual: e = x − x̂ ``[..., d]`` (detached here: the main reconstruction gets no gradient from this term).
+        W_dec: ``[m, d]``.
+        dead: ``[m]`` booleans, the latents that fired on none of the last many tokens.
+        k_aux: dead latents used per token (Gao et al.: 512 for d = 768; sparsify: d / 2).
+
+    Returns:
+        A scalar.
+    """
+    count = int(dead.sum())
+    if count == 0:
+        return pre_activations.new_zeros(())
+    k = min(k_aux, count)
+    masked = torch.where(dead, _tokens(pre_activations), torch.full_like(_tokens(pre_activations), -torch.inf))
+    values, indices = masked.topk(k, dim=-1, sorted=False)
+    latents = torch.zeros_like(masked).scatter(-1, indices, values.relu())
+    estimate = latents @ W_dec
+    return min(count / k_aux, 1.0) * normalized_mse(estimate, _tokens(residual).detach())
+
+
+def l1_penalty(latents: torch.Tensor, W_dec: torch.Tensor) -> torch.Tensor:  # noqa: N803
+    """mean over tokens of Σ_i |z_i| ‖W_dec[i]‖₂ (scalar). ``latents`` ``[..., m]``, ``W_dec`` ``[m, d]``."""
+    return (_tokens(latents).abs() * W_dec.norm(dim=-1)).sum(-1).mean()
+
+
+def jumprelu_l0(pre_activations: torch.Tensor, threshold: torch.Tensor, bandwidth: float) -> torch.Tensor:
+    """mean over tokens of Σ_i H(h_i − θ_i) (scalar), differentiable in θ by the paper's pseudo-derivative.
+
+    Args:
+        pre_activations: h ``[..., m]``.
+        threshold: θ ``[m]``.
+        bandwidth: ε.
+    """
+    return step(_tokens(pre_activations), threshold, bandwidth).sum(-1).mean()
+
+
+def unit_norm_rows(W_dec: torch.Tensor) -> torch.Tensor:  # noqa: N803
+    """W_dec with each row divided by its L2 norm (``[m, d]``; a zero row stays zero)."""
+    return W_dec / W_dec.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(W_dec.dtype).eps)
+
+
+def remove_parallel_gradient(W_dec: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:  # noqa: N803
+    """The gradient of unit-norm rows ``W_dec`` ``[m, d]`` without its component along each row:
+    g_i − (g_i · w_i) w_i."""
+    return grad - (grad * W_dec).sum(-1, keepdim=True) * W_dec

@@ -1,0 +1,227 @@
+"""Splicing a dictionary into a :class:`~gradpatch.PatchableGraph` as patches.
+
+An SAE at node N replaces N's value x ``[..., d]`` by its reconstruction; a transcoder reads node A's value x
+``[..., d_in]`` and replaces node B's value y ``[..., d_out]`` by its prediction. With latents z = encode(x) and
+edited latents z' (:class:`DictionaryPatch`'s ``ablate``, ``scale`` and ``clamp``, in that order), the value seen
+downstream is::
+
+    output(x, z') + [error_term] · (y − output(x, z)) + Σ_i α_i W_dec[i]      (y = x for an SAE)
+
+where output(x, z) = z W_dec + b_dec (+ x W_skipᵀ) and α are the ``steer`` coefficients. The error term is detached,
+as SAELens's is: gradients reach x and the dictionary through the reconstruction only. It is computed as
+y + (output(x, z') − output(x, z)) with y and the second output detached, the same value and gradient as
+output(x, z') + (y − output(x, z)) but without its float rounding: with no edit the downstream value is y bit for
+bit, so the spliced model computes exactly what the model does while the latents read out
+(:attr:`DictionaryPatch.latents`), and editing a latent changes the value by (z' − z) W_dec. Without the error term
+the model runs on the dictionary's output (what CE loss recovered scores).
+
+The patches apply in every forward pass while ``pg.patch`` is active: ``pg(...)``, ``pg.generate`` (each KV-cache
+step's new tokens), and training (the dictionary's parameters get gradients through the patched graph).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..patches import Patch, Slice
+from .errors import DictionaryConfigError, DictionaryShapeError
+from .modules import SparseDictionary
+
+__all__ = ["DictionaryPatch", "Splice", "TranscoderInput", "splice"]
+
+
+@dataclass(kw_only=True, eq=False)
+class TranscoderInput(Patch):
+    """Keeps the value at a transcoder's input node (unchanged, with its autograd history) for the
+    :class:`DictionaryPatch` at its output node, which takes it in the same forward pass.
+
+    Attributes:
+        width: the transcoder's ``d_in`` (checked against the node when ``pg.patch`` is entered).
+        held: the value of the current forward pass, until the output patch takes it (not named ``value``: the
+            engine reads a patch's ``value`` as a patch value to check and to train).
+    """
+
+    width: int
+    held: torch.Tensor | None = field(default=None, repr=False)
+    requires_clone: bool = field(default=False, init=False, repr=False)
+
+    def op(self, original: Any) -> Any:
+        self.held = original
+        return original
+
+    def check_width(self, width: int, path: str) -> None:
+        """Raise :class:`DictionaryShapeError` unless the node at ``path`` has last dimension :attr:`width`."""
+        _check_width(width, self.width, path, "input")
+
+
+@dataclass(kw_only=True, eq=False)
+class DictionaryPatch(Patch):
+    """A dictionary spliced at the node it writes (see the module docstring for the value computed).
+
+    Attributes:
+        dictionary: the SAE or transcoder (on the activations' device).
+        error_term: add the detached error y − output(x, z), so that the unedited splice is exact.
+        ablate: latents set to 0.
+        scale: latent -> factor it is multiplied by.
+        clamp: latent -> value it is set to.
+        steer: latent -> α, adding α · W_dec[latent] to the value.
+        record: keep every forward pass's latents in :attr:`recorded` (e.g. one per ``generate`` step).
+        source: a transcoder's :class:`TranscoderInput` (``None`` for an SAE, which reads the value it replaces).
+        latents: z ``[..., m]`` of the last forward pass (detached; before edits).
+        recorded: the latents of every forward pass when ``record`` is set.
+
+    Raises:
+        DictionaryConfigError: at construction, a latent index outside ``0..d_sae-1``.
+        DictionaryShapeError: in the forward pass, a transcoder whose input node did not run before its output node
+            in that pass, or whose two nodes differ in their leading (batch, position) sizes.
+    """
+
+    dictionary: SparseDictionary
+    error_term: bool = True
+    ablate: Sequence[int] = ()
+    scale: Mapping[int, float] = field(default_factory=dict)
+    clamp: Mapping[int, float] = field(default_factory=dict)
+    steer: Mapping[int, float] = field(default_factory=dict)
+    record: bool = False
+    source: TranscoderInput | None = None
+    latents: torch.Tensor | None = field(default=None, repr=False)
+    recorded: list[torch.Tensor] = field(default_factory=list, repr=False)
+    requires_clone: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        m = self.dictionary.d_sae
+        for name in ("ablate", "scale", "clamp", "steer"):
+            bad = [i for i in getattr(self, name) if not isinstance(i, int) or not 0 <= i < m]
+            if bad:
+                raise DictionaryConfigError(f"{name} names latents {bad}, outside 0..{m - 1} (d_sae={m})")
+
+    def check_width(self, width: int, path: str) -> None:
+        """Raise :class:`DictionaryShapeError` unless the node at ``path`` has last dimension ``d_out``."""
+        _check_width(width, self.dictionary.d_out, path, "output")
+
+    def _input(self, original: torch.Tensor) -> torch.Tensor:
+        if self.source is None:
+            return original
+        x, self.source.held = self.source.held, None
+        if x is None:
+            raise DictionaryShapeError("the transcoder's input node did not run before its output node in this forward "
+                                       "pass; splice it reading a node that the model computes first")
+        if x.shape[:-1] != original.shape[:-1]:
+            raise DictionaryShapeError(f"the transcoder's input {tuple(x.shape)} and output {tuple(original.shape)} "
+                                       f"differ in their leading sizes; give both nodes the same slice")
+        return x
+
+    def _edited(self, z: torch.Tensor) -> torch.Tensor:
+        if not (self.ablate or self.scale or self.clamp):
+            return z
+        z = z.clone()
+        if self.ablate:
+            z[..., list(self.ablate)] = 0
+        if self.scale:
+            index = list(self.scale)
+            z[..., index] = z[..., index] * torch.tensor(list(self.scale.values()), dtype=z.dtype, device=z.device)
+        if self.clamp:
+            z[..., list(self.clamp)] = torch.tensor(list(self.clamp.values()), dtype=z.dtype, device=z.device)
+        return z
+
+    def op(self, original: torch.Tensor) -> torch.Tensor:
+        x = self._input(original)
+        dictionary = self.dictionary
+        z = dictionary.encode(x)
+        self.latents = z.detach()
+        if self.record:
+            self.recorded.append(self.latents)
+        edited = self._edited(z)
+        value = dictionary.output(x, edited)
+        if self.error_term:  # y + (x̂' − x̂): the same sum as x̂' + (y − x̂), but exactly y when nothing is edited
+            clean = value if edited is z else dictionary.output(x, z)
+            value = original.detach().to(value.dtype) + (value - clean.detach())
+        if self.steer:
+            alphas = torch.tensor(list(self.steer.values()), dtype=value.dtype, device=value.device)
+            value = value + alphas @ dictionary.W_dec[list(self.steer)]
+        return value.to(original.dtype)
+
+
+def _check_width(width: int, expected: int, path: str, side: str) -> None:
+    if width != expected:
+        raise DictionaryShapeError(f"the dictionary's {side} width is {expected}, but '{path}' has last dimension "
+                                   f"{width}: splice it at a node of width {expected}, or load the dictionary "
+                                   f"trained for this node")
+
+
+@dataclass
+class Splice:
+    """The patches of one spliced dictionary: ``with pg.patch(splice): ...`` applies them (or merge
+    :meth:`patch_map` with other patches).
+
+    Attributes:
+        patch: the :class:`DictionaryPatch` at :attr:`output_node` (its ``latents``, ``recorded``, edits).
+        output_node: the NodePath written.
+        input_node: the NodePath read (that of :attr:`patch` for an SAE).
+        reader: a transcoder's :class:`TranscoderInput` at :attr:`input_node`, ``None`` for an SAE.
+    """
+
+    patch: DictionaryPatch
+    output_node: str
+    input_node: str
+    reader: TranscoderInput | None = None
+
+    @property
+    def latents(self) -> torch.Tensor | None:
+        """z ``[..., m]`` of the last forward pass (detached)."""
+        return self.patch.latents
+
+    def patch_map(self) -> dict[str, list[Patch]]:
+        """NodePath -> patches, the reader first when a transcoder reads and writes one node."""
+        patches: dict[str, list[Patch]] = {}
+        if self.reader is not None:
+            patches[self.input_node] = [self.reader]
+        patches.setdefault(self.output_node, []).append(self.patch)
+        return patches
+
+
+def splice(pg: Any, dictionary: SparseDictionary, node: str | None = None, *, output_node: str | None = None,
+           error_term: bool = True, ablate: Sequence[int] = (), scale: Mapping[int, float] | None = None,
+           clamp: Mapping[int, float] | None = None, steer: Mapping[int, float] | None = None, record: bool = False,
+           slice: Slice = None) -> Splice:
+    """Splice ``dictionary`` into ``pg``: the patches for ``pg.patch``.
+
+    Example::
+
+        s = splice(pg, sae, "model.layers_1.output", ablate=[3])
+        with pg.patch(s):
+            logits = pg(ids).logits          # s.latents: [batch, seq, m]
+
+    Args:
+        pg: the :class:`~gradpatch.PatchableGraph`.
+        dictionary: an SAE or (skip) transcoder.
+        node: the NodePath read (default: the dictionary's ``input_node``); an SAE also writes it.
+        output_node: a transcoder's NodePath written (default: its ``output_node``).
+        error_term, ablate, scale, clamp, steer, record: as :class:`DictionaryPatch`.
+        slice: positions it applies to (any patch's ``slice``; a transcoder's input and output take the same).
+
+    Returns:
+        A :class:`Splice`. Widths are checked when ``pg.patch`` is entered, before any forward pass.
+
+    Raises:
+        DictionaryConfigError: no node given nor recorded in the dictionary's config; a latent index out of range.
+        NodePathError: a NodePath the graph lacks (the message lists the closest valid ones).
+    """
+    config = dictionary.config
+    read = node or config.input_node
+    transcoder = config.kind != "sae"
+    write = (output_node or config.output_node) if transcoder else read
+    if read is None or write is None:
+        raise DictionaryConfigError(f"name the node{'s' if transcoder else ''} to splice the {config.kind} at "
+                                    f"(node=..., output_node=...): its config records none")
+    for path in {read, write}:
+        pg.node(path)
+    reader = TranscoderInput(width=dictionary.d_in, slice=slice) if transcoder else None
+    patch = DictionaryPatch(dictionary=dictionary, error_term=error_term, ablate=tuple(ablate), scale=dict(scale or {}),
+                            clamp=dict(clamp or {}), steer=dict(steer or {}), record=record, source=reader,
+                            slice=slice)
+    return Splice(patch, write, read, reader)

@@ -1,0 +1,96 @@
+"""Training a dictionary in Lightning on the tiny Llama's streamed activations (recipes.dictionary): the loss falls,
+decoder rows stay unit norm, the buffer fills before the first step and the dictionary is written at the end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch.utils.data import DataLoader
+
+from gradpatch.dictionaries import SparseAutoencoder, Transcoder, load_dictionary
+from gradpatch.errors import NonFiniteError
+from recipes.dictionary import ActivationBuffer, DictionaryModule, EndToEndDictionaryModule
+from recipes.errors import RecipeConfigError
+
+CHUNKS = torch.randint(3, 100, (48, 8), generator=torch.Generator().manual_seed(0))  # 48 sequences of 8 tokens
+
+
+def _fit(module: DictionaryModule, root: Path, steps: int, term: str = "fvu") -> list[float]:
+    """Fit for ``steps`` batches of 4 sequences; returns the loss term ``term`` of each optimizer step."""
+    values: list[float] = []
+    original = module.loss_terms
+
+    def recording(batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        terms = original(batch)
+        values.append(float(terms[term].detach()))
+        return terms
+
+    module.loss_terms = recording  # type: ignore[method-assign]
+    trainer = Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root))
+    trainer.fit(module, DataLoader(CHUNKS, batch_size=4))
+    return values
+
+
+def test_topk_sae_trains_on_streamed_activations(llama_graph, tmp_path: Path) -> None:
+    sae = SparseAutoencoder(64, 128, "topk", k=8, node="model.layers_0.output",
+                            generator=torch.Generator().manual_seed(0))
+    module = DictionaryModule(llama_graph, sae, buffer_rows=96, lr=1e-2, dead_after_tokens=64)
+    fvus = _fit(module, tmp_path, steps=42)
+    assert len(fvus) == 40  # the first two batches only filled the buffer (2 × 32 rows < 96)
+    assert sum(fvus[-3:]) / 3 < 0.8 * sum(fvus[:3]) / 3
+    assert torch.allclose(sae.W_dec.norm(dim=-1), torch.ones(128), atol=1e-5)
+    saved = load_dictionary(tmp_path / "dictionary", model=llama_graph.wrapped_model)
+    assert torch.equal(saved.W_enc, sae.W_enc.detach())
+
+
+@pytest.mark.parametrize("activation", ["relu", "jumprelu", "batchtopk"])
+def test_transcoders_train_with_each_sparsity_term(llama_graph, tmp_path: Path, activation: str) -> None:
+    transcoder = Transcoder(64, 96, activation=activation, k=4 if activation == "batchtopk" else None,
+                            input_node="model.layers_0.mlp.x", output_node="model.layers_0.mlp.output",
+                            generator=torch.Generator().manual_seed(0))
+    threshold = transcoder.threshold.detach().clone() if activation == "jumprelu" else None
+    fvus = _fit(DictionaryModule(llama_graph, transcoder, buffer_rows=32, lr=1e-2, sparsity_coefficient=1e-2),
+                tmp_path, steps=6)
+    assert len(fvus) == 6 and all(torch.isfinite(torch.tensor(fvus)))
+    if threshold is not None:  # the L0 penalty's straight-through gradient moved θ
+        assert not torch.equal(transcoder.threshold.detach(), threshold)
+
+
+def test_buffer_mixes_and_is_bounded() -> None:
+    buffer = ActivationBuffer(6, torch.Generator().manual_seed(0))
+    buffer.push(torch.arange(4.0)[:, None])
+    assert not buffer.ready(4)
+    buffer.push(torch.arange(4.0, 8.0)[:, None])
+    assert buffer.ready(4)
+    drawn = buffer.pop(4)
+    assert len(buffer) == 4 and sorted(drawn.flatten().tolist() + buffer.rows.flatten().tolist()) == list(range(8))
+    with pytest.raises(ValueError, match="fewer than"):
+        buffer.pop(5)
+
+
+def test_a_dictionary_without_nodes_is_refused(llama_graph) -> None:
+    with pytest.raises(RecipeConfigError, match="names no node"):
+        DictionaryModule(llama_graph, Transcoder(64, 32, activation="relu", input_node="model.layers_0.mlp.x"))
+
+
+@pytest.mark.parametrize("activation", ["topk", "relu"])
+def test_end_to_end_training_lowers_the_kl_of_the_spliced_model(llama_graph, tmp_path: Path, activation: str) -> None:
+    sae = SparseAutoencoder(64, 128, activation, k=8 if activation == "topk" else None, node="model.layers_1.output",
+                            generator=torch.Generator().manual_seed(0))
+    module = EndToEndDictionaryModule(llama_graph, sae, lr=1e-2, sparsity_coefficient=1e-4)
+    kls = _fit(module, tmp_path, steps=40, term="kl")
+    assert len(kls) == 40 and sum(kls[-3:]) < 0.6 * sum(kls[:3])
+    assert (tmp_path / "dictionary" / "dictionary.json").is_file()
+
+
+def test_a_diverged_dictionary_stops_training_and_writes_nothing(llama_graph, tmp_path: Path) -> None:
+    sae = SparseAutoencoder(64, 128, "topk", k=8, node="model.layers_0.output")
+    with torch.no_grad():
+        sae.b_enc[3] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"'fvu'.*non-finite at step 0.*no dictionary was written"):
+        _fit(DictionaryModule(llama_graph, sae, buffer_rows=32), tmp_path, steps=4)
+    assert not (tmp_path / "dictionary").exists()
