@@ -24,7 +24,7 @@ Inductor's caches are off (``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` unless set o
 compile reuses kernels the other built.
 
 Run: ``.venv/bin/python benchmarks/compile_overhead.py [--shapes 1x32,8x128] [--runs 20] [--device cuda]
-[--dtype bfloat16] [--mode reduce-overhead] [--dynamic] [--random-weights] [--skip exactness|speed]``. Without
+[--dtype bfloat16] [--mode reduce-overhead] [--dynamic] [--random-weights] [--skip exactness,speed,backward]``. Without
 ``--dynamic`` every compile is static (``dynamic=False``: one compile per shape, for plain and patched alike).
 """
 
@@ -135,7 +135,7 @@ def main() -> None:
                         help="torch.compile's default shape handling (automatic dynamic shapes after a second shape) "
                              "instead of one static compile per shape")
     parser.add_argument("--random-weights", action="store_true")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: exactness,speed")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: exactness, speed, backward")
     args = parser.parse_args()
     shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
     dtype = DTYPES[args.dtype]
@@ -159,13 +159,15 @@ def main() -> None:
         report["exactness"] = exactness(model, inputs[0], node, f"model.layers_{mid + 1}.output")
     if "speed" not in skip:
         report.update(speed(model, inputs, node, hooked_module, compile_kwargs, args.runs, args.warmup,
-                            synchronize))
+                            synchronize, backward="backward" not in skip))
     print(json.dumps(report, indent=2))
 
 
 def speed(model: nn.Module, inputs: list[torch.Tensor], node: str, hooked_module: nn.Module,
-          compile_kwargs: dict[str, Any], runs: int, warmup: int, synchronize: Callable[[], None]) -> dict[str, Any]:
-    """The ``cold_compile``, ``forward`` and ``forward_backward`` sections (see the module docstring)."""
+          compile_kwargs: dict[str, Any], runs: int, warmup: int, synchronize: Callable[[], None],
+          backward: bool = True) -> dict[str, Any]:
+    """The ``cold_compile``, ``forward`` and (with ``backward``) ``forward_backward`` sections (see the module
+    docstring)."""
     torch.compiler.reset()
     width = model.config.hidden_size
     dtype = next(model.parameters()).dtype
@@ -201,6 +203,8 @@ def speed(model: nn.Module, inputs: list[torch.Tensor], node: str, hooked_module
                         "ratio": round(medians["patched"] / medians["plain"], 4),
                         "max_abs_diff_vs_eager": float((compiled_logits - eager_logits).abs().max())})
     report["forward"] = forward
+    if not backward:
+        return report
 
     ids = inputs[-1]
     delta = torch.zeros(width, dtype=dtype, device=device, requires_grad=True)
