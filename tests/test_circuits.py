@@ -1,5 +1,5 @@
-"""Attribution graphs (gradpatch.circuits) on the tiny Llama with random skip transcoders at both MLPs: the frozen
-nodes found from the graph, the exactness of the linearisation (each target = Σ incoming edges + its bias; sampled
+"""Attribution graphs (gradpatch.circuits) on the tiny Llama and the tiny GPT-2 with random skip transcoders at both
+MLPs: the frozen nodes found from the graph, the exactness of the linearisation (each target = Σ incoming edges + its bias; sampled
 edges = exact perturbations of the frozen model), pruning, scores and files."""
 
 from __future__ import annotations
@@ -29,16 +29,25 @@ def prompt() -> torch.Tensor:
     return torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.fixture(scope="module")
-def replacement(prompt) -> ReplacementModel:
-    """The tiny Llama's replacement model: ReLU skip transcoders (64 latents) at both MLPs, random weights."""
-    model = _llama()
-    pg = PatchableGraph(model, prompt, use_cache=False)
+def _gpt2() -> torch.nn.Module:
+    return testing.tiny_gpt2(100, hidden=64, init_std=0.02, n_positions=128)
+
+
+#: model -> (builder, MLP input and output NodePaths with {} for the layer).
+MODELS = {"llama": (_llama, "model.layers_{}.mlp.x", "model.layers_{}.mlp.output"),
+          "gpt2": (_gpt2, "transformer.h_{}.mlp.hidden_states", "transformer.h_{}.mlp.output")}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def replacement(request, prompt) -> ReplacementModel:
+    """A tiny model's replacement model: ReLU skip transcoders (64 latents) at both MLPs, random weights."""
+    build, read, write = MODELS[request.param]
+    pg = PatchableGraph(build(), prompt, use_cache=False)
     generator = torch.Generator().manual_seed(0)
     transcoders = {}
     for layer in range(2):
-        transcoder = SkipTranscoder(64, 64, activation="relu", input_node=f"model.layers_{layer}.mlp.x",
-                                    output_node=f"model.layers_{layer}.mlp.output", generator=generator)
+        transcoder = SkipTranscoder(64, 64, activation="relu", input_node=read.format(layer),
+                                    output_node=write.format(layer), generator=generator)
         with torch.no_grad():
             transcoder.W_skip.normal_(0, 0.05, generator=generator)
             transcoder.b_dec.normal_(0, 0.01, generator=generator)
@@ -56,22 +65,27 @@ def _zeroed(replacement: ReplacementModel) -> dict[int, torch.Tensor]:
     return {layer: -(spliced.constant - spliced.transcoder.b_dec) for layer, spliced in replacement.layers.items()}
 
 
-def test_frozen_nodes_found_from_the_graph(replacement) -> None:
-    frozen = replacement.frozen
+def test_frozen_nodes_found_from_the_graph() -> None:
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    frozen = find_frozen_nodes(PatchableGraph(_llama(), ids, use_cache=False))
     assert frozen.attention == tuple(f"model.layers_{i}.self_attn.{name}" for i in range(2)
                                      for name in ("q_embed", "k_embed"))  # SDPA: its query and key arguments
     assert frozen.norms == (*(f"model.layers_{i}.{norm}.rsqrt" for i in range(2)
                               for norm in ("input_layernorm", "post_attention_layernorm")), "model.norm.rsqrt")
-    eager = find_frozen_nodes(PatchableGraph(_llama("eager"), torch.zeros(1, 4, dtype=torch.long), use_cache=False))
+    eager = find_frozen_nodes(PatchableGraph(_llama("eager"), ids, use_cache=False))
     assert eager.attention == ("model.layers_0.self_attn.softmax", "model.layers_1.self_attn.softmax")
+    gpt2 = find_frozen_nodes(PatchableGraph(_gpt2(), ids, use_cache=False))
+    assert gpt2.attention == tuple(f"transformer.h_{i}.attn.{name}_states_1" for i in range(2)
+                                   for name in ("query", "key"))
+    assert not gpt2.norms
+    assert [(norm.input, norm.output) for norm in gpt2.layer_norms] == [
+        *((f"transformer.h_{i}.{ln}.input", f"transformer.h_{i}.{ln}.layer_norm") for i in range(2)
+          for ln in ("ln_1", "ln_2")), ("transformer.ln_f.input", "transformer.ln_f.layer_norm")]
 
 
 def test_graph_without_frozen_nodes_is_refused() -> None:
-    gpt2 = testing.tiny_gpt2(100, hidden=64, init_std=0.02, n_positions=128)
-    with pytest.raises(FrozenNodesNotFoundError, match="rsqrt.*layer_norm"):
-        find_frozen_nodes(PatchableGraph(gpt2, torch.zeros(1, 4, dtype=torch.long), use_cache=False))
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
-    with pytest.raises(FrozenNodesNotFoundError, match="softmax.*scaled_dot_product_attention.*rsqrt"):
+    with pytest.raises(FrozenNodesNotFoundError, match="softmax.*scaled_dot_product_attention.*rsqrt.*layer_norm"):
         find_frozen_nodes(PatchableGraph(mlp, torch.zeros(2, 4)))
 
 
@@ -79,7 +93,7 @@ def test_bad_input_is_refused(replacement, prompt) -> None:
     transcoder = replacement.layers[0].transcoder
     with pytest.raises(CircuitError, match=r"ids \[1, seq\]"):
         ReplacementModel(replacement.pg, {0: transcoder}, prompt.expand(2, -1))
-    sae = SparseAutoencoder(64, 32, activation="relu", node="model.layers_0.mlp.x")
+    sae = SparseAutoencoder(64, 32, activation="relu", node=replacement.layers[0].input_node)
     with pytest.raises(CircuitError, match="not a sae"):
         ReplacementModel(replacement.pg, {0: sae}, prompt)
     with pytest.raises(CircuitError, match="at least one"):

@@ -9,22 +9,27 @@ scales 1/√(mean(x²) + ε) ``[batch, seq, 1]``. The graph is searched for the 
   (transformers' eager attention, ``attn_implementation="eager"``); or a ``scaled_dot_product_attention`` call
   (transformers' default SDPA), which computes the pattern inside one op: its query and key arguments are frozen
   instead, which fixes A exactly (SDPA(q₀, k₀, v) = A(q₀, k₀) v is linear in v);
-- normalisation scales: an ``rsqrt`` op (RMSNorm's 1/√(mean(x²) + ε), Llama-family models).
+- normalisation scales: an ``rsqrt`` op (RMSNorm's 1/√(mean(x²) + ε), Llama-family models), or a ``layer_norm``
+  op (GPT-2), which computes its scale inside one op: its output is replaced by the affine function of its input
+  that the frozen scale gives, y⁰ + ((x − x̄) − (x⁰ − x̄⁰)) / σ⁰ · w (:class:`FrozenLayerNorm`; ⁰ = on the prompt).
 
 Freezing a node is a patch that replaces its value by the detached value recorded on the prompt (a stop-gradient
 at that node): gradients then flow through v and through x · scale alone. A graph with none of the expected nodes
-gets :class:`~gradpatch.circuits.errors.FrozenNodesNotFoundError` naming what was looked for (GPT-2's LayerNorm is
-one ``layer_norm`` op whose scale is not a node: the error says so).
+gets :class:`~gradpatch.circuits.errors.FrozenNodesNotFoundError` naming what was looked for.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from ..patchable_graph import PatchableGraph
 from .errors import FrozenNodesNotFoundError
 
-__all__ = ["FrozenNodes", "find_frozen_nodes"]
+__all__ = ["FrozenLayerNorm", "FrozenNodes", "find_frozen_nodes"]
 
 _SOFTMAX = ("call_function:softmax", "call_method:softmax")
 _RSQRT = ("call_function:rsqrt", "call_method:rsqrt")
@@ -33,16 +38,47 @@ _LAYER_NORM = "call_function:layer_norm"
 
 
 @dataclass(frozen=True)
+class FrozenLayerNorm:
+    """A ``layer_norm`` op whose scale σ is frozen (module docstring).
+
+    Attributes:
+        input: the NodePath of its input x ``[..., *normalized_shape]``.
+        output: the NodePath of the op ``[..., *normalized_shape]``.
+        weight: w ``normalized_shape`` (``None`` without one).
+        dims: the normalised dimensions (negative).
+        eps: ε of σ = √(var(x) + ε).
+    """
+
+    input: str
+    output: str
+    weight: torch.Tensor | None
+    dims: tuple[int, ...]
+    eps: float
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        """σ = √(var(x) + ε) over :attr:`dims` (kept as size-1 dimensions)."""
+        return (x.var(dim=self.dims, unbiased=False, keepdim=True) + self.eps).sqrt()
+
+    def frozen(self, x: torch.Tensor, x0: torch.Tensor, y0: torch.Tensor, sigma0: torch.Tensor) -> torch.Tensor:
+        """y⁰ + ((x − x̄) − (x⁰ − x̄⁰)) / σ⁰ · w: affine in x, equal to y⁰ at x = x⁰."""
+        difference = x - x0
+        centred = (difference - difference.mean(dim=self.dims, keepdim=True)) / sigma0
+        return y0 + (centred if self.weight is None else centred * self.weight.detach())
+
+
+@dataclass(frozen=True)
 class FrozenNodes:
-    """The NodePaths frozen on the prompt.
+    """The nodes frozen on the prompt.
 
     Attributes:
         attention: softmax outputs ``[batch, heads, seq, seq]``, or the query and key arguments of SDPA calls.
         norms: RMSNorm scales (``rsqrt``) ``[batch, seq, 1]``.
+        layer_norms: ``layer_norm`` ops with their scale frozen.
     """
 
     attention: tuple[str, ...]
     norms: tuple[str, ...]
+    layer_norms: tuple[FrozenLayerNorm, ...] = ()
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -50,24 +86,45 @@ class FrozenNodes:
         return self.attention + self.norms
 
 
-def _sdpa_arguments(pg: PatchableGraph, path: str) -> list[str]:
-    """The NodePaths of the query and key arguments of the SDPA call at ``path`` (siblings in its graph)."""
+def _call(pg: PatchableGraph, path: str) -> Any:
+    """The torch.fx node of the op at ``path``."""
     node = pg.node(path)
-    fx_nodes = {fx.name: fx for fx in node._gp_owner.graph.nodes}
-    call = fx_nodes[node._gp_key]
+    return next(fx for fx in node._gp_owner.graph.nodes if fx.name == node._gp_key)
+
+
+def _argument_path(pg: PatchableGraph, path: str, argument: Any) -> str:
+    """The NodePath of ``argument`` (a torch.fx node) of the op at ``path``: a sibling whose key is the argument's
+    name (or, for a placeholder, its target).
+
+    Raises:
+        FrozenNodesNotFoundError: the argument is not a node of the graph.
+    """
     parent = path.rsplit(".", 1)[0] if "." in path else ""
-    arguments = [call.kwargs.get(name, call.args[i] if len(call.args) > i else None)
-                 for i, name in enumerate(("query", "key"))]
-    paths = []
-    for argument in arguments:
-        name = getattr(argument, "name", None)
-        sibling = f"{parent}.{name}" if parent else str(name)
-        if name is None or sibling not in set(pg.node_paths()):
-            raise FrozenNodesNotFoundError(f"the scaled_dot_product_attention call at '{path}' takes a query or key "
-                                           f"that is not a node of the graph ({argument!r}); run the model with "
-                                           f"attn_implementation='eager' so that the softmax is a node")
-        paths.append(sibling)
-    return paths
+    names = {getattr(argument, "name", None)}
+    if getattr(argument, "op", "") == "placeholder":
+        names.add(argument.target)
+    for child in pg.node(parent) if parent else pg.graph:
+        if "|" not in child._path and child._gp_key in names:
+            return child._path
+    raise FrozenNodesNotFoundError(f"the op at '{path}' takes {argument!r}, which is not a node of the graph; run the "
+                                   f"model with attn_implementation='eager' (attention) or freeze it by hand")
+
+
+def _argument(call: Any, index: int, name: str) -> Any:
+    return call.kwargs.get(name, call.args[index] if len(call.args) > index else None)
+
+
+def _layer_norm(pg: PatchableGraph, path: str) -> FrozenLayerNorm:
+    """The :class:`FrozenLayerNorm` of the ``layer_norm`` op at ``path`` (its input, weight and ε read from the
+    op's arguments)."""
+    call = _call(pg, path)
+    shape = _argument(call, 1, "normalized_shape")
+    weight = _argument(call, 2, "weight")
+    eps = _argument(call, 4, "eps")
+    owner = pg.node(path)._gp_owner
+    tensor = functools.reduce(getattr, weight.target.split("."), owner) if weight is not None else None
+    return FrozenLayerNorm(_argument_path(pg, path, _argument(call, 0, "input")), path, tensor,
+                           tuple(range(-len(shape), 0)), 1e-5 if eps is None else float(eps))
 
 
 def find_frozen_nodes(pg: PatchableGraph) -> FrozenNodes:
@@ -75,11 +132,12 @@ def find_frozen_nodes(pg: PatchableGraph) -> FrozenNodes:
 
     Raises:
         FrozenNodesNotFoundError: no attention-probability node (softmax ``[batch, heads, q, k]`` or SDPA call) or no
-            normalisation scale (``rsqrt``); the message names what was looked for and what was found instead.
+            normalisation scale (``rsqrt`` or ``layer_norm``), or an op's argument that is not a node; the message
+            names what was looked for.
     """
     attention: list[str] = []
     norms: list[str] = []
-    layer_norms = 0
+    layer_norms: list[FrozenLayerNorm] = []
     for path in pg.node_paths():
         if "|" in path:
             continue
@@ -89,20 +147,20 @@ def find_frozen_nodes(pg: PatchableGraph) -> FrozenNodes:
         if op in _SOFTMAX and shape is not None and len(shape) == 4:
             attention.append(path)
         elif op.endswith(_SDPA):
-            attention.extend(_sdpa_arguments(pg, path))
+            call = _call(pg, path)
+            attention.extend(_argument_path(pg, path, _argument(call, i, name))
+                             for i, name in enumerate(("query", "key")))
         elif op in _RSQRT:
             norms.append(path)
         elif op == _LAYER_NORM:
-            layer_norms += 1
+            layer_norms.append(_layer_norm(pg, path))
     missing = []
     if not attention:
         missing.append("attention probabilities (a softmax with value [batch, heads, query, key], or a "
                        "scaled_dot_product_attention call)")
-    if not norms:
-        found = f"; found {layer_norms} layer_norm op(s), whose scale is inside one op and not yet frozen" \
-            if layer_norms else ""
-        missing.append(f"normalisation scales (an rsqrt op, as RMSNorm computes){found}")
+    if not norms and not layer_norms:
+        missing.append("normalisation scales (an rsqrt op, as RMSNorm computes, or a layer_norm op)")
     if missing:
         raise FrozenNodesNotFoundError(f"the local replacement model freezes {' and '.join(missing)}, but the graph "
                                        f"has none; print pg.graph to see its ops")
-    return FrozenNodes(tuple(attention), tuple(norms))
+    return FrozenNodes(tuple(attention), tuple(norms), tuple(layer_norms))

@@ -27,7 +27,7 @@ from ..layouts import detect_layout
 from ..patchable_graph import PatchableGraph
 from ..patches import AddPatch, CustomPatch, Patch, ProbePatch, ReplacePatch
 from .errors import CircuitError
-from .freeze import FrozenNodes, find_frozen_nodes
+from .freeze import FrozenLayerNorm, FrozenNodes, find_frozen_nodes
 
 __all__ = ["ReplacementModel", "ReplacementRun", "SplicedLayer"]
 
@@ -103,6 +103,7 @@ class ReplacementModel:
         self.frozen: FrozenNodes = find_frozen_nodes(pg)
         self.layers: dict[int, SplicedLayer] = {}
         self.frozen_values: dict[str, torch.Tensor] = {}
+        self.layer_norm_values: list[tuple[FrozenLayerNorm, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.embeddings = torch.empty(0)
         self.logits = torch.empty(0)
         self._record(dict(sorted(transcoders.items())))
@@ -111,7 +112,8 @@ class ReplacementModel:
         """One forward pass of the prompt with the transcoders spliced (error terms kept): x, a, e, c per layer,
         the frozen values, the embeddings and the logits."""
         patch_map: dict[str, list[Patch]] = {}
-        probes = {path: ProbePatch() for path in (*self.frozen.paths, self.embed)}
+        norm_paths = [path for norm in self.frozen.layer_norms for path in (norm.input, norm.output)]
+        probes = {path: ProbePatch() for path in (*self.frozen.paths, *norm_paths, self.embed)}
         splices: dict[int, Any] = {}
         inputs: dict[int, ProbePatch] = {}
         outputs: dict[int, ProbePatch] = {}
@@ -128,6 +130,9 @@ class ReplacementModel:
             self.logits = self.pg(self.ids, **self.forward_kwargs).logits.detach()
         self.frozen_values = {path: probes[path].activation for path in self.frozen.paths}
         self.embeddings = probes[self.embed].activation
+        for norm in self.frozen.layer_norms:  # (norm, x⁰, y⁰, σ⁰)
+            x0 = probes[norm.input].activation
+            self.layer_norm_values.append((norm, x0, probes[norm.output].activation, norm.scale(x0)))
         with torch.no_grad():
             for layer, transcoder in transcoders.items():
                 x, a = inputs[layer].activation, splices[layer].latents
@@ -156,6 +161,11 @@ class ReplacementModel:
                                              for path, value in self.frozen_values.items()}
         if embed_delta is not None:
             patch_map.setdefault(self.embed, []).append(AddPatch(value=embed_delta))
+        for norm, x0, y0, sigma0 in self.layer_norm_values:
+            reader = TranscoderInput(width=x0.shape[-1])
+            patch_map.setdefault(norm.input, []).append(reader)
+            frozen = CustomPatch(custom_op=self._layer_norm_op(norm, reader, x0, y0, sigma0), requires_clone=False)
+            patch_map.setdefault(norm.output, []).append(frozen)
         readers: dict[int, TranscoderInput] = {}
         for layer, spliced in self.layers.items():
             readers[layer] = TranscoderInput(width=spliced.transcoder.d_in)
@@ -167,6 +177,14 @@ class ReplacementModel:
             logits = self.pg(self.ids.expand(batch, -1), **self.forward_kwargs).logits
         return ReplacementRun(logits, {layer: spliced.transcoder.pre_activations(readers[layer].held)
                                        for layer, spliced in self.layers.items()})
+
+    @staticmethod
+    def _layer_norm_op(norm: FrozenLayerNorm, reader: TranscoderInput, x0: torch.Tensor, y0: torch.Tensor,
+                       sigma0: torch.Tensor) -> Any:
+        """A ``layer_norm`` op's replacement with its scale frozen (:meth:`FrozenLayerNorm.frozen`)."""
+        def frozen(original: torch.Tensor) -> torch.Tensor:
+            return norm.frozen(reader.held, x0, y0, sigma0).to(original.dtype)
+        return frozen
 
     @staticmethod
     def _output_op(spliced: SplicedLayer, reader: TranscoderInput, delta: torch.Tensor | None) -> Any:
