@@ -14,13 +14,14 @@ See docs/circuits.md.
 from .attribute import AttributionGraph, attribute, salient_logits
 from .errors import CircuitError, FrozenNodesNotFoundError
 from .files import frontend_graph, node_records, save_graph
-from .freeze import FrozenNodes, find_frozen_nodes
+from .freeze import FrozenLayerNorm, FrozenNodes, find_frozen_nodes
 from .prune import PruneResult, compute_influence, graph_scores, logit_weights, normalize_matrix, prune_graph
 from .replacement import ReplacementModel, ReplacementRun, SplicedLayer
 
 __all__ = [
     "AttributionGraph",
     "CircuitError",
+    "FrozenLayerNorm",
     "FrozenNodes",
     "FrozenNodesNotFoundError",
     "PruneResult",

@@ -106,8 +106,9 @@ def _edges(model: ReplacementModel, graph: AttributionGraph, gradients: dict[int
            embed_gradient: torch.Tensor) -> torch.Tensor:
     """The rows ``[batch, n]`` of the adjacency from each row's gradients at the MLP outputs and the embeddings."""
     batch = embed_gradient.shape[0]
-    rows = torch.zeros(batch, graph.adjacency.shape[1], dtype=graph.adjacency.dtype)
-    features = graph.active_features
+    device = embed_gradient.device
+    rows = torch.zeros(batch, graph.adjacency.shape[1], dtype=graph.adjacency.dtype, device=device)
+    features, activations = graph.active_features.to(device), graph.activations.to(device)
     for index, layer in enumerate(graph.layers):
         spliced = model.layers[layer]
         grad = gradients[layer].float()  # [batch, seq, d_out]
@@ -115,7 +116,7 @@ def _edges(model: ReplacementModel, graph: AttributionGraph, gradients: dict[int
         if chosen.numel():
             positions, ids = features[chosen, 1], features[chosen, 2]
             directions = spliced.transcoder.W_dec[ids].detach().float()  # [k, d_out]
-            rows[:, chosen] = (grad[:, positions] * directions).sum(-1) * graph.activations[chosen]
+            rows[:, chosen] = (grad[:, positions] * directions).sum(-1) * activations[chosen]
         start = graph.error_start + index * graph.n_pos
         rows[:, start:start + graph.n_pos] = (grad * spliced.errors.float()).sum(-1)
     rows[:, graph.token_start:graph.logit_start] = (embed_gradient.float() * model.embeddings.float()).sum(-1)

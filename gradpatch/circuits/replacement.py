@@ -191,11 +191,12 @@ class ReplacementModel:
         """The MLP output's replacement ``[batch, seq, d_out]``, c_ℓ + x_ℓ W_skipᵀ + δ_ℓ with x_ℓ read live by
         ``reader``, computed as y_ℓ + (x_ℓ − x_ℓ⁰) W_skipᵀ + δ_ℓ (x_ℓ⁰ the recorded input): the same value and
         gradient, and y_ℓ bit for bit when nothing is perturbed."""
-        skip_recorded = spliced.transcoder.skip(spliced.inputs)
+        with torch.no_grad():
+            skip_recorded = spliced.transcoder.skip(spliced.inputs)
 
         def output(original: torch.Tensor) -> torch.Tensor:
             value = spliced.outputs.to(original.dtype).expand(original.shape)
             if skip_recorded is not None:
-                value = value + (spliced.transcoder.skip(reader.held) - skip_recorded.detach()).to(original.dtype)
+                value = value + (spliced.transcoder.skip(reader.held) - skip_recorded).to(original.dtype)
             return value if delta is None else value + delta.to(original.dtype)
         return output
