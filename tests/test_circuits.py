@@ -132,32 +132,49 @@ def test_each_target_is_the_sum_of_its_edges_plus_its_bias(replacement, graph) -
     assert not graph.adjacency[graph.error_start:graph.logit_start].any()  # errors and tokens have no inputs
 
 
+def _change(replacement: ReplacementModel, graph: AttributionGraph, row: int, deltas: dict[int, torch.Tensor],
+            embed_delta: torch.Tensor | None = None) -> float:
+    """The change of target ``row`` when the frozen model's MLP outputs and embeddings are perturbed."""
+    with torch.no_grad():
+        before, after = replacement.run(), replacement.run(1, deltas, embed_delta)
+    if row < graph.n_features:
+        layer, position, feature = graph.active_features[row].tolist()
+        return float((after.pre_activations[layer] - before.pre_activations[layer])[0, position, feature])
+    token = int(graph.logit_tokens[row - graph.logit_start])
+    shift = after.logits[0, -1] - before.logits[0, -1]
+    return float(shift[token] - shift.mean())
+
+
 def test_sampled_edges_match_exact_perturbations(replacement, graph) -> None:
     """Raise one feature's activation by ε = 1 in the frozen model (δ = ε W_dec[f] at its layer and position, every
-    other MLP output held): the change of each target / ε = A[t, s] / a_s, within 1e-3 of the edge."""
+    other MLP output held): the change of each target / ε = A[t, s] / a_s, within 1e-3 of the edge; likewise the
+    largest error and token source of each logit (δ = ε e_ℓp, δ_E = ε E_p: change / ε = A[t, s])."""
     features = graph.active_features.tolist()
     checked = 0
-    for row in [n for n, (layer, _, _) in enumerate(features) if layer == 1][:6] + list(range(graph.logit_start,
-                                                                                             graph.logit_start + 2)):
-        sources = graph.adjacency[row, :graph.n_features].abs().topk(3).indices.tolist()
-        for source in sources:
+    logit_rows = list(range(graph.logit_start, graph.logit_start + 2))
+    for row in [n for n, (layer, _, _) in enumerate(features) if layer == 1][:6] + logit_rows:
+        for source in graph.adjacency[row, :graph.n_features].abs().topk(3).indices.tolist():
             layer, position, feature = features[source]
-            spliced = replacement.layers[layer]
-            delta = torch.zeros_like(spliced.constant)
-            delta[0, position] = spliced.transcoder.W_dec[feature].detach()
-            with torch.no_grad():
-                before, after = replacement.run(), replacement.run(1, {layer: delta})
-            if row < graph.n_features:
-                t_layer, t_position, t_feature = features[row]
-                change = (after.pre_activations[t_layer] - before.pre_activations[t_layer])[0, t_position, t_feature]
-            else:
-                token = int(graph.logit_tokens[row - graph.logit_start])
-                shift = after.logits[0, -1] - before.logits[0, -1]
-                change = shift[token] - shift.mean()
-            edge = graph.adjacency[row, source] / graph.activations[source]
-            assert abs(float(change) - float(edge)) <= 1e-3 * abs(float(edge)), (row, source)
+            delta = torch.zeros_like(replacement.layers[layer].constant)
+            delta[0, position] = replacement.layers[layer].transcoder.W_dec[feature].detach()
+            edge = float(graph.adjacency[row, source] / graph.activations[source])
+            assert abs(_change(replacement, graph, row, {layer: delta}) - edge) <= 1e-3 * abs(edge), (row, source)
             checked += 1
-    assert checked == 24
+    for row in logit_rows:
+        errors = graph.adjacency[row, graph.error_start:graph.token_start]
+        index = int(errors.abs().argmax())
+        layer, position = graph.layers[index // graph.n_pos], index % graph.n_pos
+        delta = torch.zeros_like(replacement.layers[layer].constant)
+        delta[0, position] = replacement.layers[layer].errors[0, position]
+        edge = float(errors[index])
+        assert abs(_change(replacement, graph, row, {layer: delta}) - edge) <= 1e-3 * abs(edge)
+        position = int(graph.adjacency[row, graph.token_start:graph.logit_start].abs().argmax())
+        embed_delta = torch.zeros_like(replacement.embeddings)
+        embed_delta[0, position] = replacement.embeddings[0, position]
+        edge = float(graph.adjacency[row, graph.token_start + position])
+        assert abs(_change(replacement, graph, row, {}, embed_delta) - edge) <= 1e-3 * abs(edge)
+        checked += 2
+    assert checked == 28
 
 
 def test_batching_does_not_change_the_graph(replacement, graph) -> None:
