@@ -116,11 +116,18 @@ def _argument(call: Any, index: int, name: str) -> Any:
 
 def _layer_norm(pg: PatchableGraph, path: str) -> FrozenLayerNorm:
     """The :class:`FrozenLayerNorm` of the ``layer_norm`` op at ``path`` (its input, weight and ε read from the
-    op's arguments)."""
+    op's arguments).
+
+    Raises:
+        FrozenNodesNotFoundError: its input is not a node, or its weight is not a parameter.
+    """
     call = _call(pg, path)
     shape = _argument(call, 1, "normalized_shape")
     weight = _argument(call, 2, "weight")
     eps = _argument(call, 4, "eps")
+    if weight is not None and getattr(weight, "op", "") != "get_attr":
+        raise FrozenNodesNotFoundError(f"the layer_norm op at '{path}' takes a weight computed in the graph "
+                                       f"({weight!r}), not a parameter; freeze its scale by hand")
     owner = pg.node(path)._gp_owner
     tensor = functools.reduce(getattr, weight.target.split("."), owner) if weight is not None else None
     return FrozenLayerNorm(_argument_path(pg, path, _argument(call, 0, "input")), path, tensor,
