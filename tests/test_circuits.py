@@ -4,6 +4,7 @@ edges = exact perturbations of the frozen model), pruning, scores and files."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from gradpatch import PatchableGraph, testing
+from gradpatch.errors import FingerprintMismatchError
 from gradpatch.circuits import (AttributionGraph, CircuitError, FrozenNodesNotFoundError, ReplacementModel,
                                 attribute, compute_influence, find_frozen_nodes, graph_scores, normalize_matrix,
                                 prune_graph, save_graph)
@@ -98,6 +100,11 @@ def test_bad_input_is_refused(replacement, prompt) -> None:
         ReplacementModel(replacement.pg, {0: sae}, prompt)
     with pytest.raises(CircuitError, match="at least one"):
         ReplacementModel(replacement.pg, {}, prompt)
+    with pytest.raises(CircuitError, match="more than the model's context of 128"):
+        ReplacementModel(replacement.pg, {0: transcoder}, torch.zeros(1, 129, dtype=torch.long))
+    other = SkipTranscoder.from_config(dataclasses.replace(transcoder.config, model_fingerprint="0123456789abcdef"))
+    with pytest.raises(FingerprintMismatchError, match="0123456789abcdef"):
+        ReplacementModel(replacement.pg, {0: other}, prompt)
 
 
 def test_replacement_model_replays_the_prompt(replacement) -> None:

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 from ..dictionaries import SparseDictionary, TranscoderInput, splice
+from ..errors import FingerprintMismatchError
+from ..files.fingerprint import model_fingerprint
 from ..layouts import detect_layout
 from ..patchable_graph import PatchableGraph
 from ..patches import AddPatch, CustomPatch, Patch, ProbePatch, ReplacePatch
@@ -80,22 +82,15 @@ class ReplacementModel:
         forward_kwargs: more keyword arguments of every forward pass.
 
     Raises:
-        CircuitError: no transcoders, an SAE, a transcoder without its nodes, or ``ids`` of more than one row.
+        CircuitError: no transcoders, an SAE, a transcoder without its nodes, ``ids`` of more than one row, or a
+            prompt longer than the model's context (``config.max_position_embeddings`` or ``n_positions``).
+        FingerprintMismatchError: a transcoder whose config records another model's fingerprint.
         FrozenNodesNotFoundError: the graph lacks attention or normalisation nodes to freeze.
     """
 
     def __init__(self, pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], ids: torch.Tensor,
                  embed: str | None = None, forward_kwargs: Mapping[str, Any] | None = None) -> None:
-        if not transcoders:
-            raise CircuitError("give at least one transcoder (layer -> Transcoder)")
-        if ids.dim() != 2 or ids.shape[0] != 1:
-            raise CircuitError(f"an attribution graph is of one prompt: give ids [1, seq], got {tuple(ids.shape)}")
-        for layer, transcoder in transcoders.items():
-            config = transcoder.config
-            if config.kind == "sae" or config.input_node is None or config.output_node is None:
-                raise CircuitError(f"layer {layer}: give a transcoder whose config names its input_node and "
-                                   f"output_node (the MLP's input and output), not a {config.kind} at "
-                                   f"{config.input_node}")
+        _check_inputs(pg, transcoders, ids)
         self.pg = pg
         self.ids = ids
         self.forward_kwargs = dict(forward_kwargs or {})
@@ -200,3 +195,28 @@ class ReplacementModel:
                 value = value + (spliced.transcoder.skip(reader.held) - skip_recorded).to(original.dtype)
             return value if delta is None else value + delta.to(original.dtype)
         return output
+
+
+def _check_inputs(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], ids: torch.Tensor) -> None:
+    """Raise (see :class:`ReplacementModel`) unless the transcoders and the prompt fit the model."""
+    if not transcoders:
+        raise CircuitError("give at least one transcoder (layer -> Transcoder)")
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise CircuitError(f"an attribution graph is of one prompt: give ids [1, seq], got {tuple(ids.shape)}")
+    config = getattr(pg.wrapped_model, "config", None)
+    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if context is not None and ids.shape[1] > context:
+        raise CircuitError(f"the prompt has {ids.shape[1]} tokens, more than the model's context of {context}; "
+                           f"shorten it")
+    fingerprint = None
+    for layer, transcoder in transcoders.items():
+        recorded = transcoder.config
+        if recorded.kind == "sae" or recorded.input_node is None or recorded.output_node is None:
+            raise CircuitError(f"layer {layer}: give a transcoder whose config names its input_node and output_node "
+                               f"(the MLP's input and output), not a {recorded.kind} at {recorded.input_node}")
+        if recorded.model_fingerprint is not None:
+            fingerprint = fingerprint or model_fingerprint(pg.wrapped_model)
+            if recorded.model_fingerprint != fingerprint:
+                raise FingerprintMismatchError(f"the transcoder of layer {layer} was trained on a model with "
+                                               f"fingerprint {recorded.model_fingerprint}, but this model's is "
+                                               f"{fingerprint}: load the transcoders of this model")
