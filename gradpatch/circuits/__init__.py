@@ -4,8 +4,8 @@ Computational Graphs in Language Models"; circuit-tracer's method and file forma
 Example::
 
     from gradpatch.circuits import ReplacementModel, attribute, prune_graph, save_graph
-    model = ReplacementModel(pg, {0: transcoder_0, 1: transcoder_1}, ids)   # ids [1, seq]; frozen on that prompt
-    graph = attribute(model)                 # graph.adjacency [n, n], rows = targets, columns = sources
+    replacement = ReplacementModel(pg, {0: transcoder_0, 1: transcoder_1}, ids)   # ids [1, seq], frozen on it
+    graph = attribute(replacement)           # graph.adjacency [n, n], rows = targets, columns = sources
     save_graph(graph, "out", decode=tokenizer.decode)
 
 See docs/circuits.md.
