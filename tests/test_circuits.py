@@ -1,6 +1,6 @@
 """Attribution graphs (gradpatch.circuits) on the tiny Llama and the tiny GPT-2 with random skip transcoders at both
-MLPs: the frozen nodes found from the graph, the exactness of the linearisation (each target = Σ incoming edges + its bias; sampled
-edges = exact perturbations of the frozen model), pruning, scores and files."""
+MLPs: the frozen nodes found from the graph, the exactness of the linearisation (each target = Σ incoming edges + its
+bias; sampled edges = exact perturbations of the frozen model), bad input, pruning, scores and files."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file
 
 from gradpatch import PatchableGraph, testing
-from gradpatch.errors import FingerprintMismatchError
 from gradpatch.circuits import (AttributionGraph, CircuitError, FrozenNodesNotFoundError, ReplacementModel,
                                 attribute, compute_influence, find_frozen_nodes, graph_scores, normalize_matrix,
                                 prune_graph, save_graph)
 from gradpatch.dictionaries import SkipTranscoder, SparseAutoencoder
+from gradpatch.errors import FingerprintMismatchError
 
 
 def _llama(attention: str = "sdpa") -> torch.nn.Module:
