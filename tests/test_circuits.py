@@ -1,5 +1,5 @@
-"""Attribution graphs (gradpatch.circuits) on the tiny Llama and the tiny GPT-2 with random skip transcoders at both
-MLPs: the frozen nodes found from the graph, the exactness of the linearisation (each target = Σ incoming edges + its
+"""Attribution graphs (gradpatch.circuits) on the tiny Llama (SDPA and eager attention) and the tiny GPT-2 with
+random skip transcoders at both MLPs: the frozen nodes found from the graph, the exactness of the linearisation (each target = Σ incoming edges + its
 bias; sampled edges = exact perturbations of the frozen model), bad input, pruning, scores and files."""
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def _gpt2() -> torch.nn.Module:
 
 #: model -> (builder, MLP input and output NodePaths with {} for the layer).
 MODELS = {"llama": (_llama, "model.layers_{}.mlp.x", "model.layers_{}.mlp.output"),
+          "llama-eager": (lambda: _llama("eager"), "model.layers_{}.mlp.x", "model.layers_{}.mlp.output"),
           "gpt2": (_gpt2, "transformer.h_{}.mlp.hidden_states", "transformer.h_{}.mlp.output")}
 
 
