@@ -29,7 +29,7 @@ from gradpatch.dictionaries import SkipTranscoder
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of"
 
 
-def _smollm2(tokens: int, k: int) -> tuple[PatchableGraph, dict[int, SkipTranscoder], torch.Tensor]:
+def _smollm2(tokens: int, k: int) -> ReplacementModel:
     from gradpatch.files.loaders import load_embedded_model
 
     model, tokenizer = load_embedded_model()
@@ -38,25 +38,14 @@ def _smollm2(tokens: int, k: int) -> tuple[PatchableGraph, dict[int, SkipTransco
     transcoders = {layer: SkipTranscoder(576, 1024, activation="topk", k=k, input_node=f"model.layers_{layer}.mlp.x",
                                          output_node=f"model.layers_{layer}.mlp.output", generator=generator)
                    for layer in range(model.config.num_hidden_layers)}
-    return PatchableGraph(model, ids, use_cache=False), transcoders, ids
+    return ReplacementModel(PatchableGraph(model, ids, use_cache=False), transcoders, ids)
 
 
-def _tiny(name: str) -> tuple[PatchableGraph, dict[int, SkipTranscoder], torch.Tensor]:
+def _tiny(name: str) -> ReplacementModel:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from test_circuits import MODELS
+    from test_circuits import tiny_replacement
 
-    build, read, write = MODELS[name]
-    ids = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(3))
-    generator = torch.Generator().manual_seed(0)
-    transcoders = {}
-    for layer in range(2):
-        transcoder = SkipTranscoder(64, 64, activation="relu", input_node=read.format(layer),
-                                    output_node=write.format(layer), generator=generator)
-        with torch.no_grad():
-            transcoder.W_skip.normal_(0, 0.05, generator=generator)
-            transcoder.b_dec.normal_(0, 0.01, generator=generator)
-        transcoders[layer] = transcoder
-    return PatchableGraph(build(), ids, use_cache=False), transcoders, ids
+    return tiny_replacement(name, torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(3)))
 
 
 def main() -> None:
@@ -66,10 +55,9 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args()
-    pg, transcoders, ids = _smollm2(args.tokens, args.k) if args.model == "smollm2" else _tiny(args.model[5:])
     start = time.perf_counter()
-    model = ReplacementModel(pg, transcoders, ids)
-    recorded = time.perf_counter() - start
+    model = _smollm2(args.tokens, args.k) if args.model == "smollm2" else _tiny(args.model[5:])
+    built = time.perf_counter() - start
     with torch.no_grad():
         full = model.run()
         bias = model.run(1, {layer: -(s.constant - s.transcoder.b_dec) for layer, s in model.layers.items()},
@@ -87,10 +75,10 @@ def main() -> None:
     pruned = prune_graph(graph)
     replacement, completeness = graph_scores(graph)
     print(json.dumps({
-        "model": args.model, "tokens": int(ids.shape[1]), "layers": len(transcoders),
+        "model": args.model, "tokens": int(model.ids.shape[1]), "layers": len(model.layers),
         "frozen": {"attention": len(model.frozen.attention), "norms": len(model.frozen.norms),
                    "layer_norms": len(model.frozen.layer_norms)},
-        "replay_bit_exact": bool(torch.equal(full.logits, model.logits)), "record_seconds": round(recorded, 2),
+        "replay_bit_exact": bool(torch.equal(full.logits, model.logits)), "build_seconds": round(built, 2),
         "features": graph.n_features, "nodes": int(graph.adjacency.shape[0]), "logits": len(graph.logit_tokens),
         "attribute_seconds": round(seconds, 2), "batch_size": args.batch_size,
         "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),

@@ -41,10 +41,10 @@ MODELS = {"llama": (_llama, "model.layers_{}.mlp.x", "model.layers_{}.mlp.output
           "gpt2": (_gpt2, "transformer.h_{}.mlp.hidden_states", "transformer.h_{}.mlp.output")}
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
-def replacement(request, prompt) -> ReplacementModel:
-    """A tiny model's replacement model: ReLU skip transcoders (64 latents) at both MLPs, random weights."""
-    build, read, write = MODELS[request.param]
+def tiny_replacement(name: str, prompt: torch.Tensor) -> ReplacementModel:
+    """The replacement model of :data:`MODELS`' ``name``: ReLU skip transcoders (64 latents) at both MLPs, random
+    weights (also benchmarks/circuits.py's tiny models)."""
+    build, read, write = MODELS[name]
     pg = PatchableGraph(build(), prompt, use_cache=False)
     generator = torch.Generator().manual_seed(0)
     transcoders = {}
@@ -56,6 +56,11 @@ def replacement(request, prompt) -> ReplacementModel:
             transcoder.b_dec.normal_(0, 0.01, generator=generator)
         transcoders[layer] = transcoder
     return ReplacementModel(pg, transcoders, prompt)
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def replacement(request, prompt) -> ReplacementModel:
+    return tiny_replacement(request.param, prompt)
 
 
 @pytest.fixture(scope="module")
