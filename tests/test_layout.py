@@ -330,7 +330,7 @@ def test_the_intervention_modules_are_siblings_on_one_base() -> None:
 
 
 #: The rooms of gradpatch/ (issue 46): each behind a front door with an ``__all__``.
-GRADPATCH_ROOMS = {"attribution", "dictionaries", "extraction", "files", "interventions"}
+GRADPATCH_ROOMS = {"attribution", "circuits", "dictionaries", "extraction", "files", "interventions"}
 MAX_GRADPATCH_TOP_MODULES = 15
 
 

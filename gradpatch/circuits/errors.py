@@ -1,0 +1,15 @@
+"""Exception types of attribution graphs (:mod:`gradpatch.circuits`)."""
+
+from __future__ import annotations
+
+from ..errors import GradpatchError
+
+
+class CircuitError(GradpatchError, ValueError):
+    """An attribution graph that cannot be built as asked: no transcoders, a dictionary that is not a transcoder, a
+    threshold outside [0, 1], a prompt of more than one row (the message names the fix)."""
+
+
+class FrozenNodesNotFoundError(CircuitError):
+    """The graph lacks the nodes that the local replacement model freezes (attention probabilities or normalisation
+    scales); the message names the operations looked for."""

@@ -1,0 +1,173 @@
+"""Which nodes the local replacement model freezes, found from the op graph (not from a per-architecture table).
+
+The replacement model is linear from features to features once every nonlinearity outside the transcoders is
+frozen at its value on the prompt (Ameisen et al. 2025, "Circuit Tracing", section 2.2, "the local replacement
+model"): the attention patterns A = softmax(q kᵀ/√d + mask) ``[batch, heads, seq, seq]`` and the normalisation
+scales 1/√(mean(x²) + ε) ``[batch, seq, 1]``. The graph is searched for the ops that compute them:
+
+- attention probabilities: a ``softmax`` whose value has four dimensions ``[batch, heads, query, key]``
+  (transformers' eager attention, ``attn_implementation="eager"``); or a ``scaled_dot_product_attention`` call
+  (transformers' default SDPA), which computes the pattern inside one op: its query and key arguments are frozen
+  instead, which fixes A exactly (SDPA(q₀, k₀, v) = A(q₀, k₀) v is linear in v);
+- normalisation scales: an ``rsqrt`` op (RMSNorm's 1/√(mean(x²) + ε), Llama-family models), or a ``layer_norm``
+  op (GPT-2), which computes its scale inside one op: its output is replaced by the affine function of its input
+  that the frozen scale gives, y⁰ + ((x − x̄) − (x⁰ − x̄⁰)) / σ⁰ · w (:class:`FrozenLayerNorm`; ⁰ = on the prompt).
+
+Freezing a node is a patch that replaces its value by the detached value recorded on the prompt (a stop-gradient
+at that node): gradients then flow through v and through x · scale alone. A graph with none of the expected nodes
+gets :class:`~gradpatch.circuits.errors.FrozenNodesNotFoundError` naming what was looked for.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..patchable_graph import PatchableGraph
+from .errors import FrozenNodesNotFoundError
+
+__all__ = ["FrozenLayerNorm", "FrozenNodes", "find_frozen_nodes"]
+
+_SOFTMAX = ("call_function:softmax", "call_method:softmax")
+_RSQRT = ("call_function:rsqrt", "call_method:rsqrt")
+_SDPA = "scaled_dot_product_attention"
+_LAYER_NORM = "call_function:layer_norm"
+
+
+@dataclass(frozen=True)
+class FrozenLayerNorm:
+    """A ``layer_norm`` op whose scale σ is frozen (module docstring).
+
+    Attributes:
+        input: the NodePath of its input x ``[..., *normalized_shape]``.
+        output: the NodePath of the op ``[..., *normalized_shape]``.
+        weight: w ``normalized_shape`` (``None`` without one).
+        dims: the normalised dimensions (negative).
+        eps: ε of σ = √(var(x) + ε).
+    """
+
+    input: str
+    output: str
+    weight: torch.Tensor | None
+    dims: tuple[int, ...]
+    eps: float
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        """σ = √(var(x) + ε) over :attr:`dims` (kept as size-1 dimensions)."""
+        return (x.var(dim=self.dims, unbiased=False, keepdim=True) + self.eps).sqrt()
+
+    def frozen(self, x: torch.Tensor, x0: torch.Tensor, y0: torch.Tensor, sigma0: torch.Tensor) -> torch.Tensor:
+        """y⁰ + ((x − x̄) − (x⁰ − x̄⁰)) / σ⁰ · w: affine in x, equal to y⁰ at x = x⁰."""
+        difference = x - x0
+        centred = (difference - difference.mean(dim=self.dims, keepdim=True)) / sigma0
+        return y0 + (centred if self.weight is None else centred * self.weight.detach())
+
+
+@dataclass(frozen=True)
+class FrozenNodes:
+    """The nodes frozen on the prompt.
+
+    Attributes:
+        attention: softmax outputs ``[batch, heads, seq, seq]``, or the query and key arguments of SDPA calls.
+        norms: RMSNorm scales (``rsqrt``) ``[batch, seq, 1]``.
+        layer_norms: ``layer_norm`` ops with their scale frozen.
+    """
+
+    attention: tuple[str, ...]
+    norms: tuple[str, ...]
+    layer_norms: tuple[FrozenLayerNorm, ...] = ()
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Every frozen NodePath, attention first."""
+        return self.attention + self.norms
+
+
+def _call(pg: PatchableGraph, path: str) -> Any:
+    """The torch.fx node of the op at ``path``."""
+    node = pg.node(path)
+    return next(fx for fx in node._gp_owner.graph.nodes if fx.name == node._gp_key)
+
+
+def _argument_path(pg: PatchableGraph, path: str, argument: Any) -> str:
+    """The NodePath of ``argument`` (a torch.fx node) of the op at ``path``: a sibling whose key is the argument's
+    name (or, for a placeholder, its target).
+
+    Raises:
+        FrozenNodesNotFoundError: the argument is not a node of the graph.
+    """
+    parent = path.rsplit(".", 1)[0] if "." in path else ""
+    names = {getattr(argument, "name", None)}
+    if getattr(argument, "op", "") == "placeholder":
+        names.add(argument.target)
+    for child in pg.node(parent) if parent else pg.graph:
+        if "|" not in child._path and child._gp_key in names:
+            return child._path
+    raise FrozenNodesNotFoundError(f"the op at '{path}' takes {argument!r}, which is not a node of the graph; run the "
+                                   f"model with attn_implementation='eager' (attention) or freeze it by hand")
+
+
+def _argument(call: Any, index: int, name: str) -> Any:
+    return call.kwargs.get(name, call.args[index] if len(call.args) > index else None)
+
+
+def _layer_norm(pg: PatchableGraph, path: str) -> FrozenLayerNorm:
+    """The :class:`FrozenLayerNorm` of the ``layer_norm`` op at ``path`` (its input, weight and ε read from the
+    op's arguments).
+
+    Raises:
+        FrozenNodesNotFoundError: its input is not a node, or its weight is not a parameter.
+    """
+    call = _call(pg, path)
+    shape = _argument(call, 1, "normalized_shape")
+    weight = _argument(call, 2, "weight")
+    eps = _argument(call, 4, "eps")
+    if weight is not None and getattr(weight, "op", "") != "get_attr":
+        raise FrozenNodesNotFoundError(f"the layer_norm op at '{path}' takes a weight computed in the graph "
+                                       f"({weight!r}), not a parameter; freeze its scale by hand")
+    owner = pg.node(path)._gp_owner
+    tensor = functools.reduce(getattr, weight.target.split("."), owner) if weight is not None else None
+    return FrozenLayerNorm(_argument_path(pg, path, _argument(call, 0, "input")), path, tensor,
+                           tuple(range(-len(shape), 0)), 1e-5 if eps is None else float(eps))
+
+
+def find_frozen_nodes(pg: PatchableGraph) -> FrozenNodes:
+    """The attention and normalisation nodes of ``pg`` to freeze (module docstring).
+
+    Raises:
+        FrozenNodesNotFoundError: no attention-probability node (softmax ``[batch, heads, q, k]`` or SDPA call) or no
+            normalisation scale (``rsqrt`` or ``layer_norm``), or an op's argument that is not a node; the message
+            names what was looked for.
+    """
+    attention: list[str] = []
+    norms: list[str] = []
+    layer_norms: list[FrozenLayerNorm] = []
+    for path in pg.node_paths():
+        if "|" in path:
+            continue
+        node = pg.node(path)
+        op = node._gp_op
+        shape = node.tensor_shape
+        if op in _SOFTMAX and shape is not None and len(shape) == 4:
+            attention.append(path)
+        elif op.endswith(_SDPA):
+            call = _call(pg, path)
+            attention.extend(_argument_path(pg, path, _argument(call, i, name))
+                             for i, name in enumerate(("query", "key")))
+        elif op in _RSQRT:
+            norms.append(path)
+        elif op == _LAYER_NORM:
+            layer_norms.append(_layer_norm(pg, path))
+    missing = []
+    if not attention:
+        missing.append("attention probabilities (a softmax with value [batch, heads, query, key], or a "
+                       "scaled_dot_product_attention call)")
+    if not norms and not layer_norms:
+        missing.append("normalisation scales (an rsqrt op, as RMSNorm computes, or a layer_norm op)")
+    if missing:
+        raise FrozenNodesNotFoundError(f"the local replacement model freezes {' and '.join(missing)}, but the graph "
+                                       f"has none; print pg.graph to see its ops")
+    return FrozenNodes(tuple(attention), tuple(norms), tuple(layer_norms))

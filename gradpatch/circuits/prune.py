@@ -1,0 +1,133 @@
+"""Pruning an attribution graph by influence, and its replacement and completeness scores (Ameisen et al. 2025,
+"Circuit Tracing", section 2.6 and appendix "Graph pruning"; circuit-tracer's ``graph.py``).
+
+With A ``[n, n]`` the adjacency (rows = targets) and Â = |A| with each row normalised to sum 1, the influence of
+every node on the logits, weighted by the logits' probabilities w ``[n]`` (zero off the logit nodes), is::
+
+    influence = w Â + w Â² + … = w ((I − Â)⁻¹ − I)                                        (a row vector [n])
+
+computed by repeated products until they vanish (Â is nilpotent: the graph is acyclic). Node pruning keeps the
+nodes of highest influence that carry ``node_threshold`` of the total (default 0.8), plus every token and logit;
+edge pruning scores each edge of the node-pruned graph by Â'[t, s] · (influence'[t] + w[t]) and keeps those that
+carry ``edge_threshold`` of the total (default 0.98); then feature and error nodes without a kept outgoing edge, and
+features without a kept incoming edge, are dropped until nothing changes.
+
+Scores (circuit-tracer's ``compute_graph_scores``): with influence from the unpruned graph,
+
+    replacement = Σ_tokens influence / (Σ_tokens influence + Σ_errors influence)
+    completeness = Σ_t (1 − Σ_errors Â[t, ·]) (influence[t] + w[t]) / Σ_t (influence[t] + w[t])
+
+the fraction of end-to-end influence that reaches the logits from tokens rather than from errors, and the fraction
+of each node's direct inputs that is not error, weighted by its influence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attribute import AttributionGraph
+from .errors import CircuitError
+
+__all__ = ["PruneResult", "compute_influence", "graph_scores", "logit_weights", "normalize_matrix", "prune_graph"]
+
+
+@dataclass
+class PruneResult:
+    """Which nodes and edges survive pruning.
+
+    Attributes:
+        node_mask: ``[n]`` bool.
+        edge_mask: ``[n, n]`` bool (rows = targets).
+        cumulative_scores: ``[n]``, each node's cumulative share of influence in descending order of influence.
+    """
+
+    node_mask: torch.Tensor
+    edge_mask: torch.Tensor
+    cumulative_scores: torch.Tensor
+
+
+def normalize_matrix(matrix: torch.Tensor) -> torch.Tensor:
+    """|A| with each row divided by its sum (rows summing to 0 stay 0): ``[n, n]`` -> ``[n, n]``."""
+    absolute = matrix.abs()
+    return absolute / absolute.sum(dim=1, keepdim=True).clamp(min=1e-10)
+
+
+def compute_influence(normalized: torch.Tensor, weights: torch.Tensor, max_iter: int = 1000) -> torch.Tensor:
+    """w Â + w Â² + … ``[n]`` (module docstring).
+
+    Raises:
+        CircuitError: the products have not vanished after ``max_iter`` steps (the graph has a cycle).
+    """
+    current = weights @ normalized
+    influence = current.clone()
+    for _ in range(max_iter):
+        if not bool(current.any()):
+            return influence
+        current = current @ normalized
+        influence += current
+    raise CircuitError(f"influence did not converge in {max_iter} products: the adjacency has a cycle")
+
+
+def logit_weights(graph: AttributionGraph) -> torch.Tensor:
+    """w ``[n]``: each logit node's probability, 0 elsewhere."""
+    weights = torch.zeros(graph.adjacency.shape[0])
+    weights[graph.logit_start:] = graph.logit_probabilities.float()
+    return weights
+
+
+def _threshold(scores: torch.Tensor, fraction: float) -> torch.Tensor:
+    """The score above which the highest scores carry ``fraction`` of the total."""
+    ordered = torch.sort(scores, descending=True).values
+    cumulative = torch.cumsum(ordered, dim=0) / torch.sum(ordered)
+    index = min(int(torch.searchsorted(cumulative, fraction)), len(cumulative) - 1)
+    return ordered[index]
+
+
+def prune_graph(graph: AttributionGraph, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> PruneResult:
+    """The nodes and edges kept (module docstring; circuit-tracer's defaults).
+
+    Raises:
+        CircuitError: a threshold outside [0, 1].
+    """
+    for name, value in (("node_threshold", node_threshold), ("edge_threshold", edge_threshold)):
+        if not 0.0 <= value <= 1.0:
+            raise CircuitError(f"{name}={value}: give a fraction of influence between 0 and 1")
+    weights = logit_weights(graph)
+    influence = compute_influence(normalize_matrix(graph.adjacency), weights)
+    node_mask = influence >= _threshold(influence, node_threshold)
+    node_mask[graph.token_start:] = True
+    pruned = graph.adjacency.clone()
+    pruned[~node_mask] = 0
+    pruned[:, ~node_mask] = 0
+    normalized = normalize_matrix(pruned)
+    edge_scores = normalized * (compute_influence(normalized, weights) + weights)[:, None]
+    edge_mask = edge_scores >= _threshold(edge_scores.flatten(), edge_threshold)
+    inner, features = graph.token_start, graph.n_features
+    previous = None
+    while previous is None or not torch.equal(previous, node_mask):
+        previous = node_mask.clone()
+        edge_mask[~node_mask] = False
+        edge_mask[:, ~node_mask] = False
+        node_mask[:inner] &= edge_mask[:, :inner].any(0)
+        node_mask[:features] &= edge_mask[:features].any(1)
+    ordered, order = torch.sort(influence, descending=True)
+    cumulative = torch.zeros_like(influence)
+    cumulative[order] = torch.cumsum(ordered, dim=0) / torch.sum(ordered)
+    return PruneResult(node_mask, edge_mask, cumulative)
+
+
+def graph_scores(graph: AttributionGraph) -> tuple[float, float]:
+    """(replacement score, completeness score) of the unpruned graph (module docstring)."""
+    weights = logit_weights(graph)
+    normalized = normalize_matrix(graph.adjacency)
+    influence = compute_influence(normalized, weights)
+    errors = slice(graph.error_start, graph.token_start)
+    token_influence = influence[graph.token_start:graph.logit_start].sum()
+    error_influence = influence[errors].sum()
+    replacement = token_influence / (token_influence + error_influence)
+    non_error = 1 - normalized[:, errors].sum(dim=-1)
+    output_influence = influence + weights
+    completeness = (non_error * output_influence).sum() / output_influence.sum()
+    return float(replacement), float(completeness)

@@ -1,0 +1,222 @@
+"""The local replacement model of one prompt (Ameisen et al. 2025, "Circuit Tracing", section 2.2).
+
+Transcoders are spliced at chosen MLPs with their error terms (:func:`gradpatch.dictionaries.splice`), so that on
+the prompt the forward pass is the model's. At each spliced layer ℓ the MLP output ``[1, seq, d_model]`` splits as::
+
+    y_ℓ = Σ_f a_ℓf W_dec[f] + b_dec + x_ℓ W_skipᵀ + e_ℓ,      e_ℓ = y_ℓ − output(x_ℓ, a_ℓ)   (the error term)
+
+with x_ℓ the transcoder's input and a_ℓ = σ(x_ℓ W_enc + b_enc) its latents. The replacement model replays the prompt
+with every attention pattern and normalisation scale frozen (:mod:`gradpatch.circuits.freeze`) and every MLP output
+replaced by c_ℓ + x_ℓ W_skipᵀ + δ_ℓ, where c_ℓ = Σ_f a_ℓf W_dec[f] + b_dec + e_ℓ is recorded (features and errors are
+injected, so no gradient passes through a transcoder's encoder) and δ_ℓ ``[batch, seq, d_model]`` is an added
+perturbation (zero, or a parameter whose gradient is ∂target/∂y_ℓ). The token embeddings take an added δ_E likewise.
+Everything from embeddings and MLP outputs to the transcoders' pre-activations h_ℓ = x_ℓ W_enc + b_enc and to the
+logits is then affine, which is what makes the attribution graph's edges exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..dictionaries import SparseDictionary, TranscoderInput, splice
+from ..errors import FingerprintMismatchError
+from ..files.fingerprint import model_fingerprint
+from ..layouts import detect_layout
+from ..patchable_graph import PatchableGraph
+from ..patches import AddPatch, CustomPatch, Patch, ProbePatch, ReplacePatch
+from .errors import CircuitError
+from .freeze import FrozenLayerNorm, FrozenNodes, find_frozen_nodes
+
+__all__ = ["ReplacementModel", "ReplacementRun", "SplicedLayer"]
+
+
+@dataclass
+class SplicedLayer:
+    """One transcoder and what it read and wrote on the prompt.
+
+    Attributes:
+        transcoder: the (skip) transcoder.
+        input_node, output_node: the NodePaths it reads (the MLP input) and writes (the MLP output).
+        inputs: x_ℓ ``[1, seq, d_in]``.
+        activations: a_ℓ ``[1, seq, m]``.
+        errors: e_ℓ ``[1, seq, d_out]``.
+        outputs: y_ℓ, the MLP's output ``[1, seq, d_out]``.
+        constant: c_ℓ = a_ℓ W_dec + b_dec + e_ℓ = y_ℓ − x_ℓ W_skipᵀ ``[1, seq, d_out]``.
+    """
+
+    transcoder: SparseDictionary
+    input_node: str
+    output_node: str
+    inputs: torch.Tensor
+    activations: torch.Tensor
+    errors: torch.Tensor
+    outputs: torch.Tensor
+    constant: torch.Tensor
+
+
+@dataclass
+class ReplacementRun:
+    """One forward pass of the replacement model.
+
+    Attributes:
+        logits: ``[batch, seq, vocab]``.
+        pre_activations: layer -> h_ℓ ``[batch, seq, m]`` (with autograd history).
+    """
+
+    logits: torch.Tensor
+    pre_activations: dict[int, torch.Tensor]
+
+
+class ReplacementModel:
+    """The frozen, spliced model of one prompt ``ids`` ``[1, seq]`` (module docstring).
+
+    Args:
+        pg: the graph (extracted with ``use_cache=False``).
+        transcoders: layer index -> transcoder whose config names its ``input_node`` and ``output_node``.
+        ids: the prompt's token ids ``[1, seq]``.
+        embed: the NodePath of the token embeddings ``[1, seq, d_model]`` (default: the model layout's).
+        forward_kwargs: more keyword arguments of every forward pass.
+
+    Raises:
+        CircuitError: no transcoders, an SAE, a transcoder without its nodes, ``ids`` of more than one row, or a
+            prompt longer than the model's context (``config.max_position_embeddings`` or ``n_positions``).
+        FingerprintMismatchError: a transcoder whose config records another model's fingerprint.
+        FrozenNodesNotFoundError: the graph lacks attention or normalisation nodes to freeze.
+    """
+
+    def __init__(self, pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], ids: torch.Tensor,
+                 embed: str | None = None, forward_kwargs: Mapping[str, Any] | None = None) -> None:
+        _check_inputs(pg, transcoders, ids)
+        self.pg = pg
+        self.ids = ids
+        self.forward_kwargs = dict(forward_kwargs or {})
+        self.embed = embed or detect_layout(pg).embed
+        self.frozen: FrozenNodes = find_frozen_nodes(pg)
+        self.layers: dict[int, SplicedLayer] = {}
+        self.frozen_values: dict[str, torch.Tensor] = {}
+        self.layer_norm_values: list[tuple[FrozenLayerNorm, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.embeddings = torch.empty(0)
+        self.logits = torch.empty(0)
+        self._record(dict(sorted(transcoders.items())))
+
+    def _record(self, transcoders: dict[int, SparseDictionary]) -> None:
+        """One forward pass of the prompt with the transcoders spliced (error terms kept): x, a, e, c per layer,
+        the frozen values, the embeddings and the logits."""
+        patch_map: dict[str, list[Patch]] = {}
+        norm_paths = [path for norm in self.frozen.layer_norms for path in (norm.input, norm.output)]
+        probes = {path: ProbePatch() for path in (*self.frozen.paths, *norm_paths, self.embed)}
+        splices: dict[int, Any] = {}
+        inputs: dict[int, ProbePatch] = {}
+        outputs: dict[int, ProbePatch] = {}
+        for layer, transcoder in transcoders.items():
+            splices[layer] = splice(self.pg, transcoder)
+            for path, patches in splices[layer].patch_map().items():
+                patch_map.setdefault(path, []).extend(patches)
+            inputs[layer], outputs[layer] = ProbePatch(), ProbePatch()
+            patch_map[splices[layer].input_node].append(inputs[layer])
+            patch_map[splices[layer].output_node].append(outputs[layer])  # after the splice: y, bit for bit
+        for path, probe in probes.items():
+            patch_map.setdefault(path, []).append(probe)
+        with torch.no_grad(), self.pg.patch(patch_map):
+            self.logits = self.pg(self.ids, **self.forward_kwargs).logits.detach()
+        self.frozen_values = {path: probes[path].activation for path in self.frozen.paths}
+        self.embeddings = probes[self.embed].activation
+        for norm in self.frozen.layer_norms:  # (norm, x⁰, y⁰, σ⁰)
+            x0 = probes[norm.input].activation
+            self.layer_norm_values.append((norm, x0, probes[norm.output].activation, norm.scale(x0)))
+        with torch.no_grad():
+            for layer, transcoder in transcoders.items():
+                x, a = inputs[layer].activation, splices[layer].latents
+                decoded = transcoder.decode(a)
+                skip = transcoder.skip(x)
+                output = decoded if skip is None else decoded + skip
+                y = outputs[layer].activation
+                self.layers[layer] = SplicedLayer(transcoder, splices[layer].input_node, splices[layer].output_node,
+                                                  x, a, y - output, y, decoded + (y - output))
+
+    def run(self, batch: int = 1, deltas: Mapping[int, torch.Tensor] | None = None,
+            embed_delta: torch.Tensor | None = None) -> ReplacementRun:
+        """One forward pass of the replacement model on ``batch`` copies of the prompt.
+
+        Args:
+            batch: rows (each a copy of the prompt; rows are independent, so one backward pass of a sum of per-row
+                targets gives each row's gradients).
+            deltas: layer -> δ_ℓ ``[batch or 1, seq, d_out]`` added to the MLP output (zero when absent).
+            embed_delta: δ_E ``[batch or 1, seq, d_model]`` added to the token embeddings.
+
+        Returns:
+            A :class:`ReplacementRun` (runs with autograd on: take gradients of it).
+        """
+        deltas = dict(deltas or {})
+        patch_map: dict[str, list[Patch]] = {path: [ReplacePatch(value=value)]
+                                             for path, value in self.frozen_values.items()}
+        if embed_delta is not None:
+            patch_map.setdefault(self.embed, []).append(AddPatch(value=embed_delta))
+        for norm, x0, y0, sigma0 in self.layer_norm_values:
+            reader = TranscoderInput(width=x0.shape[-1])
+            patch_map.setdefault(norm.input, []).append(reader)
+            frozen = CustomPatch(custom_op=self._layer_norm_op(norm, reader, x0, y0, sigma0), requires_clone=False)
+            patch_map.setdefault(norm.output, []).append(frozen)
+        readers: dict[int, TranscoderInput] = {}
+        for layer, spliced in self.layers.items():
+            readers[layer] = TranscoderInput(width=spliced.transcoder.d_in)
+            patch_map.setdefault(spliced.input_node, []).append(readers[layer])
+            output = CustomPatch(custom_op=self._output_op(spliced, readers[layer], deltas.get(layer)),
+                                 requires_clone=False)
+            patch_map.setdefault(spliced.output_node, []).append(output)
+        with self.pg.patch(patch_map):
+            logits = self.pg(self.ids.expand(batch, -1), **self.forward_kwargs).logits
+        return ReplacementRun(logits, {layer: spliced.transcoder.pre_activations(readers[layer].held)
+                                       for layer, spliced in self.layers.items()})
+
+    @staticmethod
+    def _layer_norm_op(norm: FrozenLayerNorm, reader: TranscoderInput, x0: torch.Tensor, y0: torch.Tensor,
+                       sigma0: torch.Tensor) -> Any:
+        """A ``layer_norm`` op's replacement with its scale frozen (:meth:`FrozenLayerNorm.frozen`)."""
+        def frozen(original: torch.Tensor) -> torch.Tensor:
+            return norm.frozen(reader.held, x0, y0, sigma0).to(original.dtype)
+        return frozen
+
+    @staticmethod
+    def _output_op(spliced: SplicedLayer, reader: TranscoderInput, delta: torch.Tensor | None) -> Any:
+        """The MLP output's replacement ``[batch, seq, d_out]``, c_ℓ + x_ℓ W_skipᵀ + δ_ℓ with x_ℓ read live by
+        ``reader``, computed as y_ℓ + (x_ℓ − x_ℓ⁰) W_skipᵀ + δ_ℓ (x_ℓ⁰ the recorded input): the same value and
+        gradient, and y_ℓ bit for bit when nothing is perturbed."""
+        with torch.no_grad():
+            skip_recorded = spliced.transcoder.skip(spliced.inputs)
+
+        def output(original: torch.Tensor) -> torch.Tensor:
+            value = spliced.outputs.to(original.dtype).expand(original.shape)
+            if skip_recorded is not None:
+                value = value + (spliced.transcoder.skip(reader.held) - skip_recorded).to(original.dtype)
+            return value if delta is None else value + delta.to(original.dtype)
+        return output
+
+
+def _check_inputs(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], ids: torch.Tensor) -> None:
+    """Raise (see :class:`ReplacementModel`) unless the transcoders and the prompt fit the model."""
+    if not transcoders:
+        raise CircuitError("give at least one transcoder (layer -> Transcoder)")
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise CircuitError(f"an attribution graph is of one prompt: give ids [1, seq], got {tuple(ids.shape)}")
+    config = getattr(pg.wrapped_model, "config", None)
+    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if context is not None and ids.shape[1] > context:
+        raise CircuitError(f"the prompt has {ids.shape[1]} tokens, more than the model's context of {context}; "
+                           f"shorten it")
+    fingerprint = None
+    for layer, transcoder in transcoders.items():
+        recorded = transcoder.config
+        if recorded.kind == "sae" or recorded.input_node is None or recorded.output_node is None:
+            raise CircuitError(f"layer {layer}: give a transcoder whose config names its input_node and output_node "
+                               f"(the MLP's input and output), not a {recorded.kind} at {recorded.input_node}")
+        if recorded.model_fingerprint is not None:
+            fingerprint = fingerprint or model_fingerprint(pg.wrapped_model)
+            if recorded.model_fingerprint != fingerprint:
+                raise FingerprintMismatchError(f"the transcoder of layer {layer} was trained on a model with "
+                                               f"fingerprint {recorded.model_fingerprint}, but this model's is "
+                                               f"{fingerprint}: load the transcoders of this model")
