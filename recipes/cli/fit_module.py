@@ -63,7 +63,8 @@ def fit_and_export(module_class: type, data_class: type, args: Sequence[str], de
 
     cli = ExportCLI(
         module_class, data_class, run=False, auto_configure_optimizers=False, args=list(args),
-        trainer_defaults={**TRAINER_DEFAULTS, **(trainer_defaults or {})}, seed_everything_default=0, save_config_kwargs={"overwrite": True},
+        trainer_defaults={**TRAINER_DEFAULTS, **(trainer_defaults or {})}, seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
         parser_kwargs={"prog": "gradpatch fit", "description": description, "default_env": False}, **cli_options)
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
     try:
