@@ -126,3 +126,16 @@ def test_corpus_reader_and_token_budget(tmp_path: Path) -> None:
     chunks = packed_chunks(tokenizer, documents, count=2, length=4, max_length=8)
     assert chunks.shape == (2, 4) and chunks.flatten().tolist() == tokenizer("the city of Rome the dog is big")[
         "input_ids"]
+
+
+def test_the_shipped_config_parses(capsys: pytest.CaptureFixture) -> None:
+    config_path = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "sae_smollm2.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--config", str(config_path), "--print_config"])
+    assert exit_info.value.code == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["model"]["model_path"] is None and config["data"]["corpus"] is None
+    spec = config["model"]["dictionary"]
+    assert (spec["node"], spec["kind"], spec["activation"], spec["k"], spec["expansion_factor"]) == (
+        "model.layers_12.output", "sae", "topk", 32, 4)
+    assert (config["trainer"]["max_epochs"], config["trainer"]["max_steps"]) == (1, -1)
