@@ -84,7 +84,7 @@ def test_eval_writes_metrics_json_over_the_token_budget(trained: dict[str, Path]
         / (metrics["ce_loss_zero_ablation"] - metrics["ce_loss_original"]))
 
 
-@pytest.mark.parametrize("case", ["missing", "format", "node", "width", "corpus"])
+@pytest.mark.parametrize("case", ["missing", "format", "node", "width", "corpus", "empty"])
 def test_eval_refuses_bad_input_with_status_2_and_writes_nothing(trained: dict[str, Path], tmp_path: Path,
                                                                  case: str, capsys: pytest.CaptureFixture) -> None:
     dictionary, extra = trained["root"] / "dictionary", []
@@ -97,14 +97,17 @@ def test_eval_refuses_bad_input_with_status_2_and_writes_nothing(trained: dict[s
     elif case == "width":
         dictionary = save_dictionary(SparseAutoencoder(32, 64, "topk", k=4, node="model.layers_1.output"),
                                      tmp_path / "narrow")
-    else:
+    elif case == "corpus":
         (tmp_path / "texts.csv").write_text("the city\n")
         extra = ["--corpus", str(tmp_path / "texts.csv")]
+    else:
+        (tmp_path / "texts.txt").write_text("city\n\nRome\n")  # one token per document
+        extra = ["--corpus", str(tmp_path / "texts.txt")]
     out = tmp_path / "eval"
     assert cli.main(["dictionary", "eval", "--dictionary", str(dictionary), "--model", str(trained["model"]),
                      "--out", str(out), *extra]) == 2
     expected = {"missing": "is not a folder", "format": "cfg.json", "node": "model.layers_7.output",
-                "width": "width is 32", "corpus": ".txt file"}[case]
+                "width": "width is 32", "corpus": ".txt file", "empty": "no document of 2 tokens"}[case]
     assert expected in capsys.readouterr().err
     assert not out.exists()
 

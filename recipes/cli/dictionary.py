@@ -44,7 +44,9 @@ def _load(args: argparse.Namespace, model: Any) -> Any:
 
 def _run_eval(args: argparse.Namespace) -> int:
     """Run ``gradpatch dictionary eval`` (see the module docstring); returns the exit status."""
-    from editors import editable_graph
+    import torch
+
+    from gradpatch import PatchableGraph
     from gradpatch.errors import GradpatchError
     from gradpatch.files.loaders import default_device, load_model
 
@@ -55,11 +57,16 @@ def _run_eval(args: argparse.Namespace) -> int:
         return usage_error(_EVAL, f"--dictionary {args.dictionary} is not a folder (give the folder holding the "
                                   f"dictionary's files)")
     try:
-        model, tokenizer = load_model(args.model, device=args.device or default_device())
+        device = args.device or default_device()
+        model, tokenizer = load_model(args.model, device=device)
         dictionary = _load(args, model)
         documents, _ = tokenize_documents(tokenizer, read_documents(args.corpus), args.tokens, args.max_length)
-        metrics = write_dictionary_metrics(editable_graph(model, tokenizer), dictionary, documents, args.out,
-                                           node=args.node, output_node=args.output_node)
+        if not documents:
+            return usage_error(_EVAL, f"the corpus gave no document of 2 tokens or more: {args.corpus}")
+        with torch.no_grad():  # built on one document: the graph every [1, length] pass uses (no second extraction)
+            pg = PatchableGraph(model, torch.tensor([documents[0]], device=device), use_cache=False).eval()
+        metrics = write_dictionary_metrics(pg, dictionary, documents, args.out, node=args.node,
+                                           output_node=args.output_node)
     except (GradpatchError, FileNotFoundError) as error:
         return usage_error(_EVAL, error)
     summary = ", ".join(f"{key} {value:.4g}" for key, value in metrics.to_dict().items())

@@ -23,7 +23,7 @@
 A latent is dead when it has not fired on the last ``dead_after_tokens`` training tokens (Gao et al.: 10M). Logged
 every step: ``fvu``, ``l0`` (mean active latents per token), ``dead_fraction`` and the loss terms; to TensorBoard
 every ``density_every_n_steps`` optimizer steps, the histogram ``feature_density_log10`` of log10(fraction of the
-window's tokens on which each latent fired + 1e-10), the feature-density plot of SAELens and Anthropic's updates. At
+window's training tokens on which each latent fired + 1e-10), as SAELens plots feature density (rank 0's tokens). At
 the end of fit the dictionary is written with :func:`gradpatch.dictionaries.save_dictionary` to
 ``<default_root_dir>/dictionary`` (Lightning's ``default_root_dir`` is the working directory unless the ``Trainer``
 is given one).
