@@ -107,7 +107,7 @@ def test_eval_refuses_bad_input_with_status_2_and_writes_nothing(trained: dict[s
     assert cli.main(["dictionary", "eval", "--dictionary", str(dictionary), "--model", str(trained["model"]),
                      "--out", str(out), *extra]) == 2
     expected = {"missing": "is not a folder", "format": "cfg.json", "node": "model.layers_7.output",
-                "width": "width is 32", "corpus": ".txt file", "empty": "no document of 2 tokens"}[case]
+                "width": "width is 32", "corpus": ".txt file", "empty": "gave no document of 2 tokens"}[case]
     assert expected in capsys.readouterr().err
     assert not out.exists()
 

@@ -62,7 +62,8 @@ def _run_eval(args: argparse.Namespace) -> int:
         dictionary = _load(args, model)
         documents, _ = tokenize_documents(tokenizer, read_documents(args.corpus), args.tokens, args.max_length)
         if not documents:
-            return usage_error(_EVAL, f"the corpus gave no document of 2 tokens or more: {args.corpus}")
+            return usage_error(_EVAL, f"the corpus {args.corpus or '(the Wikipedia summaries)'} gave no document of "
+                                      f"2 tokens or more")
         with torch.no_grad():  # built on one document: the graph every [1, length] pass uses (no second extraction)
             pg = PatchableGraph(model, torch.tensor([documents[0]], device=device), use_cache=False).eval()
         metrics = write_dictionary_metrics(pg, dictionary, documents, args.out, node=args.node,
