@@ -70,6 +70,7 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _INDUCTOR_DIR, True)
 
 import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 from torch._inductor.utils import fresh_cache  # noqa: E402
 
 DEFAULT_PEER_PYTHON = "/work/peers/nnsight/bin/python"
@@ -77,22 +78,11 @@ DELTA_SCALE = 0.1
 
 #: What nnsight says about torch.compile (checked against the sources named; reported in the JSON).
 NNSIGHT_COMPILE_NOTE = (
-    "nnsight 0.8.1 (installed wheel) has no torch.compile option and never sets fullgraph: nothing in its package "
-    "mentions fullgraph or CompileConfig; the one mention of torch.compile is nnsight/intervention/source.py "
-    "(module_body, ~line 663), which keeps a forward already in a module's instance slot (e.g. torch.compile's "
-    "OptimizedModule) as the body its Controller runs. The 'forces fullgraph=False' rule is nnsight <= 0.7: "
-    "src/nnsight/modeling/language.py LanguageModel._patch_generation_config sets "
-    "generation_config.compile_config.fullgraph = False and dynamic = True (ndif-team/nnsight main at 15af9c55, "
-    "lines 159-176: 'Some transformer models compile on first generation. As of 0.5.0.dev7 this not not work with "
-    "nnsight if fullgraph is True'), and NNsight.md line 2219: 'Models cannot be used with "
-    "torch.compile(fullgraph=True) because fullgraph compilation doesn't allow hooks. NNsight patches generation "
-    "configs to set fullgraph=False.' (docs/models/language-model.md line 260: 'NNsight forces fullgraph=False and "
-    "dynamic=True ... required for hook firing to work'). That applies to transformers' own compiled generate; for "
-    "a forward the only route is to compile the model itself, as here, with torch's default fullgraph=False."
-)
-
-
-# ----------------------------------------------------------------------------------------------- shared helpers
+    "nnsight 0.8.1 has no torch.compile option and never sets fullgraph; its one mention of torch.compile "
+    "(nnsight/intervention/source.py, module_body) keeps a compiled forward as the body it runs. 'Forces "
+    "fullgraph=False' is nnsight <= 0.7's LanguageModel._patch_generation_config (src/nnsight/modeling/language.py, "
+    "for transformers' compiled generate); NNsight.md: 'Models cannot be used with torch.compile(fullgraph=True) "
+    "because fullgraph compilation doesn't allow hooks.' A forward is compiled here as the model itself, in place.")
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -175,8 +165,6 @@ def _save_for_peer(model: Any, directory: Path) -> None:
     """The model as a plain ``from_pretrained`` folder (as ``das_country.py --save-model`` writes it: config without
     the GGUF quantization record, ``model.safetensors`` without the tied ``lm_head.weight``); transformers refuses
     ``save_pretrained`` on a model loaded from GGUF."""
-    from safetensors.torch import save_file
-
     directory.mkdir(parents=True, exist_ok=True)
     config = model.config.to_dict()
     config.pop("quantization_config", None)
@@ -275,7 +263,6 @@ def gradpatch_side(args: argparse.Namespace) -> dict[str, Any]:
                 for name in variants}
             gradpatch_shapes.append(shape_report)
             references.append(reference)
-        del plain, hooked_compiled
         torch._dynamo.reset()
         for ids, shape_report in zip(inputs, gradpatch_shapes):
             report["shapes"]["x".join(map(str, ids.shape))] = {"gradpatch_process": shape_report}

@@ -1,18 +1,19 @@
 """The ``gradpatch`` command line: one module per command, all listed in :data:`COMMANDS`.
 
-=============  ==========================  =============================================================
-command        module                      does
-=============  ==========================  =============================================================
-``graph``      :mod:`recipes.cli.graph`     print a model's patchable graph (NodePaths and shapes)
-``rome``       :mod:`recipes.cli.rome`      edit one fact with ROME, generations before and after
-``eval-rome``  :mod:`recipes.cli.eval_rome` ROME on every case of a CounterFact file, scores to JSON
-``eval-edit``  :mod:`recipes.cli.eval_edit` ROME, MEMIT or AlphaEdit on CounterFact cases in (sequential) batches
-``trace``      :mod:`recipes.cli.trace`     causal tracing of one fact, heatmaps and JSON
-``attribute``  :mod:`recipes.cli.attribute` activation patching, AtP, AtP*, EAP, EAP-IG: scores.json, heatmaps
-``fit``        :mod:`recipes.cli.fit`       train an intervention from a YAML config (LightningCLI)
-``stats``      :mod:`recipes.cli.stats`     second-moment statistics over GPUs/nodes, resumable (Lightning job)
-``generate``   :mod:`recipes.cli.generate`  greedy KV-cache continuations with a saved intervention
-=============  ==========================  =============================================================
+==============  ==============================  =============================================================
+command         module                          does
+==============  ==============================  =============================================================
+``graph``       :mod:`recipes.cli.graph`        print a model's patchable graph (NodePaths and shapes)
+``rome``        :mod:`recipes.cli.rome`         edit one fact with ROME, generations before and after
+``eval-rome``   :mod:`recipes.cli.eval_rome`    ROME on every case of a CounterFact file, scores to JSON
+``eval-edit``   :mod:`recipes.cli.eval_edit`    ROME, MEMIT or AlphaEdit on CounterFact cases in (sequential) batches
+``trace``       :mod:`recipes.cli.trace`        causal tracing of one fact, heatmaps and JSON
+``attribute``   :mod:`recipes.cli.attribute`    activation patching, AtP, AtP*, EAP, EAP-IG: scores.json, heatmaps
+``fit``         :mod:`recipes.cli.fit`          train an intervention from a YAML config (LightningCLI)
+``stats``       :mod:`recipes.cli.stats`        second-moment statistics over GPUs/nodes, resumable (Lightning job)
+``dictionary``  :mod:`recipes.cli.dictionary`   ``dictionary eval``: a saved SAE or transcoder's metrics.json
+``generate``    :mod:`recipes.cli.generate`     greedy KV-cache continuations with a saved intervention
+==============  ==============================  =============================================================
 
 Options shared by several commands (``--model``, ``--node``, ``--device``, ...) are in :mod:`recipes.cli.options`.
 Building the parser imports no torch (each command imports the library when it runs), so ``gradpatch --help`` and
@@ -24,12 +25,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import attribute, eval_edit, eval_rome, fit, generate, graph, rome, stats, trace
+from . import attribute, dictionary, eval_edit, eval_rome, fit, generate, graph, rome, stats, trace
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: The commands in the order ``--help`` lists them; each module has ``NAME`` and ``register(subparsers)``.
-COMMANDS = (graph, rome, eval_rome, eval_edit, trace, attribute, fit, stats, generate)
+COMMANDS = (graph, rome, eval_rome, eval_edit, trace, attribute, fit, stats, dictionary, generate)
 
 
 def build_parser() -> argparse.ArgumentParser:

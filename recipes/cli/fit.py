@@ -16,7 +16,8 @@ A config with a ``data:`` section (or ``--data.*`` arguments) trains interchange
 (:mod:`recipes.cli.fit_interchange`: InterventionModule on counterfactual JSONL, ``recipes/configs/das_country.yaml``);
 one whose ``data.class_path`` is a ContinuationDataModule or PreferenceDataModule trains ReFT patches or BiPO
 steering vectors (:mod:`recipes.cli.fit_reft`: ReFTModule, ``recipes/configs/loreft_country.yaml``,
-``bipo_sentiment.yaml``).
+``bipo_sentiment.yaml``); one whose ``model:`` has a ``dictionary:`` section trains a sparse autoencoder or
+transcoder (:mod:`recipes.cli.fit_dictionary`: DictionaryFitModule, ``recipes/configs/sae_smollm2.yaml``).
 """
 
 from __future__ import annotations
@@ -86,15 +87,19 @@ def run_fit(args: Sequence[str]) -> int:
 
     Args:
         args: the arguments after ``fit`` (``--config FILE``, ``--trainer.max_steps N``, ...); a config with a
-            ``data:`` section goes to :func:`recipes.cli.fit_interchange.run_interchange_fit`.
+            ``data:`` section goes to :func:`recipes.cli.fit_interchange.run_interchange_fit` (or the ReFT or
+            dictionary paths, see the module docstring).
 
     Returns:
         0 on success; 1 when training stopped at a non-finite loss term, gradient or delta (the error is printed and
         nothing is exported). ``--help`` and argument errors exit through ``SystemExit``, as LightningCLI does.
     """
+    from .fit_dictionary import is_dictionary_config, run_dictionary_fit
     from .fit_interchange import is_interchange_config, run_interchange_fit
     from .fit_reft import is_reft_config, run_reft_fit
 
+    if is_dictionary_config(args):
+        return run_dictionary_fit(translate_model_shortcut(args))
     if is_reft_config(args):
         return run_reft_fit(args)
     if is_interchange_config(args):

@@ -32,9 +32,10 @@ def config_document(args: Sequence[str]) -> dict[str, Any] | None:
 
 
 def fit_and_export(module_class: type, data_class: type, args: Sequence[str], description: str,
-                   metrics: Callable[[Any, Any, Path], str], **cli_options: Any) -> int:
+                   metrics: Callable[[Any, Any, Path], str], export_name: str = "intervention",
+                   trainer_defaults: dict[str, Any] | None = None, **cli_options: Any) -> int:
     """Parse ``args`` with LightningCLI (``--export FOLDER`` added), train, then on rank 0 export the intervention to
-    ``--export`` (default ``<default_root_dir>/intervention``) and write the metrics.
+    ``--export`` (default ``<default_root_dir>/<export_name>``) and write the metrics.
 
     Args:
         module_class: the LightningModule (with ``export_intervention(folder) -> Path``).
@@ -42,6 +43,8 @@ def fit_and_export(module_class: type, data_class: type, args: Sequence[str], de
         args: the ``gradpatch fit`` arguments.
         description: the ``--help`` text.
         metrics: ``(module, datamodule, root) -> summary`` writes ``root/metrics.json`` and returns one line.
+        export_name: the default export folder's name under ``default_root_dir``.
+        trainer_defaults: settings over :data:`TRAINER_DEFAULTS` (the config and the command line still win).
         cli_options: further LightningCLI arguments.
 
     Returns:
@@ -56,11 +59,12 @@ def fit_and_export(module_class: type, data_class: type, args: Sequence[str], de
 
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.add_argument("--export", type=str | None, default=None,
-                                help="folder for the trained intervention (default: <default_root_dir>/intervention)")
+                                help=f"folder for the trained intervention (default: <default_root_dir>/{export_name})")
 
     cli = ExportCLI(
         module_class, data_class, run=False, auto_configure_optimizers=False, args=list(args),
-        trainer_defaults=TRAINER_DEFAULTS, seed_everything_default=0, save_config_kwargs={"overwrite": True},
+        trainer_defaults={**TRAINER_DEFAULTS, **(trainer_defaults or {})}, seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
         parser_kwargs={"prog": "gradpatch fit", "description": description, "default_env": False}, **cli_options)
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
     try:
@@ -71,6 +75,6 @@ def fit_and_export(module_class: type, data_class: type, args: Sequence[str], de
     if trainer.is_global_zero:
         root = Path(trainer.default_root_dir)
         export = cli.config.get("export")
-        folder = module.export_intervention(Path(export) if export else root / "intervention")
-        print(f"gradpatch fit: {metrics(module, data, root)}; intervention saved to {folder}", file=sys.stderr)
+        folder = module.export_intervention(Path(export) if export else root / export_name)
+        print(f"gradpatch fit: {metrics(module, data, root)}; {export_name} saved to {folder}", file=sys.stderr)
     return 0

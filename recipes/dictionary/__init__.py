@@ -3,6 +3,10 @@
 - :class:`DictionaryModule`: local losses on activations streamed through a bounded shuffle buffer.
 - :class:`EndToEndDictionaryModule`: KL between the model and the model with the dictionary spliced (Braun et al.).
 - :class:`ActivationBuffer`: that buffer.
+- :class:`DictionaryFitModule`, :class:`DictionaryDataModule`, :class:`DictionarySpec`: what ``gradpatch fit`` builds
+  from a dictionary config (``recipes/configs/sae_smollm2.yaml``).
+- :func:`read_documents`, :func:`tokenize_documents`, :func:`packed_chunks`: a ``.txt`` / ``.jsonl`` / Wikipedia
+  corpus as token ids; :func:`write_dictionary_metrics`: ``metrics.json``.
 
 See docs/dictionaries.md. Names are imported on first use, so ``import recipes.dictionary`` imports neither torch
 nor Lightning.
@@ -16,8 +20,16 @@ from ..lazy import recipe_exports
 _EXPORTS: dict[str, str] = {
     "AUXK_COEFFICIENT": "module",
     "ActivationBuffer": "buffer",
+    "DictionaryDataModule": "fit",
+    "DictionaryFitModule": "fit",
     "DictionaryModule": "module",
+    "DictionarySpec": "fit",
     "EndToEndDictionaryModule": "end_to_end",
+    "build_dictionary": "fit",
+    "packed_chunks": "corpus",
+    "read_documents": "corpus",
+    "tokenize_documents": "corpus",
+    "write_dictionary_metrics": "metrics",
 }
 
 __all__ = sorted(_EXPORTS)

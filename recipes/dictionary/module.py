@@ -21,9 +21,12 @@
    renormalises the rows after it (Gao et al. section 2.2).
 
 A latent is dead when it has not fired on the last ``dead_after_tokens`` training tokens (Gao et al.: 10M). Logged
-every step: ``fvu``, ``l0`` (mean active latents per token), ``dead_fraction`` and the loss terms. At the end of fit
-the dictionary is written with :func:`gradpatch.dictionaries.save_dictionary` to ``<default_root_dir>/dictionary``
-(Lightning's ``default_root_dir`` is the working directory unless the ``Trainer`` is given one).
+every step: ``fvu``, ``l0`` (mean active latents per token), ``dead_fraction`` and the loss terms; to TensorBoard
+every ``density_every_n_steps`` optimizer steps, the histogram ``feature_density_log10`` of log10(fraction of the
+window's training tokens on which each latent fired + 1e-10), as SAELens plots feature density (rank 0's tokens). At
+the end of fit the dictionary is written with :func:`gradpatch.dictionaries.save_dictionary` to
+``<default_root_dir>/dictionary`` (Lightning's ``default_root_dir`` is the working directory unless the ``Trainer``
+is given one).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 
 from editors.passes import node_activations
 from gradpatch.finite import StepGuard
@@ -63,25 +67,26 @@ class DictionaryModule(FrozenGraphModule):
         dead_after_tokens: a latent unfired for this many training tokens is dead.
         unit_norm_decoder: keep the decoder rows at unit norm.
         seed: the buffer's random draws.
+        density_every_n_steps: optimizer steps per feature-density histogram (0: none).
 
     Raises:
         RecipeConfigError: no input node in the dictionary's config (or no output node for a transcoder), or a
-            non-positive ``buffer_rows`` or ``dead_after_tokens``.
+            non-positive ``buffer_rows`` or ``dead_after_tokens``, a negative ``density_every_n_steps``.
     """
 
     def __init__(self, pg: Any, dictionary: SparseDictionary, buffer_rows: int = 65536, lr: float = 2e-4,
                  optimizer: OptimizerName = "adam", sparsity_coefficient: float = 1e-3,
                  auxk_coefficient: float = AUXK_COEFFICIENT, dead_after_tokens: int = 10_000_000,
-                 unit_norm_decoder: bool = True, seed: int = 0) -> None:
+                 unit_norm_decoder: bool = True, seed: int = 0, density_every_n_steps: int = 50) -> None:
         super().__init__(lr=lr, optimizer=optimizer)
         config = dictionary.config
         nodes = [config.input_node] + ([config.output_node] if config.kind != "sae" else [])
         if any(node is None for node in nodes):
             raise RecipeConfigError(f"the {config.kind}'s config names no node to train on: build it with "
                                     f"node=... (SAE) or input_node=... and output_node=... (transcoder)")
-        if buffer_rows < 1 or dead_after_tokens < 1:
+        if buffer_rows < 1 or dead_after_tokens < 1 or density_every_n_steps < 0:
             raise RecipeConfigError(f"buffer_rows ({buffer_rows}) and dead_after_tokens ({dead_after_tokens}) must be "
-                                    f"positive")
+                                    f"positive, density_every_n_steps ({density_every_n_steps}) >= 0")
         self.attach_graph(pg)
         self.dictionary = dictionary
         self.nodes: list[str] = [str(node) for node in nodes]
@@ -90,7 +95,12 @@ class DictionaryModule(FrozenGraphModule):
         self.dead_after_tokens = int(dead_after_tokens)
         self.unit_norm_decoder = unit_norm_decoder
         self.buffer = ActivationBuffer(buffer_rows, torch.Generator().manual_seed(seed))
+        self.density_every_n_steps = int(density_every_n_steps)
         self.register_buffer("tokens_since_fired", torch.zeros(dictionary.d_sae, dtype=torch.long))
+        #: Tokens each latent fired on, and tokens seen, since the last density histogram.
+        self.register_buffer("window_fired", torch.zeros(dictionary.d_sae), persistent=False)
+        self.window_tokens = 0
+        self.saved_to: Path | None = None
 
     def step_guard(self) -> StepGuard:
         """How a non-finite step is reported (a :class:`gradpatch.errors.NonFiniteError`; nothing is written)."""
@@ -137,6 +147,8 @@ class DictionaryModule(FrozenGraphModule):
         with torch.no_grad():
             self.tokens_since_fired += z.shape[0]
             self.tokens_since_fired[(z > 0).any(0)] = 0
+            self.window_fired += (z > 0).sum(0).to(self.window_fired)
+            self.window_tokens += z.shape[0]
         return self.tokens_since_fired > self.dead_after_tokens
 
     def sparsity_terms(self, h: torch.Tensor, z: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -170,8 +182,28 @@ class DictionaryModule(FrozenGraphModule):
             with torch.no_grad():
                 self.dictionary.W_dec.copy_(unit_norm_rows(self.dictionary.W_dec))
 
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Every ``density_every_n_steps`` optimizer steps, the window's feature-density histogram to each
+        TensorBoard logger; the window then starts again."""
+        if outputs is None or not self.density_every_n_steps or self.global_step % self.density_every_n_steps:
+            return
+        density = (self.window_fired / max(self.window_tokens, 1)).add(1e-10).log10().cpu()
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_histogram("feature_density_log10", density, self.global_step)
+        self.window_fired.zero_()
+        self.window_tokens = 0
+
+    def export_intervention(self, folder: Path) -> Path:
+        """Write the dictionary to ``folder`` (:func:`gradpatch.dictionaries.save_dictionary`, with the model's
+        fingerprint), unless :meth:`on_fit_end` already wrote it there; returns ``folder``."""
+        if self.saved_to is None or Path(folder).resolve() != self.saved_to:
+            save_dictionary(self.dictionary, folder, model=self.graph.wrapped_model)
+        return Path(folder)
+
     def on_fit_end(self) -> None:
         """Write the trained dictionary to ``<default_root_dir>/dictionary`` (rank 0), with the model's fingerprint."""
         if self.trainer.is_global_zero:
-            save_dictionary(self.dictionary, Path(self.trainer.default_root_dir) / "dictionary",
-                            model=self.graph.wrapped_model)
+            folder = Path(self.trainer.default_root_dir) / "dictionary"
+            save_dictionary(self.dictionary, folder, model=self.graph.wrapped_model)
+            self.saved_to = folder.resolve()

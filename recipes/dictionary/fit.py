@@ -1,0 +1,164 @@
+"""What ``gradpatch fit`` builds from a dictionary config: a :class:`DictionaryModule` that loads its model and
+builds its dictionary from YAML fields, and the data module of corpus chunks it trains on.
+
+::
+
+    model:
+      model_path: null                       # the embedded SmolLM2-135M-Instruct
+      dictionary: {node: model.layers_12.output, activation: topk, k: 32, expansion_factor: 4}
+    data:
+      corpus: null                           # the offline Wikipedia summaries; or a .txt / .jsonl file
+      train_tokens: 204800
+
+:class:`DictionaryDataModule` holds out the first documents (``eval_tokens`` of them) for the evaluation written to
+``metrics.json`` after training, and packs the documents after them into chunks of ``chunk_length`` tokens
+(:func:`recipes.dictionary.corpus.packed_chunks`), one pass, in order (the buffer shuffles the rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader
+
+from editors import editable_graph
+from editors.passes import node_activations
+from gradpatch.dictionaries import SkipTranscoder, SparseAutoencoder, SparseDictionary, Transcoder
+from gradpatch.model_io import model_device
+
+from ..errors import RecipeConfigError
+from ..training.frozen import DtypeName, EMBEDDED_MODEL_LABEL, OptimizerName
+from .corpus import packed_chunks, read_documents, tokenize_documents
+from .module import AUXK_COEFFICIENT, DictionaryModule
+
+__all__ = ["DictionaryDataModule", "DictionaryFitModule", "DictionarySpec", "build_dictionary"]
+
+
+@dataclass
+class DictionarySpec:
+    """The dictionary to train.
+
+    Attributes:
+        node: the NodePath read (and an SAE's written), e.g. ``"model.layers_12.output"``.
+        kind: ``"sae"``, ``"transcoder"`` or ``"skip_transcoder"``.
+        output_node: a transcoder's NodePath predicted, e.g. ``"model.layers_3.mlp.output"``.
+        activation: ``"topk"``, ``"batchtopk"``, ``"jumprelu"`` or ``"relu"``.
+        k: active latents per token (TopK, BatchTopK).
+        expansion_factor: latents per input dimension, unless ``d_sae`` is given.
+        d_sae: the number of latents.
+    """
+
+    node: str
+    kind: Literal["sae", "transcoder", "skip_transcoder"] = "sae"
+    output_node: str | None = None
+    activation: Literal["topk", "batchtopk", "jumprelu", "relu"] = "topk"
+    k: int | None = 32
+    expansion_factor: int = 4
+    d_sae: int | None = None
+
+
+def build_dictionary(pg: Any, spec: DictionarySpec, seed: int = 0) -> SparseDictionary:
+    """A freshly initialised dictionary of ``spec`` whose widths are those of its nodes in ``pg`` (read in one short
+    forward pass).
+
+    Raises:
+        RecipeConfigError: a transcoder without ``output_node``.
+        NodePathError: a NodePath the graph lacks.
+        DictionaryConfigError: an invalid combination (``k`` above the width, ...).
+    """
+    if spec.kind != "sae" and spec.output_node is None:
+        raise RecipeConfigError(f"a {spec.kind} needs dictionary.output_node (the NodePath it predicts)")
+    for path in (spec.node, spec.output_node or spec.node):
+        pg.node(path)
+    nodes = [spec.node] + ([spec.output_node] if spec.kind != "sae" else [])
+    example = torch.ones(2, 2, dtype=torch.long, device=model_device(pg))  # the batch size the graph was built on
+    widths = [int(a.shape[-1]) for a in node_activations(pg, nodes, example)]
+    d_sae = spec.d_sae or spec.expansion_factor * widths[0]
+    k = spec.k if spec.activation in ("topk", "batchtopk") else None
+    generator = torch.Generator().manual_seed(seed)
+    if spec.kind == "sae":
+        return SparseAutoencoder(widths[0], d_sae, spec.activation, k, node=spec.node, generator=generator)
+    kind = SkipTranscoder if spec.kind == "skip_transcoder" else Transcoder
+    return kind(widths[0], d_sae, widths[-1], spec.activation, k, input_node=spec.node, output_node=spec.output_node,
+                generator=generator)
+
+
+class DictionaryFitModule(DictionaryModule):
+    """A :class:`DictionaryModule` built from config fields: it loads the model and builds the dictionary.
+
+    Args:
+        dictionary: what to train (:class:`DictionarySpec`).
+        model_path: a ``save_pretrained`` directory or ``.gguf`` file; ``None`` for the embedded SmolLM2-135M-Instruct.
+        dtype: the model's dtype (the dictionary trains in float32).
+        buffer_rows, lr, optimizer, sparsity_coefficient, auxk_coefficient, dead_after_tokens, unit_norm_decoder,
+            seed, density_every_n_steps: as :class:`DictionaryModule` (``seed`` also seeds the initial weights).
+
+    Raises:
+        RecipeConfigError, NodePathError, DictionaryConfigError: as :func:`build_dictionary` and
+            :class:`DictionaryModule`.
+    """
+
+    def __init__(self, dictionary: DictionarySpec, model_path: str | None = None, dtype: DtypeName = "float32",
+                 buffer_rows: int = 8192, lr: float = 2e-4, optimizer: OptimizerName = "adam",
+                 sparsity_coefficient: float = 1e-3, auxk_coefficient: float = AUXK_COEFFICIENT,
+                 dead_after_tokens: int = 10_000_000, unit_norm_decoder: bool = True, seed: int = 0,
+                 density_every_n_steps: int = 50) -> None:
+        from gradpatch.files.loaders import load_model
+
+        model, tokenizer = load_model(model_path, dtype=getattr(torch, dtype))
+        pg = editable_graph(model, tokenizer)
+        super().__init__(pg, build_dictionary(pg, dictionary, seed), buffer_rows=buffer_rows, lr=lr,
+                         optimizer=optimizer, sparsity_coefficient=sparsity_coefficient,
+                         auxk_coefficient=auxk_coefficient, dead_after_tokens=dead_after_tokens,
+                         unit_norm_decoder=unit_norm_decoder, seed=seed, density_every_n_steps=density_every_n_steps)
+        self.tokenizer = tokenizer
+        self.model_label = model_path or EMBEDDED_MODEL_LABEL
+
+
+class DictionaryDataModule(LightningDataModule):
+    """Chunks of corpus tokens to train on, and held-out documents to evaluate on (module docstring); the tokenizer
+    is the module's (``trainer.lightning_module.tokenizer``).
+
+    Args:
+        corpus: a ``.txt`` (one document per line) or ``.jsonl`` (``text`` field) file; ``None`` for the offline
+            English Wikipedia summaries.
+        train_tokens: training tokens (whole chunks; fewer when the corpus is shorter).
+        chunk_length: tokens per training row of a batch.
+        batch_size: chunks per step.
+        eval_tokens: held-out tokens scored after training.
+        max_length: tokens per document at most.
+
+    Raises:
+        RecipeConfigError: a count below 1 (``eval_tokens``, ``max_length`` below 2), or (at setup) a corpus too
+            short for one chunk.
+        FileNotFoundError: at setup, a corpus file that does not exist.
+    """
+
+    def __init__(self, corpus: str | None = None, train_tokens: int = 204_800, chunk_length: int = 128,
+                 batch_size: int = 8, eval_tokens: int = 4096, max_length: int = 256) -> None:
+        super().__init__()
+        if min(train_tokens, chunk_length, batch_size) < 1 or min(eval_tokens, max_length) < 2:
+            raise RecipeConfigError(f"train_tokens ({train_tokens}), chunk_length ({chunk_length}) and batch_size "
+                                    f"({batch_size}) must be >= 1, eval_tokens ({eval_tokens}) and max_length "
+                                    f"({max_length}) >= 2")
+        self.corpus, self.train_tokens, self.chunk_length = corpus, train_tokens, chunk_length
+        self.batch_size, self.eval_tokens, self.max_length = batch_size, eval_tokens, max_length
+        self.chunks: torch.Tensor | None = None
+        self.eval_documents: list[list[int]] = []
+
+    def setup(self, stage: str) -> None:
+        """Read and tokenize the corpus (once)."""
+        if self.chunks is not None:
+            return
+        tokenizer = self.trainer.lightning_module.tokenizer
+        documents = read_documents(self.corpus)
+        self.eval_documents, read = tokenize_documents(tokenizer, documents, self.eval_tokens, self.max_length)
+        self.chunks = packed_chunks(tokenizer, documents[read:], max(self.train_tokens // self.chunk_length, 1),
+                                    self.chunk_length, self.max_length)
+
+    def train_dataloader(self) -> DataLoader:
+        """The chunks ``[batch_size, chunk_length]`` in corpus order."""
+        return DataLoader(self.chunks, batch_size=self.batch_size)

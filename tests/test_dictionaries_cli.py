@@ -1,0 +1,144 @@
+"""The dictionary commands on the tiny Llama saved to disk: ``gradpatch fit`` on a dictionary config writes the
+dictionary, metrics.json and TensorBoard's FVU, L0, dead fraction and feature density; ``gradpatch dictionary eval``
+writes metrics.json, and refuses bad input with status 2, writing nothing; the corpus reader."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from gradpatch.dictionaries import SparseAutoencoder, load_dictionary, save_dictionary
+from recipes import cli
+from recipes.dictionary import packed_chunks, read_documents, tokenize_documents
+from recipes.errors import RecipeConfigError
+from recipes.testing import WORDS, save_tiny_backbone, tiny_tokenizer
+
+KEYS = {"fvu", "explained_variance", "l0", "dead_fraction", "ce_loss_original", "ce_loss_spliced",
+        "ce_loss_zero_ablation", "ce_loss_recovered", "kl", "n_tokens"}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny backbone, a text corpus, and ``gradpatch fit`` of a TopK SAE on them (its root folder)."""
+    torch.set_num_threads(1)
+    folder = tmp_path_factory.mktemp("dictionary_cli")
+    model = save_tiny_backbone(folder / "tiny")
+    rng = random.Random(0)
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(rng.choices(WORDS, k=rng.randint(8, 20))) for _ in range(80)) + "\n")
+    config = {
+        "trainer": {"accelerator": "cpu", "enable_progress_bar": False, "log_every_n_steps": 1},
+        "model": {"dictionary": {"node": "model.layers_1.output", "k": 4, "expansion_factor": 2},
+                  "buffer_rows": 64, "lr": 0.01, "dead_after_tokens": 64, "density_every_n_steps": 2},
+        "data": {"corpus": str(corpus), "train_tokens": 640, "chunk_length": 16, "batch_size": 4,
+                 "eval_tokens": 96, "max_length": 32},
+    }
+    config_path = folder / "sae.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    root = folder / "run"
+    status = cli.main(["fit", "--config", str(config_path), "--model", str(model),
+                       "--trainer.default_root_dir", str(root)])
+    assert status == 0
+    return {"model": model, "corpus": corpus, "root": root}
+
+
+def test_fit_writes_the_dictionary_its_metrics_and_tensorboard(trained: dict[str, Path]) -> None:
+    root = trained["root"]
+    from gradpatch.files.loaders import load_model
+
+    model, _ = load_model(trained["model"])
+    sae = load_dictionary(root / "dictionary", model=model)  # the fingerprint matches
+    assert (sae.config.input_node, sae.d_in, sae.d_sae, sae.config.k) == ("model.layers_1.output", 64, 128, 4)
+    metrics = json.loads((root / "metrics.json").read_text())
+    assert set(metrics) == KEYS and metrics["n_tokens"] == 96 and 0 < metrics["fvu"] < 1
+    assert metrics["l0"] <= 4 and metrics["explained_variance"] == pytest.approx(1 - metrics["fvu"])
+    (version,) = (root / "lightning_logs").iterdir()
+    events = EventAccumulator(str(version), size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    assert {"fvu", "l0", "dead_fraction"} <= set(events.Tags()["scalars"])
+    densities = events.Histograms("feature_density_log10")
+    assert [event.step for event in densities] == [2, 4, 6, 8, 10]  # one pass: 40 chunks / 4 = 10 steps
+    assert densities[0].histogram_value.max <= 0 and densities[0].histogram_value.min >= -10
+
+
+def test_eval_writes_metrics_json_over_the_token_budget(trained: dict[str, Path], tmp_path: Path) -> None:
+    corpus = tmp_path / "texts.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": line, "id": i}) for i, line in
+                                enumerate(trained["corpus"].read_text().splitlines())))
+    out = tmp_path / "eval"
+    assert cli.main(["dictionary", "eval", "--dictionary", str(trained["root"] / "dictionary"),
+                     "--model", str(trained["model"]), "--corpus", str(corpus), "--tokens", "100",
+                     "--max-length", "12", "--out", str(out)]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    documents, _ = tokenize_documents(tiny_tokenizer(), read_documents(corpus), 100, 12)
+    assert set(metrics) == KEYS and metrics["n_tokens"] == sum(map(len, documents)) >= 99  # < 2 tokens left: stop
+    assert metrics["kl"] > 0 and 0 <= metrics["dead_fraction"] < 1
+    assert metrics["ce_loss_recovered"] == pytest.approx(
+        (metrics["ce_loss_zero_ablation"] - metrics["ce_loss_spliced"])
+        / (metrics["ce_loss_zero_ablation"] - metrics["ce_loss_original"]))
+
+
+@pytest.mark.parametrize("case", ["missing", "format", "node", "width", "corpus", "empty"])
+def test_eval_refuses_bad_input_with_status_2_and_writes_nothing(trained: dict[str, Path], tmp_path: Path,
+                                                                 case: str, capsys: pytest.CaptureFixture) -> None:
+    dictionary, extra = trained["root"] / "dictionary", []
+    if case == "missing":
+        dictionary = tmp_path / "nothing"
+    elif case == "format":
+        extra = ["--format", "saelens", "--node", "model.layers_1.output"]
+    elif case == "node":
+        extra = ["--node", "model.layers_7.output"]
+    elif case == "width":
+        dictionary = save_dictionary(SparseAutoencoder(32, 64, "topk", k=4, node="model.layers_1.output"),
+                                     tmp_path / "narrow")
+    elif case == "corpus":
+        (tmp_path / "texts.csv").write_text("the city\n")
+        extra = ["--corpus", str(tmp_path / "texts.csv")]
+    else:
+        (tmp_path / "texts.txt").write_text("city\n\nRome\n")  # one token per document
+        extra = ["--corpus", str(tmp_path / "texts.txt")]
+    out = tmp_path / "eval"
+    assert cli.main(["dictionary", "eval", "--dictionary", str(dictionary), "--model", str(trained["model"]),
+                     "--out", str(out), *extra]) == 2
+    expected = {"missing": "is not a folder", "format": "cfg.json", "node": "model.layers_7.output",
+                "width": "width is 32", "corpus": ".txt file", "empty": "gave no document of 2 tokens"}[case]
+    assert expected in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_corpus_reader_and_token_budget(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("the city\n\nof Rome is big\n")
+    (tmp_path / "a.jsonl").write_text('{"text": "the city"}\n\n{"text": "of Rome is big", "x": 1}\n')
+    assert read_documents(tmp_path / "a.txt") == read_documents(tmp_path / "a.jsonl") == ["the city", "of Rome is big"]
+    (tmp_path / "b.jsonl").write_text('{"title": "no text"}\n')
+    with pytest.raises(RecipeConfigError, match="line 1"):
+        read_documents(tmp_path / "b.jsonl")
+    with pytest.raises(FileNotFoundError):
+        read_documents(tmp_path / "none.txt")
+    tokenizer = tiny_tokenizer()
+    documents = ["the city of Rome", "a", "the dog is big and red", "my cat"]
+    ids, read = tokenize_documents(tokenizer, documents, tokens=7, max_length=3)
+    assert [len(d) for d in ids] == [3, 3] and read == 3  # "a" is one token: skipped; 7 − 6 = 1 left < 2
+    assert ids[1] == tokenizer("the dog is")["input_ids"]
+    chunks = packed_chunks(tokenizer, documents, count=2, length=4, max_length=8)
+    assert chunks.shape == (2, 4) and chunks.flatten().tolist() == tokenizer("the city of Rome the dog is big")[
+        "input_ids"]
+
+
+def test_the_shipped_config_parses(capsys: pytest.CaptureFixture) -> None:
+    config_path = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "sae_smollm2.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--config", str(config_path), "--print_config"])
+    assert exit_info.value.code == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["model"]["model_path"] is None and config["data"]["corpus"] is None
+    spec = config["model"]["dictionary"]
+    assert (spec["node"], spec["kind"], spec["activation"], spec["k"], spec["expansion_factor"]) == (
+        "model.layers_12.output", "sae", "topk", 32, 4)
+    assert (config["trainer"]["max_epochs"], config["trainer"]["max_steps"]) == (1, -1)
