@@ -28,7 +28,7 @@ for it (graphs, graph breaks, functions that hit dynamo's recompile limit and ru
 Dynamo is made to guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards = False``, both processes;
 ``--torch-default-hook-guards`` keeps torch's default): with the default, the hooked copy reuses the code compiled for
 the plain model and the hook is silently dropped (0.235 max |logit difference| at 1x8, random weights). Every shape
-compiles from scratch (``torch._dynamo.reset()``, static shapes), with inductor's FX-graph and AOTAutograd caches off
+compiles from scratch (``torch.compiler.reset()``, static shapes), with inductor's FX-graph and AOTAutograd caches off
 and every cold compile in ``torch._inductor.utils.fresh_cache()``, so no variant reuses another's kernels.
 
 nnsight lives in its own virtualenv, never a dependency (``python3 -m venv /work/peers/nnsight &&
@@ -71,6 +71,7 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
+from torch._dynamo import config as dynamo_config  # noqa: E402
 from torch._inductor.utils import fresh_cache  # noqa: E402
 
 DEFAULT_PEER_PYTHON = "/work/peers/nnsight/bin/python"
@@ -140,8 +141,8 @@ def _cold(fn: Callable[[], Any]) -> dict[str, Any]:
 def _guard_hooks(args: argparse.Namespace) -> bool:
     """Make dynamo guard on module hooks (see the module docstring); returns the setting in force."""
     if not args.torch_default_hook_guards:
-        torch._dynamo.config.skip_nnmodule_hook_guards = False
-    return not torch._dynamo.config.skip_nnmodule_hook_guards
+        dynamo_config.skip_nnmodule_hook_guards = False
+    return not dynamo_config.skip_nnmodule_hook_guards
 
 
 def _max_diff(logits: torch.Tensor, reference: torch.Tensor) -> float:
@@ -231,7 +232,7 @@ def gradpatch_side(args: argparse.Namespace) -> dict[str, Any]:
         references: list[torch.Tensor] = []
         gradpatch_shapes: list[dict[str, Any]] = []
         for ids in inputs:
-            torch._dynamo.reset()
+            torch.compiler.reset()
             shape_report: dict[str, Any] = {}
             with torch.no_grad(), contextlib.ExitStack() as stack:
                 plain = torch.compile(model)
@@ -263,7 +264,7 @@ def gradpatch_side(args: argparse.Namespace) -> dict[str, Any]:
                 for name in variants}
             gradpatch_shapes.append(shape_report)
             references.append(reference)
-        torch._dynamo.reset()
+        torch.compiler.reset()
         for ids, shape_report in zip(inputs, gradpatch_shapes):
             report["shapes"]["x".join(map(str, ids.shape))] = {"gradpatch_process": shape_report}
         if args.no_nnsight:
@@ -344,7 +345,7 @@ def nnsight_side(args: argparse.Namespace) -> dict[str, Any]:
         "nnsight_compile": "NNsight(model) after model.compile() (torch.compile in place, fullgraph=False, "
                            "dynamic=None, inductor)", "nnsight_compile_note": NNSIGHT_COMPILE_NOTE, "shapes": {}}
     for ids, reference in zip(tensors["ids"], tensors["references"]):
-        torch._dynamo.reset()
+        torch.compiler.reset()
         shape_report: dict[str, Any] = {}
         with torch.no_grad():
             plain = torch.compile(plain_model)

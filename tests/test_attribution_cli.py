@@ -116,7 +116,7 @@ def test_attribute_help_lists_every_option(capsys):
 
 def test_save_attribution_publishes_all_files_or_none(tmp_path, monkeypatch):
     from gradpatch.attribution import AttributionResult, NodeScore
-    from recipes import attribution_report
+    from recipes.reports import attribution_report
 
     result = AttributionResult("atp", "noise", 1.0, -1.0, forward=2, backward=1, scores=[
         NodeScore("model.layers_0.mlp.output", p, None, 0.1 * p, "mlp", 0) for p in range(3)])
