@@ -162,20 +162,6 @@ def _hooked_copy(model: torch.nn.Module, layer: int, delta: torch.Tensor) -> tor
 # ----------------------------------------------------------------------------------------------- gradpatch side
 
 
-def _save_for_peer(model: Any, directory: Path) -> None:
-    """The model as a plain ``from_pretrained`` folder (as ``das_country.py --save-model`` writes it: config without
-    the GGUF quantization record, ``model.safetensors`` without the tied ``lm_head.weight``); transformers refuses
-    ``save_pretrained`` on a model loaded from GGUF."""
-    directory.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    type(model.config).from_dict(config).save_pretrained(directory)
-    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-
-
 def _run_peer(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     command = [args.peer_python, str(Path(__file__).resolve()), "--side", "nnsight", "--workdir", str(workdir),
                "--shapes", args.shapes, "--runs", str(args.runs), "--warmup", str(args.warmup),
@@ -198,6 +184,7 @@ def _run_peer(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 def gradpatch_side(args: argparse.Namespace) -> dict[str, Any]:
     if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.das_country import save_for_peers  # the model as a plain from_pretrained folder
     from gradpatch import AddPatch, PatchableGraph
     from gradpatch.files.loaders import embedded_or_random_model
 
@@ -221,7 +208,7 @@ def gradpatch_side(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="compile_peers_"))
     try:
         if not args.no_nnsight:
-            _save_for_peer(model, workdir / "model")
+            save_for_peers(model, None, workdir / "model")
         report: dict[str, Any] = {
             "benchmark": "compile_peers", "weights": weights, "model": type(model).__name__,
             "layers": model.config.num_hidden_layers, "layer": layer, "node": node, "delta": f"randn({width}, seed 0)"

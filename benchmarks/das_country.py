@@ -74,10 +74,10 @@ def continent_records(records: list) -> list:
     return pairs
 
 
-def save_for_peers(model: Any, tokenizer: Any, directory: Path) -> None:
+def save_for_peers(model: Any, tokenizer: Any | None, directory: Path) -> None:
     """Write the model as a plain ``from_pretrained`` folder (config without the GGUF quantization record,
-    ``model.safetensors`` without the tied ``lm_head.weight``, the tokenizer): transformers refuses ``save_pretrained``
-    on a model loaded from GGUF."""
+    ``model.safetensors`` without the tied ``lm_head.weight``, the tokenizer when one is given): transformers refuses
+    ``save_pretrained`` on a model loaded from GGUF."""
     directory.mkdir(parents=True, exist_ok=True)
     config = model.config.to_dict()
     config.pop("quantization_config", None)
@@ -86,7 +86,8 @@ def save_for_peers(model: Any, tokenizer: Any, directory: Path) -> None:
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
 
 
 def rotation_state(linear: torch.nn.Module) -> dict[str, torch.Tensor]:
