@@ -110,7 +110,6 @@ def evaluate_dictionary(pg: Any, dictionary: SparseDictionary, batches: Iterable
         DictionaryConfigError, NodePathError, DictionaryShapeError: as :func:`~gradpatch.dictionaries.splice`.
     """
     spliced = splice(pg, dictionary, node, output_node=output_node, error_term=False)
-    read, write = spliced.input_node, spliced.output_node
     sums = _Sums(dictionary.d_out, dictionary.d_sae)
     training = dictionary.training
     dictionary.eval()  # BatchTopK: per-token latents with its threshold, no update of it

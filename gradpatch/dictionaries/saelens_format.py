@@ -29,7 +29,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import save as save_safetensors
 
 from ..files.atomic import atomic_write_bytes, atomic_write_text, read_json, read_tensors

@@ -38,9 +38,8 @@ class NodeData:
         _path: the NodePath string.
         _shape: ``torch.Size`` of the example value for tensor leaves; for graphs and containers, a tree of the
             shapes below (``pg.graph._shape.output.sub_0``); ``None`` for other values.
-        _code: generated code of a graph under its forward's own signature (:mod:`gradpatch.extraction.graph_code`), or
-            the
-            line of generated code that computes a leaf.
+        _code: generated code of a graph under its forward's own signature (:mod:`gradpatch.extraction.graph_code`),
+            or the line of generated code that computes a leaf.
     """
 
     def __init__(self, path: str, name: str, *, module: nn.Module | None = None, owner: nn.Module | None = None,
