@@ -179,3 +179,165 @@ def test_circuit_tracer_layout_gives_the_same_graph(saved: dict[str, Path], tmp_
     torch.testing.assert_close(load_file(out / "adjacency.safetensors")["adjacency"],
                                load_file(saved["out"] / "adjacency.safetensors")["adjacency"], rtol=1e-4, atol=1e-5)
     assert not (out / "interventions.json").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny(saved: dict[str, Path]) -> tuple[PatchableGraph, dict[int, SkipTranscoder], torch.Tensor]:
+    model, tokenizer = load_model(saved["model"])
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    return PatchableGraph(model, ids, use_cache=False), _transcoders(), ids
+
+
+def test_intervention_without_edits_or_on_an_inactive_feature_changes_nothing(tiny) -> None:
+    pg, transcoders, ids = tiny
+    with torch.no_grad():
+        original = pg(ids).logits
+    for freeze in (True, False):
+        result = intervene(pg, transcoders, ids, [], freeze_attention=freeze)
+        assert torch.equal(result.logits_before, original) and torch.equal(result.logits_after, original)
+    latents = transcoders[1].encode(_mlp_input(pg, ids, 1))[0, 4]
+    inactive = int((latents == 0).nonzero()[0])
+    result = intervene(pg, transcoders, ids, [FeatureEdit(1, 4, inactive, "ablate")])
+    assert result.activations == [0.0] and torch.equal(result.logits_after, original)
+
+
+def _mlp_input(pg: PatchableGraph, ids: torch.Tensor, layer: int) -> torch.Tensor:
+    from gradpatch.patches import ProbePatch
+
+    probe = ProbePatch()
+    with torch.no_grad(), pg.patch({f"model.layers_{layer}.mlp.x": [probe]}):
+        pg(ids)
+    return probe.activation
+
+
+def test_an_edit_changes_nothing_before_its_position(tiny) -> None:
+    pg, transcoders, ids = tiny
+    latents = transcoders[0].encode(_mlp_input(pg, ids, 0))[0]
+    position = 5
+    active = latents[position].topk(3).indices.tolist()
+    edits = [FeatureEdit(0, position, active[0], "ablate"), FeatureEdit(0, position, active[1], "clamp", 4.0),
+             FeatureEdit(0, position, active[2], "scale", 3.0), FeatureEdit(1, position, 9, "steer", -2.0)]
+    results = {freeze: intervene(pg, transcoders, ids, edits, freeze_attention=freeze) for freeze in (True, False)}
+    for result in results.values():
+        assert torch.equal(result.logits_after[:, :position], result.logits_before[:, :position])
+        assert (result.logits_after[:, position:] - result.logits_before[:, position:]).abs().amax(-1).min() > 1e-4
+        assert result.activations[:3] == pytest.approx(latents[position, active].tolist(), rel=1e-5)
+    frozen, live = results[True].logits_after, results[False].logits_after
+    assert not torch.allclose(frozen[:, position:], live[:, position:])  # live patterns respond to the edit
+
+
+def test_steering_equals_adding_the_decoder_row(tiny) -> None:
+    """steer α at (layer, position, feature) = an AddPatch of α · W_dec[feature] at the MLP output there."""
+    pg, transcoders, ids = tiny
+    alpha, feature, position = 2.5, 7, -1
+    result = intervene(pg, transcoders, ids, [FeatureEdit(1, position, feature, "steer", alpha)],
+                       freeze_attention=False)
+    vector = alpha * transcoders[1].W_dec[feature].detach()
+    with torch.no_grad(), pg.patch({"model.layers_1.mlp.output": [AddPatch(value=vector,
+                                                                            slice=(slice(None), position))]}):
+        manual = pg(ids).logits
+    torch.testing.assert_close(result.logits_after, manual, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(manual, result.logits_before)
+
+
+def test_cli_interventions_json_matches_intervene(saved: dict[str, Path], tiny) -> None:
+    pg, transcoders, ids = tiny
+    record = json.loads((saved["out"] / "interventions.json").read_text())
+    result = intervene(pg, transcoders, ids, [FeatureEdit(0, 3, 5, "ablate"), FeatureEdit(1, -1, 7, "steer", 2.5)])
+    assert [(e["kind"], e["layer"], e["position"], e["feature"], e["value"]) for e in record["edits"]] == [
+        ("ablate", 0, 3, 5, 0.0), ("steer", 1, -1, 7, 2.5)]
+    for side in ("top_before", "top_after"):
+        assert [t["token"] for t in record[side]] == [token for token, _ in getattr(result, side)]
+        assert [t["probability"] for t in record[side]] == pytest.approx([p for _, p in getattr(result, side)])
+    assert record["top_before"] != record["top_after"]
+
+
+def test_max_feature_nodes_keeps_the_features_circuit_tracer_visits(saved: dict[str, Path], tmp_path: Path) -> None:
+    replacement, _ = _replacement(saved)
+    graph = attribute(replacement, batch_size=64)
+    assert limit_features(graph, graph.n_features) is graph
+    # one round (4 · batch_size ≥ N): circuit-tracer ranks the features by influence through the logit rows alone
+    logit_rows = graph.adjacency.clone()
+    logit_rows[:graph.logit_start] = 0
+    absolute = logit_rows.abs()
+    direct = (graph.logit_probabilities @ (absolute / absolute.sum(1, keepdim=True).clamp(min=1e-10))[
+        graph.logit_start:])[:graph.n_features]
+    assert set(visit_order(graph, 20, batch_size=8).tolist()) == set(direct.topk(20).indices.tolist())
+    # several rounds: later ranks use the rows of the features visited so far
+    order = visit_order(graph, 30, batch_size=2)
+    assert len(set(order.tolist())) == 30 and set(order[:8].tolist()) == set(direct.topk(8).indices.tolist())
+    small = limit_features(graph, 30, batch_size=2)
+    kept = torch.sort(order).values
+    assert torch.equal(small.active_features, graph.active_features[kept])
+    keep = torch.cat([kept, torch.arange(graph.n_features, graph.adjacency.shape[0])])
+    assert torch.equal(small.adjacency, graph.adjacency[keep][:, keep]) and small.logit_start == len(keep) - len(
+        graph.logit_tokens)
+    out = tmp_path / "small"
+    assert cli.main(["circuit", "--prompt", PROMPT, "--dictionaries", str(saved["dictionaries"]),
+                     "--model", str(saved["model"]), "--device", "cpu", "--max-feature-nodes", "30",
+                     "--batch-size", "2", "--out", str(out)]) == 0
+    nodes = json.loads((out / "nodes.json").read_text())["nodes"]
+    assert [[n["layer"], n["position"], n["feature"]] for n in nodes if n["kind"] == "feature"] == \
+        small.active_features.tolist()
+
+
+def test_transcoder_nodes_off_the_path_from_embeddings_to_logits_are_refused(tiny) -> None:
+    pg, transcoders, ids = tiny
+    from gradpatch.dictionaries import Transcoder
+
+    rotary = Transcoder(16, 32, 64, activation="relu", input_node="model.rotary_emb.cos",
+                        output_node="model.layers_0.mlp.output")  # cos: computed from the positions alone
+    with pytest.raises(NoPathError, match="input node 'model.rotary_emb.cos' does not depend on the token embeddings"):
+        ReplacementModel(pg, {0: rotary, 1: transcoders[1]}, ids)
+    unused = Transcoder(64, 32, activation="relu", input_node="model.embed_tokens.output",
+                        output_node="model.rotary_emb.x")  # read by the rotary embedding for its dtype alone
+    with pytest.raises(NoPathError, match="output node 'model.rotary_emb.x' lies on no path to the logits"):
+        ReplacementModel(pg, {0: unused}, ids)
+    with pytest.raises(CircuitError, match="no transcoder at layer 3; the transcoders are at layers"):
+        intervene(pg, transcoders, ids, [FeatureEdit(3, 0, 1)])
+    with pytest.raises(CircuitError, match="position 40 is outside the prompt"):
+        intervene(pg, transcoders, ids, [FeatureEdit(0, 40, 1)])
+
+
+@pytest.mark.parametrize("case", ["missing", "layout", "fingerprint", "context", "syntax", "value", "layer",
+                                  "feature", "threshold", "no_path"])
+def test_bad_input_exits_with_status_2_and_writes_nothing(saved: dict[str, Path], tmp_path: Path, case: str,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    dictionaries, prompt, extra = saved["dictionaries"], PROMPT, []
+    if case == "missing":
+        dictionaries = tmp_path / "nothing"
+    elif case == "layout":
+        dictionaries = tmp_path / "empty"
+        dictionaries.mkdir()
+    elif case == "fingerprint":
+        other, _ = load_model(save_tiny_backbone(tmp_path / "other", seed=1))
+        dictionaries = tmp_path / "other_dictionaries"
+        for layer, transcoder in _transcoders().items():
+            save_dictionary(transcoder, dictionaries / f"layer_{layer}", model=other)
+    elif case == "context":
+        prompt = " ".join(["the city"] * 70)  # 140 tokens > 128
+    elif case == "syntax":
+        extra = ["--intervene", "ablate:0:1"]
+    elif case == "value":
+        extra = ["--intervene", "clamp:0:1:2"]
+    elif case == "layer":
+        extra = ["--intervene", "ablate:4:1:2"]
+    elif case == "feature":
+        extra = ["--intervene", "ablate:0:1:99"]
+    elif case == "threshold":
+        extra = ["--node-threshold", "1.5"]
+    else:
+        from gradpatch.dictionaries import Transcoder
+
+        dictionaries = tmp_path / "rotary"
+        save_dictionary(Transcoder(16, 32, 64, activation="relu", input_node="model.rotary_emb.cos",
+                                   output_node="model.layers_0.mlp.output"), dictionaries / "layer_0")
+    out = tmp_path / "out"
+    assert cli.main(["circuit", "--prompt", prompt, "--dictionaries", str(dictionaries), "--model",
+                     str(saved["model"]), "--device", "cpu", "--out", str(out), *extra]) == 2
+    expected = {"missing": "is not a folder", "layout": "neither layer_<i>/ folders", "fingerprint": "fingerprint",
+                "context": "more than the model's context of 128", "syntax": "KIND:LAYER:POSITION:FEATURE",
+                "value": "clamp takes a =VALUE", "layer": "no transcoder at layer 4", "feature": "outside 0..63",
+                "threshold": "--node-threshold 1.5", "no_path": "does not depend on the token embeddings"}[case]
+    assert expected in capsys.readouterr().err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
