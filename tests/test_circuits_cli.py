@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from gradpatch import PatchableGraph
 from gradpatch.circuits import (CircuitError, FeatureEdit, NoPathError, ReplacementModel, attribute, intervene,
-                                limit_features, node_label, visit_order)
+                                intervene_direct, limit_features, node_label, visit_order)
 from gradpatch.dictionaries import SkipTranscoder, export_circuit_tracer, save_dictionary
 from gradpatch.files.loaders import load_model
 from gradpatch.patches import AddPatch
@@ -81,9 +81,7 @@ def test_circuit_writes_the_graph_html_and_tensorboard(saved: dict[str, Path]) -
     assert frontend["metadata"]["prompt"] == PROMPT and len(ids) == len(frontend["nodes"]) > 10
     assert all(link["source"] in ids and link["target"] in ids for link in frontend["links"])
     assert frontend["metadata"]["prompt_tokens"] == [tokenizer.decode([t]) for t in expected.input_tokens.tolist()]
-    (run,) = (out / "tensorboard").iterdir() if (out / "tensorboard").is_dir() and any(
-        p.is_dir() for p in (out / "tensorboard").iterdir()) else [out / "tensorboard"]
-    events = EventAccumulator(str(run), size_guidance={"tensors": 0, "images": 0})
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0, "images": 0})
     events.Reload()
     texts = {tag: events.Tensors(tag)[0].tensor_proto.string_val[0].decode() for tag in events.Tags()["tensors"]
              if tag.endswith("text_summary")}
@@ -173,12 +171,18 @@ def test_graph_html_shows_every_node_in_a_headless_browser(saved: dict[str, Path
 
 
 def test_circuit_tracer_layout_gives_the_same_graph(saved: dict[str, Path], tmp_path: Path) -> None:
+    """The config.yaml layout gives the same graph; ``--direct-effects`` runs the edit in the frozen model."""
     out = tmp_path / "ct"
     assert cli.main(["circuit", "--prompt", PROMPT, "--dictionaries", str(saved["circuit_tracer"]),
-                     "--model", str(saved["model"]), "--device", "cpu", "--out", str(out)]) == 0
+                     "--model", str(saved["model"]), "--device", "cpu", "--out", str(out), "--direct-effects",
+                     "--intervene", "clamp:1:-1:3=2.0"]) == 0
     torch.testing.assert_close(load_file(out / "adjacency.safetensors")["adjacency"],
                                load_file(saved["out"] / "adjacency.safetensors")["adjacency"], rtol=1e-4, atol=1e-5)
-    assert not (out / "interventions.json").exists()
+    replacement, _ = _replacement(saved)
+    expected = intervene_direct(replacement, [FeatureEdit(1, -1, 3, "clamp", 2.0)])
+    record = json.loads((out / "interventions.json").read_text())
+    assert [t["token"] for t in record["top_after"]] == [token for token, _ in expected.top_after]
+    assert [t["probability"] for t in record["top_after"]] == pytest.approx([p for _, p in expected.top_after])
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +242,34 @@ def test_steering_equals_adding_the_decoder_row(tiny) -> None:
         manual = pg(ids).logits
     torch.testing.assert_close(result.logits_after, manual, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(manual, result.logits_before)
+
+
+def test_direct_effects_change_a_logit_by_its_graph_edges(saved: dict[str, Path]) -> None:
+    """In the frozen replacement model, ablating feature s changes logit target t by −A[t, s]; clamping it to 3 a_s
+    by +2 A[t, s]; ablating two features by the sum of their edges (within 1e-3 of the change)."""
+    replacement, _ = _replacement(saved)
+    graph = attribute(replacement, batch_size=64)
+    row = graph.logit_start
+    token = int(graph.logit_tokens[0])
+    sources = graph.adjacency[row, :graph.n_features].abs().topk(2).indices.tolist()
+    edits = [FeatureEdit(*graph.active_features[s].tolist(), "ablate") for s in sources]
+
+    def change(result) -> float:
+        shift = result.logits_after[0, -1] - result.logits_before[0, -1]
+        return float(shift[token] - shift.mean())
+
+    edge = float(graph.adjacency[row, sources[0]])
+    assert torch.equal(intervene_direct(replacement, []).logits_after, replacement.logits)
+    assert change(intervene_direct(replacement, edits[:1])) == pytest.approx(-edge, rel=1e-3)
+    layer, position, feature = graph.active_features[sources[0]].tolist()
+    clamp = FeatureEdit(layer, position, feature, "clamp", 3 * float(graph.activations[sources[0]]))
+    assert change(intervene_direct(replacement, [clamp])) == pytest.approx(2 * edge, rel=1e-3)
+    both = float(graph.adjacency[row, sources].sum())
+    result = intervene_direct(replacement, edits)
+    assert change(result) == pytest.approx(-both, rel=1e-3)
+    assert result.activations == pytest.approx(graph.activations[sources].tolist())
+    with pytest.raises(CircuitError, match="feature 64 is outside 0..63"):
+        intervene_direct(replacement, [FeatureEdit(0, 0, 64)])
 
 
 def test_cli_interventions_json_matches_intervene(saved: dict[str, Path], tiny) -> None:

@@ -17,7 +17,7 @@ from .errors import CircuitError, FrozenNodesNotFoundError, NoPathError
 from .files import frontend_graph, node_records, save_graph
 from .freeze import FrozenLayerNorm, FrozenNodes, find_frozen_nodes
 from .html import graph_html, node_label
-from .intervene import EDIT_KINDS, FeatureEdit, InterventionResult, intervene, top_logits
+from .intervene import EDIT_KINDS, FeatureEdit, InterventionResult, intervene, intervene_direct, top_logits
 from .paths import check_paths
 from .prune import PruneResult, compute_influence, graph_scores, logit_weights, normalize_matrix, prune_graph
 from .replacement import ReplacementModel, ReplacementRun, SplicedLayer
@@ -48,6 +48,7 @@ __all__ = [
     "graph_html",
     "graph_scores",
     "intervene",
+    "intervene_direct",
     "limit_features",
     "load_transcoders",
     "logit_weights",

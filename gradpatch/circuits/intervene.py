@@ -12,6 +12,12 @@ and a' the edited ones, the MLP output becomes
 live: later transcoders are not spliced, so the MLPs, norms and (unless frozen) attention respond to the edit.
 With ``freeze_attention`` (circuit-tracer's default) the attention patterns are held at their values on the prompt
 (:func:`~gradpatch.circuits.freeze.find_frozen_nodes`' attention nodes, replaced by their recorded values).
+
+:func:`intervene_direct` is circuit-tracer's ``direct_effects=True``: the edits run in the local replacement model
+(:class:`~gradpatch.circuits.replacement.ReplacementModel`: attention, norms and every spliced MLP output frozen), as
+perturbations δ_ℓ at the edited positions, (a'_f − a_f) W_dec[f] per edited feature (α W_dec[f] for a steer). The
+model is affine there and features do not respond to each other, so the change of a logit is the sum of the graph's
+direct edges: ablating feature s changes target t's value by −A[t, s].
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from ..patchable_graph import PatchableGraph
 from ..patches import Patch, ProbePatch, ReplacePatch
 from .errors import CircuitError
 from .freeze import find_frozen_nodes
+from .replacement import ReplacementModel
 
-__all__ = ["EDIT_KINDS", "FeatureEdit", "InterventionResult", "intervene", "top_logits"]
+__all__ = ["EDIT_KINDS", "FeatureEdit", "InterventionResult", "intervene", "intervene_direct", "top_logits"]
 
 #: What an edit does to a_f: ``ablate`` sets it to 0, ``scale`` multiplies it by ``value``, ``clamp`` sets it to
 #: ``value``, ``steer`` adds ``value · W_dec[f]`` to the MLP output (a_f unchanged).
@@ -139,5 +146,48 @@ def intervene(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], i
     with torch.no_grad(), pg.patch(patch_map):
         after = pg(ids, **kwargs).logits.detach()
     activations = [float(spliced.latents[0, feature]) for spliced, feature in features]
+    return InterventionResult(before, after, top_logits(before[0, -1], top_k), top_logits(after[0, -1], top_k),
+                              activations)
+
+
+def _edited_activation(edit: FeatureEdit, activation: float) -> float:
+    """a'_f of ``edit`` for a_f = ``activation`` (a steer leaves it, adding α W_dec[f] instead)."""
+    return {"ablate": 0.0, "scale": activation * edit.value, "clamp": edit.value}.get(edit.kind, activation)
+
+
+def intervene_direct(model: ReplacementModel, edits: Sequence[FeatureEdit], *, top_k: int = 10) -> InterventionResult:
+    """Run ``model``'s prompt in the frozen replacement model as it is and with ``edits`` (module docstring).
+
+    Args:
+        model: the local replacement model of the prompt.
+        edits: the feature edits, applied one after another (a later edit of the same feature sees the earlier one).
+        top_k: how many top logits to report.
+
+    Returns:
+        An :class:`InterventionResult` (logits of the replacement model; with no edit, the model's own).
+
+    Raises:
+        CircuitError: an edit of an unknown kind, of a layer without a transcoder, or at a position outside the
+            prompt, or of a feature outside the transcoder's latents.
+    """
+    seq = model.ids.shape[1]
+    _check(edits, {layer: spliced.transcoder for layer, spliced in model.layers.items()}, seq)
+    deltas: dict[int, torch.Tensor] = {}
+    current: dict[tuple[int, int, int], float] = {}
+    activations = []
+    for edit in edits:
+        spliced, position = model.layers[edit.layer], edit.position % seq
+        if not 0 <= edit.feature < spliced.transcoder.d_sae:
+            raise CircuitError(f"{edit}: feature {edit.feature} is outside 0..{spliced.transcoder.d_sae - 1}")
+        key = (edit.layer, position, edit.feature)
+        activation = current.get(key, float(spliced.activations[0, position, edit.feature]))
+        activations.append(activation)
+        change = edit.value if edit.kind == "steer" else _edited_activation(edit, activation) - activation
+        current[key] = _edited_activation(edit, activation)
+        delta = deltas.setdefault(edit.layer, torch.zeros_like(spliced.constant))
+        delta[0, position] += change * spliced.transcoder.W_dec[edit.feature].detach().to(delta.dtype)
+    with torch.no_grad():
+        before = model.run().logits.detach()
+        after = model.run(1, deltas).logits.detach()
     return InterventionResult(before, after, top_logits(before[0, -1], top_k), top_logits(after[0, -1], top_k),
                               activations)

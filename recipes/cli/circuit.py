@@ -82,8 +82,8 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from gradpatch import PatchableGraph
-    from gradpatch.circuits import (ReplacementModel, attribute, graph_scores, intervene, limit_features,
-                                    load_transcoders)
+    from gradpatch.circuits import (ReplacementModel, attribute, graph_scores, intervene, intervene_direct,
+                                    limit_features, load_transcoders)
     from gradpatch.errors import GradpatchError
     from gradpatch.files.loaders import EMBEDDED_MODEL_NAME, default_device, load_model
 
@@ -106,8 +106,12 @@ def _run(args: argparse.Namespace) -> int:
         total = graph.n_features
         if args.max_feature_nodes is not None:
             graph = limit_features(graph, args.max_feature_nodes, batch_size=args.batch_size)
-        result = intervene(pg, transcoders, ids, edits, freeze_attention=not args.live_attention,
-                           top_k=args.top_k) if edits else None
+        if not edits:
+            result = None
+        elif args.direct_effects:
+            result = intervene_direct(replacement, edits, top_k=args.top_k)
+        else:
+            result = intervene(pg, transcoders, ids, edits, freeze_attention=not args.live_attention, top_k=args.top_k)
         decode = lambda token: tokenizer.decode([token])  # noqa: E731
         record = intervention_record(result, edits, decode) if result is not None else None
         model_name = Path(args.model).name if args.model else EMBEDDED_MODEL_NAME
@@ -167,6 +171,9 @@ def register(subparsers: Any) -> None:
                         "repeat for several")
     p.add_argument("--live-attention", action="store_true",
                    help="let attention patterns respond to the edits (default: frozen, circuit-tracer's default)")
+    p.add_argument("--direct-effects", action="store_true",
+                   help="run the edits in the frozen replacement model (attention, norms and MLP outputs frozen: "
+                        "circuit-tracer's direct_effects), where a logit changes by the graph's direct edges")
     p.add_argument("--top-k", type=int, default=10, help="top logits reported per intervention "
                                                          "(default %(default)s)")
     p.set_defaults(func=_run)
