@@ -9,7 +9,8 @@ graph in circuit-tracer's frontend format (``graph.json``), each written atomica
   node ids ``{layer}_{feature}_{pos}`` (features), ``0_{layer}_{pos}`` (errors), ``E_{token}_{pos}`` (tokens),
   ``{n_layers + 1}_{token}_{pos}`` (logits), except that an error node whose id a kept layer-0 feature already has
   (feature ℓ at position p and the error of layer ℓ at p are both ``0_{ℓ}_{p}`` in circuit-tracer's scheme) is
-  ``0_{ℓ}_{p}_error``, so that every id, and every link, names one node; links ``{source, target, weight}`` of the kept edges;
+  ``0_{ℓ}_{p}_error``, so that every id, and every link, names one node; links ``{source, target, weight}`` of the
+  kept edges;
 - ``graph.html``: ``graph.json`` drawn as one self-contained page (:func:`~gradpatch.circuits.html.graph_html`).
 """
 

@@ -101,17 +101,17 @@ def _run(args: argparse.Namespace) -> int:
         with torch.no_grad():  # built on a short prefix: the prompt's length is checked against the context below
             pg = PatchableGraph(model, ids[:, :2], use_cache=False).eval()
         replacement = ReplacementModel(pg, transcoders, ids)
-        graph = attribute(replacement, max_n_logits=args.max_n_logits, desired_logit_prob=args.desired_logit_prob,
-                          batch_size=args.batch_size)
-        total = graph.n_features
-        if args.max_feature_nodes is not None:
-            graph = limit_features(graph, args.max_feature_nodes, batch_size=args.batch_size)
-        if not edits:
+        if not edits:  # before the graph: two forward passes, and a bad edit is refused at once
             result = None
         elif args.direct_effects:
             result = intervene_direct(replacement, edits, top_k=args.top_k)
         else:
             result = intervene(pg, transcoders, ids, edits, freeze_attention=not args.live_attention, top_k=args.top_k)
+        graph = attribute(replacement, max_n_logits=args.max_n_logits, desired_logit_prob=args.desired_logit_prob,
+                          batch_size=args.batch_size)
+        total = graph.n_features
+        if args.max_feature_nodes is not None:
+            graph = limit_features(graph, args.max_feature_nodes, batch_size=args.batch_size)
         decode = lambda token: tokenizer.decode([token])  # noqa: E731
         record = intervention_record(result, edits, decode) if result is not None else None
         model_name = Path(args.model).name if args.model else EMBEDDED_MODEL_NAME
