@@ -2,8 +2,8 @@
 network, nothing fetched), to look at without installing circuit-tracer's frontend.
 
 The page draws the nodes of ``graph.json`` (circuit-tracer's frontend format, :func:`~gradpatch.circuits.files.
-frontend_graph`) on a grid: one column per prompt position, one row per layer, the token embeddings at the bottom and
-the logits at the top; its links are lines, blue for positive and red for negative weights, wider for larger |weight|.
+frontend_graph`) on a grid: one column per prompt position, one row per layer that has a node, the token embeddings
+at the bottom and the logits at the top; its links are lines, blue for positive and red for negative weights, wider for larger |weight|.
 Every node carries its label (:func:`node_label`: layer, feature, position and token) as a tooltip and in the table
 below the drawing, which also gives its activation and influence. Clicking a node highlights its links.
 """
@@ -54,36 +54,38 @@ def _kind(node: dict[str, Any]) -> str:
         node["feature_type"], "feature")
 
 
-def _row(node: dict[str, Any], n_layers: int) -> int:
-    """Grid row from the bottom: 0 embeddings, ℓ + 1 layer ℓ, ``n_layers + 1`` logits."""
-    if node["feature_type"] == "embedding":
-        return 0
-    if node["feature_type"] == "logit":
-        return n_layers + 1
-    return int(node["layer"]) + 1
+def _rows(nodes: list[dict[str, Any]]) -> list[str]:
+    """The grid's rows from the bottom: ``embeddings``, ``layer ℓ`` for each layer with a feature or error node
+    (ascending), ``logits``."""
+    layers = sorted({int(n["layer"]) for n in nodes if _kind(n) in ("feature", "error")})
+    return ["embeddings", *(f"layer {layer}" for layer in layers), "logits"]
 
 
-def _positions(nodes: list[dict[str, Any]], n_pos: int) -> tuple[dict[str, tuple[float, float]], list[float], int,
-                                                                   int]:
-    """Node id -> (x, y) centre, each grid row's lowest y, and the drawing's width and height."""
-    n_layers = max([int(n["layer"]) + 1 for n in nodes if _kind(n) in ("feature", "error")]
-                   + [int(n["layer"]) - 1 for n in nodes if _kind(n) == "logit"] + [0])  # logits: layer L + 1
+def _row_name(node: dict[str, Any]) -> str:
+    kind = _kind(node)
+    return {"embedding": "embeddings", "logit": "logits"}.get(kind, f"layer {node['layer']}")
+
+
+def _positions(nodes: list[dict[str, Any]], n_pos: int) -> tuple[dict[str, tuple[float, float]],
+                                                                   list[tuple[str, float]], int, int]:
+    """Node id -> (x, y) centre, each grid row's name and lowest y, and the drawing's width and height."""
+    names = _rows(nodes)
+    index = {name: row for row, name in enumerate(names)}
     cells: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
     for node in nodes:
-        cells[(_row(node, n_layers), int(node["ctx_idx"]))].append(node)
+        cells[(index[_row_name(node)], int(node["ctx_idx"]))].append(node)
     per_line = max(1, (_CELL_W - 10) // _NODE_STEP)
-    lines = [max([-(-len(cells[(row, p)]) // per_line) for p in range(n_pos)] + [1]) for row in range(n_layers + 2)]
-    heights = [lines[row] * _NODE_STEP + _ROW_GAP for row in range(n_layers + 2)]
+    lines = [max([-(-len(cells[(row, p)]) // per_line) for p in range(n_pos)] + [1]) for row in range(len(names))]
+    heights = [count * _NODE_STEP + _ROW_GAP for count in lines]
     height = sum(heights) + 2 * _MARGIN
     width = n_pos * _CELL_W + 2 * _MARGIN
-    bottoms = [height - _MARGIN - sum(heights[:row]) - _ROW_GAP / 2 for row in range(n_layers + 2)]
+    bottoms = [height - _MARGIN - sum(heights[:row]) - _ROW_GAP / 2 for row in range(len(names))]
     where: dict[str, tuple[float, float]] = {}
     for (row, position), members in cells.items():
-        bottom = bottoms[row]
         for i, node in enumerate(sorted(members, key=lambda n: (-abs(n.get("influence") or 0), n["node_id"]))):
             x = _MARGIN + position * _CELL_W + 10 + (i % per_line) * _NODE_STEP
-            where[node["node_id"]] = (x, bottom - (i // per_line) * _NODE_STEP)
-    return where, bottoms, width, height
+            where[node["node_id"]] = (x, bottoms[row] - (i // per_line) * _NODE_STEP)
+    return where, list(zip(names, bottoms)), width, height
 
 
 def _number(value: Any) -> str:
@@ -95,15 +97,14 @@ def graph_html(frontend: dict[str, Any]) -> str:
     metadata, nodes, links = frontend["metadata"], frontend["nodes"], frontend["links"]
     tokens = [str(t) for t in metadata.get("prompt_tokens", [])]
     n_pos = max([len(tokens)] + [int(n["ctx_idx"]) + 1 for n in nodes])
-    where, bottoms, width, height = _positions(nodes, n_pos)
+    where, rows, width, height = _positions(nodes, n_pos)
     esc = html.escape
     largest = max([abs(float(link["weight"])) for link in links] + [1e-30])
     parts = [f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">']
     for position in range(n_pos):
         x = _MARGIN + position * _CELL_W + 4
         parts.append(f'<text x="{x}" y="{height - 12}">{esc(_token(tokens, position))}</text>')
-    for row, y in enumerate(bottoms):
-        name = "embeddings" if row == 0 else "logits" if row == len(bottoms) - 1 else f"layer {row - 1}"
+    for name, y in rows:
         parts.append(f'<text x="4" y="{y + 4:.1f}">{name}</text>')
     for link in links:
         (x1, y1), (x2, y2) = where[link["source"]], where[link["target"]]
