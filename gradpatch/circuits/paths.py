@@ -77,9 +77,9 @@ def check_paths(pg: PatchableGraph, nodes: Mapping[int, tuple[str, str]], ids: t
         return op
 
     patch_map: dict[str, list[Patch]] = {embed: [CustomPatch(custom_op=add(embed_delta), requires_clone=False)]}
-    for layer, (read, write) in sorted(nodes.items()):
+    for layer, (read, _) in sorted(nodes.items()):
         patch_map.setdefault(read, []).append(CustomPatch(custom_op=keep(layer), requires_clone=False))
-    for layer, (read, write) in sorted(nodes.items()):
+    for layer, (_, write) in sorted(nodes.items()):
         patch_map.setdefault(write, []).append(CustomPatch(custom_op=add(output_deltas[layer]),
                                                            requires_clone=False))
     with torch.enable_grad(), pg.patch(patch_map):
