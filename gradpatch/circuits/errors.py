@@ -13,3 +13,8 @@ class CircuitError(GradpatchError, ValueError):
 class FrozenNodesNotFoundError(CircuitError):
     """The graph lacks the nodes that the local replacement model freezes (attention probabilities or normalisation
     scales); the message names the operations looked for."""
+
+
+class NoPathError(CircuitError):
+    """A transcoder's node off every path from the token embeddings to the logits: an input node that does not
+    depend on the embeddings, or an output node that the logits do not depend on; the message names the node."""

@@ -7,7 +7,11 @@ graph in circuit-tracer's frontend format (``graph.json``), each written atomica
   ``feature``, ``error``, ``token``, ``logit`` (a token's ``feature`` is its token id, a logit's its vocabulary id);
 - ``graph.json``: circuit-tracer's ``create_graph_files`` model (``metadata``, ``qParams``, ``nodes``, ``links``):
   node ids ``{layer}_{feature}_{pos}`` (features), ``0_{layer}_{pos}`` (errors), ``E_{token}_{pos}`` (tokens),
-  ``{n_layers + 1}_{token}_{pos}`` (logits); links ``{source, target, weight}`` of the kept edges.
+  ``{n_layers + 1}_{token}_{pos}`` (logits), except that an error node whose id a kept layer-0 feature already has
+  (feature ℓ at position p and the error of layer ℓ at p are both ``0_{ℓ}_{p}`` in circuit-tracer's scheme) is
+  ``0_{ℓ}_{p}_error``, so that every id, and every link, names one node; links ``{source, target, weight}`` of the
+  kept edges;
+- ``graph.html``: ``graph.json`` drawn as one self-contained page (:func:`~gradpatch.circuits.html.graph_html`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from safetensors.torch import save as save_safetensors
 
 from ..files.atomic import atomic_write_bytes, atomic_write_text
 from .attribute import AttributionGraph
+from .html import graph_html
 from .prune import prune_graph
 
 __all__ = ["frontend_graph", "node_records", "save_graph"]
@@ -53,15 +58,19 @@ def frontend_graph(graph: AttributionGraph, decode: Callable[[int], str] = str, 
     n_layers = max(graph.layers) + 1
     records = node_records(graph)
     nodes: dict[int, dict[str, Any]] = {}
-    for index in pruned.node_mask.nonzero().flatten().tolist():
+    kept = pruned.node_mask.nonzero().flatten().tolist()
+    features = {f"{records[i]['layer']}_{records[i]['feature']}_{records[i]['position']}" for i in kept
+                if records[i]["kind"] == "feature"}
+    for index in kept:
         record, influence = records[index], float(pruned.cumulative_scores[index])
         kind, layer, position, feature = record["kind"], record["layer"], record["position"], record["feature"]
         if kind == "feature":
             node = {"node_id": f"{layer}_{feature}_{position}", "feature": feature, "layer": str(layer),
                     "feature_type": "cross layer transcoder", "jsNodeId": f"{layer}_{feature}-0",
                     "influence": influence, "activation": float(graph.activations[index])}
-        elif kind == "error":
-            node = {"node_id": f"0_{layer}_{position}", "feature": -1, "layer": str(layer),
+        elif kind == "error":  # circuit-tracer's 0_{layer}_{pos} is also layer-0 feature {layer}'s id at pos
+            suffix = "_error" if f"0_{layer}_{position}" in features else ""
+            node = {"node_id": f"0_{layer}_{position}{suffix}", "feature": -1, "layer": str(layer),
                     "feature_type": "mlp reconstruction error", "jsNodeId": f"{layer}_{position}-0",
                     "influence": influence}
         elif kind == "token":
@@ -90,7 +99,8 @@ def frontend_graph(graph: AttributionGraph, decode: Callable[[int], str] = str, 
 def save_graph(graph: AttributionGraph, directory: str | Path, decode: Callable[[int], str] = str,
                slug: str = "gradpatch", prompt: str = "", node_threshold: float = 0.8,
                edge_threshold: float = 0.98) -> Path:
-    """Write ``adjacency.safetensors``, ``nodes.json`` and ``graph.json`` to ``directory`` (created if missing).
+    """Write ``adjacency.safetensors``, ``nodes.json``, ``graph.json`` and ``graph.html`` to ``directory`` (created if
+    missing), each atomically.
 
     Returns:
         The directory as a ``Path``.
@@ -101,4 +111,5 @@ def save_graph(graph: AttributionGraph, directory: str | Path, decode: Callable[
     atomic_write_text(directory / "nodes.json", json.dumps({"nodes": node_records(graph)}, indent=1))
     frontend = frontend_graph(graph, decode, slug, prompt, node_threshold, edge_threshold)
     atomic_write_text(directory / "graph.json", json.dumps(frontend, indent=1))
+    atomic_write_text(directory / "graph.html", graph_html(frontend))
     return directory

@@ -30,6 +30,7 @@ from ..patchable_graph import PatchableGraph
 from ..patches import AddPatch, CustomPatch, Patch, ProbePatch, ReplacePatch
 from .errors import CircuitError
 from .freeze import FrozenLayerNorm, FrozenNodes, find_frozen_nodes
+from .paths import check_paths
 
 __all__ = ["ReplacementModel", "ReplacementRun", "SplicedLayer"]
 
@@ -86,6 +87,8 @@ class ReplacementModel:
             prompt longer than the model's context (``config.max_position_embeddings`` or ``n_positions``).
         FingerprintMismatchError: a transcoder whose config records another model's fingerprint.
         FrozenNodesNotFoundError: the graph lacks attention or normalisation nodes to freeze.
+        NoPathError: a transcoder's input node that does not depend on the embeddings, or an output node that the
+            logits do not depend on (:func:`~gradpatch.circuits.paths.check_paths`).
     """
 
     def __init__(self, pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], ids: torch.Tensor,
@@ -95,6 +98,8 @@ class ReplacementModel:
         self.ids = ids
         self.forward_kwargs = dict(forward_kwargs or {})
         self.embed = embed or detect_layout(pg).embed
+        check_paths(pg, {layer: (transcoder.config.input_node, transcoder.config.output_node)
+                         for layer, transcoder in transcoders.items()}, ids, self.embed, self.forward_kwargs)
         self.frozen: FrozenNodes = find_frozen_nodes(pg)
         self.layers: dict[int, SplicedLayer] = {}
         self.frozen_values: dict[str, torch.Tensor] = {}

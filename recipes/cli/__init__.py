@@ -12,6 +12,7 @@ command         module                          does
 ``fit``         :mod:`recipes.cli.fit`          train an intervention from a YAML config (LightningCLI)
 ``stats``       :mod:`recipes.cli.stats`        second-moment statistics over GPUs/nodes, resumable (Lightning job)
 ``dictionary``  :mod:`recipes.cli.dictionary`   ``dictionary eval``: a saved SAE or transcoder's metrics.json
+``circuit``     :mod:`recipes.cli.circuit`      attribution graph of a prompt: graph.json, graph.html, interventions
 ``generate``    :mod:`recipes.cli.generate`     greedy KV-cache continuations with a saved intervention
 ==============  ==============================  =============================================================
 
@@ -25,12 +26,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import attribute, dictionary, eval_edit, eval_rome, fit, generate, graph, rome, stats, trace
+from . import attribute, circuit, dictionary, eval_edit, eval_rome, fit, generate, graph, rome, stats, trace
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: The commands in the order ``--help`` lists them; each module has ``NAME`` and ``register(subparsers)``.
-COMMANDS = (graph, rome, eval_rome, eval_edit, trace, attribute, fit, stats, dictionary, generate)
+COMMANDS = (graph, rome, eval_rome, eval_edit, trace, attribute, fit, stats, dictionary, circuit, generate)
 
 
 def build_parser() -> argparse.ArgumentParser:

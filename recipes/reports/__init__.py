@@ -5,6 +5,8 @@ images.
   generations and hyperparameters of a training run;
 - :func:`save_attribution` (:mod:`.attribution_report`): an attribution result's JSON, heatmaps, faithfulness curve
   and TensorBoard run;
+- :func:`save_circuit` (:mod:`.circuit_report`): an attribution graph's files, HTML page, interventions and
+  TensorBoard run;
 - :func:`log_trace_to_tensorboard` (:mod:`.trace_tensorboard`): a causal trace's heatmaps as TensorBoard images.
 
 Names are imported on first use, so ``import recipes.reports`` imports neither torch nor Lightning.
@@ -18,7 +20,9 @@ from ..lazy import recipe_exports
 _EXPORTS: dict[str, str] = {
     "InterventionLogger": "logger",
     "generations_table": "logger",
+    "intervention_record": "circuit_report",
     "log_trace_to_tensorboard": "trace_tensorboard",
+    "save_circuit": "circuit_report",
     "save_attribution": "attribution_report",
 }
 
