@@ -4,8 +4,8 @@ Consecutive tokens of one document have correlated activations; training on them
 :class:`ActivationBuffer` keeps up to ``capacity`` rows (tokens), takes each new batch's rows and hands out
 uniformly random rows from everything it holds, so a step mixes tokens from up to ``capacity / rows per batch``
 batches (SAELens's mixing buffer and sparsify's shuffling do the same). Its memory is bounded whatever the token
-budget: one tensor of ``capacity`` rows (more only if one batch is larger), allocated by the first batch and reused; a draw copies the
-rows drawn and moves as many rows into their slots, never the whole buffer.
+budget: one tensor of ``capacity`` rows (more only if one batch is larger), allocated by the first batch and reused;
+a draw copies the rows drawn and moves as many rows into their slots, never the whole buffer.
 """
 
 from __future__ import annotations
