@@ -72,6 +72,42 @@ def test_buffer_mixes_and_is_bounded() -> None:
         buffer.pop(5)
 
 
+def test_buffer_streams_within_its_bound() -> None:
+    buffer = ActivationBuffer(16, torch.Generator().manual_seed(0))
+    drawn: list[float] = []
+    for step in range(50):  # 200 rows through a buffer of 16: one storage of 16 rows, reused
+        buffer.push(torch.arange(4.0 * step, 4.0 * step + 4)[:, None])
+        if step == 0:
+            storage = buffer.storage
+        assert buffer.storage is storage and storage.shape == (16, 1) and len(buffer) <= 16
+        if buffer.ready(4):
+            drawn += buffer.pop(4).flatten().tolist()
+    assert len(buffer) == 12 and len(drawn) == 188
+    assert sorted(drawn + buffer.rows.flatten().tolist()) == [float(i) for i in range(200)]  # each row out once
+    assert drawn[:16] != sorted(drawn[:16])  # drawn at random, not in order
+    with pytest.raises(ValueError, match="do not fit"):
+        buffer.push(torch.zeros(4, 2))
+
+
+def test_training_streams_within_the_buffer_bound(llama_graph, tmp_path: Path) -> None:
+    sae = SparseAutoencoder(64, 128, "topk", k=8, node="model.layers_0.output",
+                            generator=torch.Generator().manual_seed(0))
+    module = DictionaryModule(llama_graph, sae, buffer_rows=64, lr=1e-2)
+    held: list[int] = []
+    storages: list[int] = []
+    push = module.buffer.push
+
+    def recording(rows: torch.Tensor) -> None:
+        push(rows)
+        held.append(len(module.buffer))
+        storages.append(module.buffer.storage.data_ptr())
+
+    module.buffer.push = recording  # type: ignore[method-assign]
+    _fit(module, tmp_path, steps=12)  # 12 batches of 32 rows: 384 rows through a buffer of 64
+    assert held == [32] + [64] * 11  # full from the second batch on, never more than buffer_rows
+    assert len(set(storages)) == 1 and module.buffer.storage.shape == (64, 64)  # allocated once, never grown
+
+
 def test_a_dictionary_without_nodes_is_refused(llama_graph) -> None:
     with pytest.raises(RecipeConfigError, match="names no node"):
         DictionaryModule(llama_graph, Transcoder(64, 32, activation="relu", input_node="model.layers_0.mlp.x"))

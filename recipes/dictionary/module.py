@@ -60,7 +60,7 @@ class DictionaryModule(FrozenGraphModule):
         pg: the :class:`gradpatch.PatchableGraph` (frozen by this module).
         dictionary: the SAE or transcoder to train; its config's ``input_node`` (and ``output_node``) name the nodes.
         buffer_rows: rows (tokens) the shuffle buffer holds before training starts and keeps holding; memory
-            ``buffer_rows × (d_in + d_out) × 4`` bytes in float32 (the buffer briefly doubles while a step draws).
+            ``buffer_rows × (d_in + d_out) × 4`` bytes in float32, allocated once (a draw copies the rows drawn only).
         lr, optimizer: as :class:`~recipes.training.frozen.FrozenGraphModule` (Adam, 2e-4 by default).
         sparsity_coefficient: λ of the L1 (ReLU) or L0 (JumpReLU) penalty.
         auxk_coefficient: α of AuxK (TopK, BatchTopK).

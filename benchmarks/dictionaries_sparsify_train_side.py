@@ -1,0 +1,91 @@
+"""sparsify's side of benchmarks/dictionaries_sparsify_train.py, run in sparsify's own virtualenv (no gradpatch).
+
+``WORK`` holds what the driver prepared: ``model/`` (a ``from_pretrained`` folder, loaded with ``AutoModel`` as
+sparsify's command line loads a model for ``loss_fn="fvu"``), ``ids.safetensors`` (``train`` ``[n, chunk]``) and
+``init_sparsify.safetensors`` (the initial SAE in sparsify's parameter names). sparsify's ``Trainer`` trains a TopK
+``SparseCoder`` (expansion 4, k = 32) at hookpoint ``layers.12`` on the chunks in order (``batch_size`` sequences a
+step, no shuffling, as its trainer reads a dataset), with
+
+- Adam from torch: bitsandbytes, whose 8-bit Adam sparsify prefers when it is importable, is hidden, so that both
+  sides run the same optimizer;
+- ``--schedule constant``: sparsify's warmup + linear decay schedule removed (ours has none); ``sparsify``: kept,
+  with ``--warmup`` steps;
+- AuxK α = 1/32 over latents dead for 10M tokens (sparsify's default α is 0; ours is 1/32), no wandb, one save at
+  the end to ``WORK/sparsify/run/layers.12``.
+
+Prints one JSON line: the wall time of ``Trainer.fit`` (model forwards included), tokens/s, the resident memory once
+the model is loaded, the peak during ``fit`` (``VmHWM`` reset before it) and the process's ``getrusage`` maxrss (MiB).
+
+Run: ``/work/peers/sparsify/bin/python benchmarks/dictionaries_sparsify_train_side.py WORK --batch-size 16 --lr
+5.33e-4``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.modules["bitsandbytes"] = None  # type: ignore[assignment]  # torch's Adam on both sides (module docstring)
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from sparsify import SaeConfig, TrainConfig, Trainer  # noqa: E402
+from transformers import AutoModel  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peak_rss import peak_mib, reset_peak, resident_mib  # noqa: E402
+
+HOOKPOINT = "layers.12"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--batch-size", type=int, required=True, help="sequences per step")
+    parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--schedule", choices=["constant", "sparsify"], default="constant")
+    parser.add_argument("--warmup", type=int, default=1000)
+    args = parser.parse_args()
+    train = load_file(str(args.work / "ids.safetensors"))["train"]
+    dataset = [{"input_ids": row} for row in train]
+    model = AutoModel.from_pretrained(str(args.work / "model"), dtype=getattr(torch, args.dtype)).to(args.device)
+    config = TrainConfig(SaeConfig(expansion_factor=4, k=32), batch_size=args.batch_size, lr=args.lr,
+                         lr_warmup_steps=args.warmup, optimizer="adam", auxk_alpha=1 / 32,
+                         dead_feature_threshold=10_000_000, hookpoints=[HOOKPOINT], log_to_wandb=False,
+                         save_dir=str(args.work / "sparsify"), run_name="run", save_every=10 ** 9)
+    trainer = Trainer(config, dataset, model)  # type: ignore[arg-type]
+    with torch.no_grad():
+        trainer.saes[HOOKPOINT].load_state_dict(load_file(str(args.work / "init_sparsify.safetensors")))
+    if args.schedule == "constant":  # the scheduler set lr to 0 (warmup step 0) when it was built: back to base
+        trainer.lr_schedulers = []
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"]
+    loaded = resident_mib()
+    reset_peak()
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start, cpu = time.perf_counter(), time.process_time()
+    trainer.fit()
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    print(json.dumps({"seconds": seconds, "tokens": int(train.numel()), "tokens_per_s": train.numel() / seconds,
+                      "cpu_seconds": cpu, "tokens_per_cpu_s": train.numel() / cpu,
+                      "optimizer_steps": int(trainer.global_step), "resident_after_load_mib": loaded,
+                      "peak_during_fit_mib": peak_mib(),
+                      "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "cuda_peak_allocated_mib": torch.cuda.max_memory_allocated() / 2 ** 20 if args.device == "cuda"
+                      else None}))
+
+
+if __name__ == "__main__":
+    main()
