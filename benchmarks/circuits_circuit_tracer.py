@@ -44,7 +44,10 @@ from gradpatch.dictionaries import SkipTranscoder, export_circuit_tracer, load_c
 
 SIDE = Path(__file__).with_name("circuits_circuit_tracer_side.py")
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is Madrid. The capital of"
-INPUT_NODE, OUTPUT_NODE = "model.layers_{layer}.mlp.x", "model.layers_{layer}.mlp.output"
+#: model -> the NodePaths each layer's transcoder reads (the MLP input) and writes (the MLP output).
+NODES = {"tiny-llama": ("model.layers_{layer}.mlp.x", "model.layers_{layer}.mlp.output"),
+         "smollm2": ("model.layers_{layer}.mlp.x", "model.layers_{layer}.mlp.output"),
+         "tiny-gpt2": ("transformer.h_{layer}.mlp.hidden_states", "transformer.h_{layer}.mlp.output")}
 
 
 def _rss_gib() -> float:
@@ -54,17 +57,20 @@ def _rss_gib() -> float:
 
 
 def build_model(name: str) -> tuple[Any, Any]:
-    """``(model, tokenizer)``: the seeded tiny Llama with SmolLM2's tokenizer, or the embedded SmolLM2 (float32)."""
+    """``(model, tokenizer)``: the seeded tiny Llama or GPT-2 with SmolLM2's tokenizer, or the embedded SmolLM2
+    (float32)."""
     from transformers import AutoTokenizer
 
     from gradpatch.files.loaders import embedded_model_path, load_embedded_model
 
     if name == "smollm2":
         return load_embedded_model()
-    from gradpatch.testing import tiny_llama
+    from gradpatch.testing import tiny_gpt2, tiny_llama
 
     path = embedded_model_path()
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if name == "tiny-gpt2":
+        return tiny_gpt2(100, hidden=64, init_std=0.02, n_positions=128), tokenizer
     model = tiny_llama(100, hidden=64, intermediate=128, init_std=0.02, max_position_embeddings=128,
                        pad_token_id=None, bos_token_id=1, eos_token_id=2)
     return model, tokenizer
@@ -82,7 +88,8 @@ def _mlp_inputs(model: Any, ids: torch.Tensor) -> list[torch.Tensor]:
     return inputs
 
 
-def make_transcoders(model: Any, ids: torch.Tensor, latents: int, k: int) -> dict[int, SkipTranscoder]:
+def make_transcoders(model: Any, ids: torch.Tensor, latents: int, k: int, nodes: tuple[str, str]
+                     ) -> dict[int, SkipTranscoder]:
     """Random ReLU skip transcoders at every MLP (seed 0); with ``k`` > 0 each layer's b_enc is −(the 1 − k/m
     quantile of its pre-activations on the prompt), so about k latents are active per position."""
     generator = torch.Generator().manual_seed(0)
@@ -90,8 +97,8 @@ def make_transcoders(model: Any, ids: torch.Tensor, latents: int, k: int) -> dic
     inputs = _mlp_inputs(model, ids) if k else []
     transcoders = {}
     for layer in range(model.config.num_hidden_layers):
-        transcoder = SkipTranscoder(d_model, latents, activation="relu", input_node=INPUT_NODE.format(layer=layer),
-                                    output_node=OUTPUT_NODE.format(layer=layer), generator=generator)
+        transcoder = SkipTranscoder(d_model, latents, activation="relu", input_node=nodes[0].format(layer=layer),
+                                    output_node=nodes[1].format(layer=layer), generator=generator)
         with torch.no_grad():
             transcoder.W_skip.normal_(0, 0.05 if not k else 0.02, generator=generator)
             transcoder.b_dec.normal_(0, 0.01, generator=generator)
@@ -109,8 +116,9 @@ def save_model_folder(model: Any, tokenizer: Any, folder: Path) -> None:
     folder.mkdir(parents=True)
     config = model.config.to_dict()
     rope = config.pop("rope_parameters", None) or {}
-    config["rope_theta"] = float(config.get("rope_theta") or rope.get("rope_theta", 10000.0))
-    config.update(architectures=["LlamaForCausalLM"], torch_dtype="float32", dtype="float32")
+    if config["model_type"] == "llama":
+        config["rope_theta"] = float(config.get("rope_theta") or rope.get("rope_theta", 10000.0))
+    config.update(architectures=[type(model).__name__], torch_dtype="float32", dtype="float32")
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     state = {name: tensor.detach().clone().contiguous() for name, tensor in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
@@ -132,7 +140,7 @@ def prepare(args: argparse.Namespace, folder: Path) -> None:
     else:
         ids = torch.cat([bos, torch.randint(20, 100, (1, args.tokens - 1), generator=torch.Generator().manual_seed(3))], 1)
         latents, k = 64, 0
-    transcoders = make_transcoders(model, ids, latents, k)
+    transcoders = make_transcoders(model, ids, latents, k, NODES[args.model])
     export_circuit_tracer(transcoders, folder / "transcoders", str(folder / "model"), "mlp.hook_in", "mlp.hook_out")
     save_model_folder(model, tokenizer, folder / "model")
     (folder / "prompt.json").write_text(json.dumps({"ids": ids[0].tolist(), "batch_size": args.batch_size}))
@@ -144,7 +152,7 @@ def ours(args: argparse.Namespace, folder: Path) -> None:
     start = time.perf_counter()
     model, _ = build_model(args.model)
     ids = torch.tensor([prompt["ids"]])
-    transcoders = load_circuit_tracer(folder / "transcoders" / "config.yaml", INPUT_NODE, OUTPUT_NODE)
+    transcoders = load_circuit_tracer(folder / "transcoders" / "config.yaml", *NODES[args.model])
     replacement = ReplacementModel(PatchableGraph(model, ids, use_cache=False), transcoders, ids)
     loaded = time.perf_counter() - start
     rss_loaded = _rss_gib()
@@ -229,7 +237,7 @@ def _run(command: list[str], environment: dict[str, str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["tiny-llama", "smollm2"], default="tiny-llama")
+    parser.add_argument("--model", choices=sorted(NODES), default="tiny-llama")
     parser.add_argument("--tokens", type=int, default=7)
     parser.add_argument("--k", type=int, default=2, help="active latents per position (smollm2)")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -237,11 +245,13 @@ def main() -> None:
     parser.add_argument("--python", default="/work/peers/circuit-tracer-05/bin/python",
                         help="the Python of circuit-tracer 0.5.0's virtualenv")
     parser.add_argument("--backends", nargs="+", choices=["nnsight", "transformerlens"],
-                        default=["nnsight", "transformerlens"], help="circuit-tracer's backends to run")
+                        help="circuit-tracer's backends to run (default: both; for tiny-gpt2 only transformerlens, "
+                             "as 0.5.0's nnsight backend has no GPT-2 mapping)")
     parser.add_argument("--keep", help="a folder to keep the inputs and the graphs in, reused when run again "
                                        "(default: a temporary one)")
     parser.add_argument("--ours", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.backends = args.backends or (["transformerlens"] if args.model == "tiny-gpt2" else ["nnsight", "transformerlens"])
     if args.ours:
         ours(args, Path(args.ours))
         return
@@ -257,7 +267,7 @@ def main() -> None:
                 _run([args.python, str(SIDE), "graph", str(folder), backend], {**environment, "PYTHONPATH": ""})
         if not (folder / "gradpatch_run.json").exists():
             _run([sys.executable, __file__, "--model", args.model, "--ours", str(folder)], environment)
-        layers = len(load_circuit_tracer(folder / "transcoders" / "config.yaml", INPUT_NODE, OUTPUT_NODE))
+        layers = len(load_circuit_tracer(folder / "transcoders" / "config.yaml", *NODES[args.model]))
         report = {"model": args.model, "tokens": len(json.loads((folder / "prompt.json").read_text())["ids"]),
                   "layers": layers, "batch_size": args.batch_size, "threads": args.threads,
                   "gradpatch": json.loads((folder / "gradpatch_run.json").read_text()),

@@ -54,34 +54,44 @@ def relayout(config: dict, folder: Path) -> dict[int, str]:
 
 
 def transformerlens_model(folder: Path, transcoders: Any) -> Any:
-    """circuit-tracer's TransformerLens-backend model of a local Llama folder.
+    """circuit-tracer's TransformerLens-backend model of a local Llama or GPT-2 folder.
 
     ``HookedTransformer.from_pretrained`` (which circuit-tracer's ``from_pretrained_and_transcoders`` calls) accepts
     only names on TransformerLens's official list (``get_official_model_name`` raises ``ValueError: ... not found``
     for a folder, and SmolLM2 is not on the list of transformer-lens 2.16.1), so the config is written here as
-    TransformerLens's ``convert_hf_model_config`` writes a Llama's, the weights converted with its
-    ``convert_llama_weights`` and processed as circuit-tracer's ``from_pretrained_and_transcoders`` does
+    TransformerLens's ``convert_hf_model_config`` writes a Llama's or a GPT-2's, the weights converted
+    with its ``convert_llama_weights`` or ``convert_gpt2_weights`` and processed as circuit-tracer's ``from_pretrained_and_transcoders`` does
     (``fold_ln``, ``center_writing_weights``, ``center_unembed`` off), then circuit-tracer's replacement hooks are
     configured (``_configure_replacement_model``, what its ``from_config`` calls)."""
     from transformer_lens import HookedTransformerConfig
-    from transformer_lens.pretrained.weight_conversions import convert_llama_weights
+    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights, convert_llama_weights
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from circuit_tracer.replacement_model.replacement_model_transformerlens import TransformerLensReplacementModel
 
     hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     hf = hf_model.config
-    kv_heads = hf.num_key_value_heads if hf.num_key_value_heads != hf.num_attention_heads else None
-    config = HookedTransformerConfig(
-        d_model=hf.hidden_size, d_head=hf.hidden_size // hf.num_attention_heads, n_heads=hf.num_attention_heads,
-        d_mlp=hf.intermediate_size, n_layers=hf.num_hidden_layers, n_ctx=hf.max_position_embeddings,
-        eps=hf.rms_norm_eps, d_vocab=hf.vocab_size, act_fn=hf.hidden_act, n_key_value_heads=kv_heads,
-        normalization_type="RMS", positional_embedding_type="rotary", rotary_adjacent_pairs=False,
-        rotary_dim=hf.hidden_size // hf.num_attention_heads, rotary_base=hf.rope_theta, final_rms=True,
-        gated_mlp=True, original_architecture="LlamaForCausalLM", model_name=str(folder), device="cpu",
-        dtype=torch.float32, default_prepend_bos=False)
+    common = {"model_name": str(folder), "device": "cpu", "dtype": torch.float32, "default_prepend_bos": False}
+    if hf.model_type == "gpt2":
+        config = HookedTransformerConfig(
+            d_model=hf.n_embd, d_head=hf.n_embd // hf.n_head, n_heads=hf.n_head, d_mlp=hf.n_inner or 4 * hf.n_embd,
+            n_layers=hf.n_layer, n_ctx=hf.n_positions, eps=hf.layer_norm_epsilon, d_vocab=hf.vocab_size,
+            act_fn=hf.activation_function, use_attn_scale=True, use_local_attn=False,
+            scale_attn_by_inverse_layer_idx=hf.scale_attn_by_inverse_layer_idx, normalization_type="LN",
+            original_architecture="GPT2LMHeadModel", **common)
+        convert = convert_gpt2_weights
+    else:
+        kv_heads = hf.num_key_value_heads if hf.num_key_value_heads != hf.num_attention_heads else None
+        config = HookedTransformerConfig(
+            d_model=hf.hidden_size, d_head=hf.hidden_size // hf.num_attention_heads, n_heads=hf.num_attention_heads,
+            d_mlp=hf.intermediate_size, n_layers=hf.num_hidden_layers, n_ctx=hf.max_position_embeddings,
+            eps=hf.rms_norm_eps, d_vocab=hf.vocab_size, act_fn=hf.hidden_act, n_key_value_heads=kv_heads,
+            normalization_type="RMS", positional_embedding_type="rotary", rotary_adjacent_pairs=False,
+            rotary_dim=hf.hidden_size // hf.num_attention_heads, rotary_base=hf.rope_theta, final_rms=True,
+            gated_mlp=True, original_architecture="LlamaForCausalLM", **common)
+        convert = convert_llama_weights
     model = TransformerLensReplacementModel(config, AutoTokenizer.from_pretrained(str(folder)))
-    model.load_and_process_state_dict(convert_llama_weights(hf_model, config), fold_ln=False,
+    model.load_and_process_state_dict(convert(hf_model, config), fold_ln=False,
                                       center_writing_weights=False, center_unembed=False)
     model._configure_replacement_model(transcoders)
     return model
