@@ -156,15 +156,16 @@ def ours(args: argparse.Namespace, folder: Path) -> None:
     replacement = ReplacementModel(PatchableGraph(model, ids, use_cache=False), transcoders, ids)
     loaded = time.perf_counter() - start
     rss_loaded = _rss_gib()
-    start = time.perf_counter()
+    start, cpu, load = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     graph = attribute(replacement, batch_size=prompt["batch_size"])
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     save_file({"adjacency": graph.adjacency.contiguous(), "active_features": graph.active_features.contiguous(),
                "activation_values": graph.activations.contiguous(), "logit_tokens": graph.logit_tokens.contiguous(),
                "logit_probabilities": graph.logit_probabilities.contiguous()},
               str(folder / "gradpatch_graph.safetensors"))
     (folder / "gradpatch_run.json").write_text(json.dumps({
         "load_seconds": round(loaded, 2), "attribute_seconds": round(seconds, 2),
+        "attribute_cpu_seconds": round(cpu, 2), "load_average_1min": [round(load, 1), round(os.getloadavg()[0], 1)],
         "rss_after_load_gib": round(rss_loaded, 3),
         "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
         "torch_threads": torch.get_num_threads()}))
@@ -244,14 +245,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--python", default="/work/peers/circuit-tracer-05/bin/python",
                         help="the Python of circuit-tracer 0.5.0's virtualenv")
-    parser.add_argument("--backends", nargs="+", choices=["nnsight", "transformerlens"],
-                        help="circuit-tracer's backends to run (default: both; for tiny-gpt2 only transformerlens, "
-                             "as 0.5.0's nnsight backend has no GPT-2 mapping)")
+    parser.add_argument("--python-d797c82", default="/work/peers/circuit-tracer/bin/python",
+                        help="the Python of the virtualenv for circuit-tracer's source at commit d797c82")
+    parser.add_argument("--source-d797c82", default="/work/peers/circuit-tracer-src",
+                        help="circuit-tracer's source folder at d797c82 (holding circuit_tracer/)")
+    parser.add_argument("--backends", nargs="+", choices=["nnsight", "transformerlens", "d797c82"],
+                        help="circuit-tracer's backends to run (default: all three; for tiny-gpt2 only "
+                             "transformerlens: 0.5.0's nnsight backend has no GPT-2 mapping and d797c82 reads "
+                             "rotary buffers that GPT-2's attention lacks)")
     parser.add_argument("--keep", help="a folder to keep the inputs and the graphs in, reused when run again "
                                        "(default: a temporary one)")
     parser.add_argument("--ours", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.backends = args.backends or (["transformerlens"] if args.model == "tiny-gpt2" else ["nnsight", "transformerlens"])
+    args.backends = args.backends or (["transformerlens"] if args.model == "tiny-gpt2"
+                                      else ["nnsight", "transformerlens", "d797c82"])
     if args.ours:
         ours(args, Path(args.ours))
         return
@@ -264,7 +271,9 @@ def main() -> None:
             prepare(args, folder)
         for backend in args.backends:
             if not (folder / f"circuit_tracer_run_{backend}.json").exists():
-                _run([args.python, str(SIDE), "graph", str(folder), backend], {**environment, "PYTHONPATH": ""})
+                python, path = ((args.python_d797c82, args.source_d797c82) if backend == "d797c82"
+                                else (args.python, ""))
+                _run([python, str(SIDE), "graph", str(folder), backend], {**environment, "PYTHONPATH": path})
         if not (folder / "gradpatch_run.json").exists():
             _run([sys.executable, __file__, "--model", args.model, "--ours", str(folder)], environment)
         layers = len(load_circuit_tracer(folder / "transcoders" / "config.yaml", *NODES[args.model]))

@@ -1,22 +1,26 @@
-"""circuit-tracer's side of benchmarks/circuits_circuit_tracer.py, run in a virtualenv where circuit-tracer 0.5.0
-imports (it imports no gradpatch).
+"""circuit-tracer's side of benchmarks/circuits_circuit_tracer.py, run in a virtualenv where circuit-tracer imports
+(it imports no gradpatch).
 
-``graph FOLDER``: reads ``FOLDER/model`` (a Hugging Face model folder: ``config.json``, ``model.safetensors`` and the
-tokenizer's files), the transcoder set ``FOLDER/transcoders/config.yaml`` (circuit-tracer's local layout, written by
-:func:`gradpatch.dictionaries.export_circuit_tracer`) and ``FOLDER/prompt.json`` (``{"ids": [...], "batch_size":
-b}``); rewrites the set in 0.5.0's file layout (:func:`relayout`); builds circuit-tracer's ``ReplacementModel`` with its nnsight backend on the CPU in float32 (its
-TransformerLens backend accepts only model names on TransformerLens's official list) and runs its ``attribute``
-with every feature node (``max_feature_nodes=None``) and its default logit selection. Writes
-``FOLDER/circuit_tracer_graph.safetensors`` (``adjacency`` ``[n, n]``, ``active_features`` ``[n_features, 3]``,
-``activation_values``, ``logit_tokens``, ``logit_probabilities``) and ``FOLDER/circuit_tracer_run.json`` (seconds of
-the model's load and of ``attribute``, resident memory after the load and at the peak).
+``graph FOLDER BACKEND``: reads ``FOLDER/model`` (a Hugging Face model folder: ``config.json``, ``model.safetensors``
+and the tokenizer's files), the transcoder set ``FOLDER/transcoders/config.yaml`` (circuit-tracer's local layout as
+:func:`gradpatch.dictionaries.export_circuit_tracer` writes it) and ``FOLDER/prompt.json`` (``{"ids": [...],
+"batch_size": b}``); builds circuit-tracer's replacement model on the CPU in float32 (:func:`replacement_model`:
+0.5.0's ``nnsight`` or ``transformerlens`` backend, or the ``d797c82`` source) and runs its ``attribute`` with every
+feature node (``max_feature_nodes=None``) and its default logit selection. Writes
+``FOLDER/circuit_tracer_graph_BACKEND.safetensors`` (``adjacency`` ``[n, n]``, ``active_features``
+``[n_features, 3]``, ``activation_values``, ``logit_tokens``, ``logit_probabilities``) and
+``FOLDER/circuit_tracer_run_BACKEND.json`` (seconds of the load and of ``attribute``, CPU seconds of ``attribute``,
+the 1-minute load average before and after it, resident memory after the load and at the peak).
 
-Run: ``/work/peers/circuit-tracer-05/bin/python benchmarks/circuits_circuit_tracer_side.py graph FOLDER``.
+Run: ``/work/peers/circuit-tracer-05/bin/python benchmarks/circuits_circuit_tracer_side.py graph FOLDER nnsight``
+(or ``transformerlens``); for ``d797c82``: ``PYTHONPATH=/work/peers/circuit-tracer-src
+/work/peers/circuit-tracer/bin/python ... graph FOLDER d797c82``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -25,8 +29,6 @@ from typing import Any
 
 import torch
 import yaml
-from circuit_tracer import ReplacementModel, attribute
-from circuit_tracer.transcoder.single_layer_transcoder import load_transcoder_set
 from safetensors.torch import load_file, save_file
 
 
@@ -53,21 +55,19 @@ def relayout(config: dict, folder: Path) -> dict[int, str]:
     return paths
 
 
-def transformerlens_model(folder: Path, transcoders: Any) -> Any:
-    """circuit-tracer's TransformerLens-backend model of a local Llama or GPT-2 folder.
+def hooked_transformer(folder: Path, replacement_class: Any) -> Any:
+    """A TransformerLens-backend replacement model (``replacement_class``, a ``HookedTransformer``) of a local Llama
+    or GPT-2 folder, its transcoders not yet configured.
 
     ``HookedTransformer.from_pretrained`` (which circuit-tracer's ``from_pretrained_and_transcoders`` calls) accepts
     only names on TransformerLens's official list (``get_official_model_name`` raises ``ValueError: ... not found``
     for a folder, and SmolLM2 is not on the list of transformer-lens 2.16.1), so the config is written here as
-    TransformerLens's ``convert_hf_model_config`` writes a Llama's or a GPT-2's, the weights converted
-    with its ``convert_llama_weights`` or ``convert_gpt2_weights`` and processed as circuit-tracer's ``from_pretrained_and_transcoders`` does
-    (``fold_ln``, ``center_writing_weights``, ``center_unembed`` off), then circuit-tracer's replacement hooks are
-    configured (``_configure_replacement_model``, what its ``from_config`` calls)."""
+    TransformerLens's ``convert_hf_model_config`` writes a Llama's or a GPT-2's, the weights converted with its
+    ``convert_llama_weights`` or ``convert_gpt2_weights`` and processed as circuit-tracer's
+    ``from_pretrained_and_transcoders`` does (``fold_ln``, ``center_writing_weights``, ``center_unembed`` off)."""
     from transformer_lens import HookedTransformerConfig
     from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights, convert_llama_weights
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from circuit_tracer.replacement_model.replacement_model_transformerlens import TransformerLensReplacementModel
 
     hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     hf = hf_model.config
@@ -90,40 +90,66 @@ def transformerlens_model(folder: Path, transcoders: Any) -> Any:
             rotary_dim=hf.hidden_size // hf.num_attention_heads, rotary_base=hf.rope_theta, final_rms=True,
             gated_mlp=True, original_architecture="LlamaForCausalLM", **common)
         convert = convert_llama_weights
-    model = TransformerLensReplacementModel(config, AutoTokenizer.from_pretrained(str(folder)))
-    model.load_and_process_state_dict(convert(hf_model, config), fold_ln=False,
-                                      center_writing_weights=False, center_unembed=False)
+    model = replacement_class(config, AutoTokenizer.from_pretrained(str(folder)))
+    model.load_and_process_state_dict(convert(hf_model, config), fold_ln=False, center_writing_weights=False,
+                                      center_unembed=False)
+    return model
+
+
+def replacement_model(folder: Path, backend: str) -> Any:
+    """circuit-tracer's replacement model of ``folder/model`` with the set ``folder/transcoders``: 0.5.0's
+    ``nnsight`` or ``transformerlens`` backend (the set rewritten in 0.5.0's layout), or ``d797c82`` (the
+    TransformerLens-only version at that commit, which reads the set as gradpatch exports it)."""
+    config_path = folder / "transcoders" / "config.yaml"
+    if backend == "d797c82":
+        from circuit_tracer.replacement_model import ReplacementModel as OldReplacementModel
+        from circuit_tracer.transcoder import load_transcoder_set as load_old_set
+
+        settings = load_old_set(str(config_path), device=torch.device("cpu"), dtype=torch.float32)
+        model = hooked_transformer(folder / "model", OldReplacementModel)
+        model._configure_replacement_model(settings.transcoders, settings.feature_input_hook,
+                                           settings.feature_output_hook, settings.scan)
+        return model
+    from circuit_tracer import ReplacementModel
+    from circuit_tracer.transcoder.single_layer_transcoder import load_transcoder_set
+
+    config = yaml.safe_load(config_path.read_text())
+    transcoders = load_transcoder_set(relayout(config, folder / "transcoders_0.5"), "gradpatch-export",
+                                      config["feature_input_hook"], config["feature_output_hook"],
+                                      device=torch.device("cpu"), dtype=torch.float32, lazy_encoder=False,
+                                      lazy_decoder=False)
+    if backend == "nnsight":
+        return ReplacementModel.from_pretrained_and_transcoders(str(folder / "model"), transcoders, backend="nnsight",
+                                                                device=torch.device("cpu"), dtype=torch.float32)
+    from circuit_tracer.replacement_model.replacement_model_transformerlens import TransformerLensReplacementModel
+
+    model = hooked_transformer(folder / "model", TransformerLensReplacementModel)
     model._configure_replacement_model(transcoders)
     return model
 
 
 def graph(folder: Path, backend: str = "nnsight") -> None:
+    from circuit_tracer import attribute
+
     prompt = json.loads((folder / "prompt.json").read_text())
-    config = yaml.safe_load((folder / "transcoders" / "config.yaml").read_text())
-    paths = relayout(config, folder / "transcoders_0.5")
     start = time.perf_counter()
-    transcoders = load_transcoder_set(paths, "gradpatch-export", config["feature_input_hook"],
-                                      config["feature_output_hook"], device=torch.device("cpu"),
-                                      dtype=torch.float32, lazy_encoder=False, lazy_decoder=False)
-    if backend == "nnsight":
-        model = ReplacementModel.from_pretrained_and_transcoders(str(folder / "model"), transcoders,
-                                                                 backend="nnsight", device=torch.device("cpu"),
-                                                                 dtype=torch.float32)
-    else:
-        model = transformerlens_model(folder / "model", transcoders)
+    model = replacement_model(folder, backend)
     loaded = time.perf_counter() - start
     rss_loaded = _rss_gib()
-    start = time.perf_counter()
+    start, cpu, load = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     result = attribute(torch.tensor(prompt["ids"]), model, batch_size=prompt["batch_size"], max_feature_nodes=None)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    logit_tokens = (torch.tensor([t.vocab_idx for t in result.logit_targets]) if hasattr(result, "logit_targets")
+                    else result.logit_tokens)
     save_file({"adjacency": result.adjacency_matrix.float().contiguous(),
                "active_features": result.active_features.long().contiguous(),
                "activation_values": result.activation_values.float().contiguous(),
-               "logit_tokens": torch.tensor([t.vocab_idx for t in result.logit_targets]),
+               "logit_tokens": logit_tokens.long().contiguous(),
                "logit_probabilities": result.logit_probabilities.float().contiguous()},
               str(folder / f"circuit_tracer_graph_{backend}.safetensors"))
     (folder / f"circuit_tracer_run_{backend}.json").write_text(json.dumps({
         "load_seconds": round(loaded, 2), "attribute_seconds": round(seconds, 2),
+        "attribute_cpu_seconds": round(cpu, 2), "load_average_1min": [round(load, 1), round(os.getloadavg()[0], 1)],
         "rss_after_load_gib": round(rss_loaded, 3),
         "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
         "torch_threads": torch.get_num_threads()}))
