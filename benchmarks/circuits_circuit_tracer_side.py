@@ -55,17 +55,17 @@ def relayout(config: dict, folder: Path) -> dict[int, str]:
     return paths
 
 
-def hooked_transformer(folder: Path, replacement_class: Any) -> Any:
-    """A TransformerLens-backend replacement model (``replacement_class``, a ``HookedTransformer``) of a local Llama
-    or GPT-2 folder, its transcoders not yet configured.
+def hooked_transformer(folder: Path) -> tuple[Any, dict[str, torch.Tensor], Any]:
+    """``(config, state dict, tokenizer)`` of a local Llama or GPT-2 folder as a TransformerLens
+    ``HookedTransformer``, its weights processed as circuit-tracer's ``from_pretrained_and_transcoders`` does
+    (``fold_ln``, ``center_writing_weights``, ``center_unembed`` off).
 
     ``HookedTransformer.from_pretrained`` (which circuit-tracer's ``from_pretrained_and_transcoders`` calls) accepts
     only names on TransformerLens's official list (``get_official_model_name`` raises ``ValueError: ... not found``
     for a folder, and SmolLM2 is not on the list of transformer-lens 2.16.1), so the config is written here as
-    TransformerLens's ``convert_hf_model_config`` writes a Llama's or a GPT-2's, the weights converted with its
-    ``convert_llama_weights`` or ``convert_gpt2_weights`` and processed as circuit-tracer's
-    ``from_pretrained_and_transcoders`` does (``fold_ln``, ``center_writing_weights``, ``center_unembed`` off)."""
-    from transformer_lens import HookedTransformerConfig
+    TransformerLens's ``convert_hf_model_config`` writes a Llama's or a GPT-2's and the weights are converted with
+    its ``convert_llama_weights`` or ``convert_gpt2_weights``."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
     from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights, convert_llama_weights
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -90,9 +90,25 @@ def hooked_transformer(folder: Path, replacement_class: Any) -> Any:
             rotary_dim=hf.hidden_size // hf.num_attention_heads, rotary_base=hf.rope_theta, final_rms=True,
             gated_mlp=True, original_architecture="LlamaForCausalLM", **common)
         convert = convert_llama_weights
-    model = replacement_class(config, AutoTokenizer.from_pretrained(str(folder)))
-    model.load_and_process_state_dict(convert(hf_model, config), fold_ln=False, center_writing_weights=False,
+    plain = HookedTransformer(config)
+    plain.load_and_process_state_dict(convert(hf_model, config), fold_ln=False, center_writing_weights=False,
                                       center_unembed=False)
+    return config, plain.state_dict(), AutoTokenizer.from_pretrained(str(folder))
+
+
+def load_weights(model: Any, state: dict[str, torch.Tensor]) -> Any:
+    """``model`` (a replacement model, whose MLPs and unembedding circuit-tracer wraps as ``old_mlp`` and
+    ``old_unembed``) with the ``HookedTransformer`` weights ``state``; only the transcoders' are not in it."""
+    renamed = {}
+    for name in model.state_dict():
+        source = name.replace(".old_mlp.", ".").replace("unembed.old_unembed.", "unembed.")
+        if source in state:
+            renamed[name] = state[source]
+    missing, unexpected = model.load_state_dict(renamed, strict=False)
+    left = [name for name in missing if not name.startswith("transcoders.")]
+    if unexpected or left or len(renamed) != len(state):
+        raise RuntimeError(f"weights not matched: missing {left}, unexpected {unexpected}, "
+                           f"{len(state) - len(renamed)} unused")
     return model
 
 
@@ -106,10 +122,10 @@ def replacement_model(folder: Path, backend: str) -> Any:
         from circuit_tracer.transcoder import load_transcoder_set as load_old_set
 
         settings = load_old_set(str(config_path), device=torch.device("cpu"), dtype=torch.float32)
-        model = hooked_transformer(folder / "model", OldReplacementModel)
-        model._configure_replacement_model(settings.transcoders, settings.feature_input_hook,
-                                           settings.feature_output_hook, settings.scan)
-        return model
+        config, state, tokenizer = hooked_transformer(folder / "model")
+        return load_weights(OldReplacementModel.from_config(
+            config, settings.transcoders, feature_input_hook=settings.feature_input_hook,
+            feature_output_hook=settings.feature_output_hook, scan=settings.scan, tokenizer=tokenizer), state)
     from circuit_tracer import ReplacementModel
     from circuit_tracer.transcoder.single_layer_transcoder import load_transcoder_set
 
@@ -121,11 +137,9 @@ def replacement_model(folder: Path, backend: str) -> Any:
     if backend == "nnsight":
         return ReplacementModel.from_pretrained_and_transcoders(str(folder / "model"), transcoders, backend="nnsight",
                                                                 device=torch.device("cpu"), dtype=torch.float32)
-    from circuit_tracer.replacement_model.replacement_model_transformerlens import TransformerLensReplacementModel
-
-    model = hooked_transformer(folder / "model", TransformerLensReplacementModel)
-    model._configure_replacement_model(transcoders)
-    return model
+    model_config, state, tokenizer = hooked_transformer(folder / "model")
+    return load_weights(ReplacementModel.from_config(model_config, transcoders, backend="transformerlens",
+                                                     tokenizer=tokenizer), state)
 
 
 def graph(folder: Path, backend: str = "nnsight") -> None:
