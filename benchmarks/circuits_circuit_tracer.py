@@ -1,25 +1,29 @@
-"""Attribution graphs side by side with circuit-tracer 0.5.0: the same model, transcoders and prompt; the active
-feature nodes, the logit nodes and the adjacency matrices compared, and each side's time and peak memory; prints JSON.
+"""Attribution graphs side by side with circuit-tracer: the same model, transcoders and prompt; the active feature
+nodes, the logit nodes and the adjacency matrices compared, and each side's time and peak memory; prints JSON.
 
-Models: ``tiny-llama`` (the test suite's 2-layer Llama, d_model 64, 7 random token ids; ReLU skip transcoders with
-64 latents as tests/test_circuits.py builds them) or ``smollm2`` (the embedded SmolLM2-135M, 30 layers; the first
-``--tokens`` tokens of a fixed prompt; ReLU skip transcoders with 1,024 random latents at every MLP, each layer's
-encoder bias set so that about ``--k`` latents are active per position on the prompt). The transcoders are exported
-with :func:`gradpatch.dictionaries.export_circuit_tracer`; circuit-tracer loads that set
-(benchmarks/circuits_circuit_tracer_side.py, in its own virtualenv, nnsight backend) and gradpatch reads the same
-files back with :func:`gradpatch.dictionaries.load_circuit_tracer`. Each side runs in its own process on the same
-number of threads; the peak resident memory is that process's.
+Models: ``tiny-llama`` / ``tiny-gpt2`` (the test suite's 2-layer models, d_model 64; the BOS token and 6 random ids;
+ReLU skip transcoders with 64 latents as tests/test_circuits.py builds them) or ``smollm2`` (the embedded
+SmolLM2-135M, 30 layers; the BOS token and the first ``--tokens`` − 1 tokens of a fixed prompt; ReLU skip
+transcoders with 1,024 random latents at every MLP, each layer's encoder bias set so that about ``--k`` latents are
+active per position on the prompt). The transcoders are exported with
+:func:`gradpatch.dictionaries.export_circuit_tracer`; circuit-tracer loads that set
+(benchmarks/circuits_circuit_tracer_side.py, in its own virtualenv: 0.5.0's ``nnsight`` or ``transformerlens``
+backend, or the source at commit ``d797c82``) and gradpatch reads the same files back with
+:func:`gradpatch.dictionaries.load_circuit_tracer`. Each side runs in its own process on the same number of
+threads; the peak resident memory is that process's.
 
-The graphs are compared on circuit-tracer's node order, which gradpatch's follows. circuit-tracer 0.5.0 zeroes every
-activation and the error vector at position 0 (``zero_positions = slice(0, 1)``, whatever the first token is), so
-its graph has no position-0 feature nodes and its position-0 error nodes have zero edges: the comparison is on the
-common nodes (features and errors at positions ≥ 1, every token and logit node); targets are the common feature
-and logit rows, sources the common feature, error and token columns. Reported: the feature sets (equal or not), the
-logit nodes, max |A_gradpatch − A_circuit-tracer| over the compared block, the largest |A| there, the number of
-entries differing by more than 1e-4, and the worst row's max |diff| / max |row|.
+The graphs are compared on circuit-tracer's node order, which gradpatch's follows. circuit-tracer zeroes every
+activation and the error vector at position 0 (0.5.0: ``zero_positions = slice(0, 1)``, after prepending a special
+token to a prompt that lacks one; d797c82: when the first token is a special token), so its graph has no
+position-0 feature nodes and its position-0 error nodes have zero edges; gradpatch keeps them. The comparison is on
+the common nodes (features and errors at positions ≥ 1, every token and logit node): targets are the common feature
+and logit rows, sources the common feature, error and token columns. Reported per circuit-tracer side: the feature
+sets (equal or not), the logit nodes, max |A_gradpatch − A_circuit-tracer| over the compared block, the largest
+|A| there, the number of entries differing by more than 1e-4, the worst and median row's max |diff| / max |row|,
+and the largest |A| of circuit-tracer's graph outside the block.
 
-Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/circuits_circuit_tracer.py --model tiny-llama
---python /work/peers/circuit-tracer-05/bin/python`` (``--model smollm2 --tokens 16 --k 2`` for SmolLM2).
+Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/circuits_circuit_tracer.py --model tiny-llama``
+(``--model tiny-gpt2``; ``--model smollm2 --tokens 16 --k 2 --batch-size 64``); the virtualenvs are options.
 """
 
 from __future__ import annotations
@@ -138,7 +142,8 @@ def prepare(args: argparse.Namespace, folder: Path) -> None:
         ids = torch.cat([bos, tokenizer(PROMPT, return_tensors="pt").input_ids[:, :args.tokens - 1]], 1)
         latents, k = 1024, args.k
     else:
-        ids = torch.cat([bos, torch.randint(20, 100, (1, args.tokens - 1), generator=torch.Generator().manual_seed(3))], 1)
+        generator = torch.Generator().manual_seed(3)
+        ids = torch.cat([bos, torch.randint(20, 100, (1, args.tokens - 1), generator=generator)], 1)
         latents, k = 64, 0
     transcoders = make_transcoders(model, ids, latents, k, NODES[args.model])
     export_circuit_tracer(transcoders, folder / "transcoders", str(folder / "model"), "mlp.hook_in", "mlp.hook_out")
