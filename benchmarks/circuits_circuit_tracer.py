@@ -29,6 +29,7 @@ Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/circuits_ci
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -58,6 +59,18 @@ def _rss_gib() -> float:
     """The resident memory now, GiB (``/proc/self/statm``)."""
     pages = int(Path("/proc/self/statm").read_text().split()[1])
     return pages * resource.getpagesize() / 2**30
+
+
+def _reset_peak_rss() -> None:
+    """Restart the process's resident-memory high-water mark (``VmHWM``) from the memory resident now."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_rss_gib() -> float:
+    """The resident-memory high-water mark since the last :func:`_reset_peak_rss`, GiB."""
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) / 2**20
 
 
 def build_model(name: str) -> tuple[Any, Any]:
@@ -161,6 +174,7 @@ def ours(args: argparse.Namespace, folder: Path) -> None:
     replacement = ReplacementModel(PatchableGraph(model, ids, use_cache=False), transcoders, ids)
     loaded = time.perf_counter() - start
     rss_loaded = _rss_gib()
+    _reset_peak_rss()
     start, cpu, load = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     graph = attribute(replacement, batch_size=prompt["batch_size"])
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -171,7 +185,7 @@ def ours(args: argparse.Namespace, folder: Path) -> None:
     (folder / "gradpatch_run.json").write_text(json.dumps({
         "load_seconds": round(loaded, 2), "attribute_seconds": round(seconds, 2),
         "attribute_cpu_seconds": round(cpu, 2), "load_average_1min": [round(load, 1), round(os.getloadavg()[0], 1)],
-        "rss_after_load_gib": round(rss_loaded, 3),
+        "rss_after_load_gib": round(rss_loaded, 3), "peak_rss_during_attribute_gib": round(_peak_rss_gib(), 3),
         "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
         "torch_threads": torch.get_num_threads()}))
 

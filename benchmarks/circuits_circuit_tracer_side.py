@@ -19,6 +19,7 @@ Run: ``/work/peers/circuit-tracer-05/bin/python benchmarks/circuits_circuit_trac
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -36,6 +37,18 @@ def _rss_gib() -> float:
     """The resident memory now, GiB (``/proc/self/statm``)."""
     pages = int(Path("/proc/self/statm").read_text().split()[1])
     return pages * resource.getpagesize() / 2**30
+
+
+def _reset_peak_rss() -> None:
+    """Restart the process's resident-memory high-water mark (``VmHWM``) from the memory resident now."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_rss_gib() -> float:
+    """The resident-memory high-water mark since the last :func:`_reset_peak_rss`, GiB."""
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) / 2**20
 
 
 def relayout(config: dict, folder: Path) -> dict[int, str]:
@@ -150,6 +163,7 @@ def graph(folder: Path, backend: str = "nnsight") -> None:
     model = replacement_model(folder, backend)
     loaded = time.perf_counter() - start
     rss_loaded = _rss_gib()
+    _reset_peak_rss()
     start, cpu, load = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     result = attribute(torch.tensor(prompt["ids"]), model, batch_size=prompt["batch_size"], max_feature_nodes=None)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -164,7 +178,7 @@ def graph(folder: Path, backend: str = "nnsight") -> None:
     (folder / f"circuit_tracer_run_{backend}.json").write_text(json.dumps({
         "load_seconds": round(loaded, 2), "attribute_seconds": round(seconds, 2),
         "attribute_cpu_seconds": round(cpu, 2), "load_average_1min": [round(load, 1), round(os.getloadavg()[0], 1)],
-        "rss_after_load_gib": round(rss_loaded, 3),
+        "rss_after_load_gib": round(rss_loaded, 3), "peak_rss_during_attribute_gib": round(_peak_rss_gib(), 3),
         "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
         "torch_threads": torch.get_num_threads()}))
 
