@@ -224,7 +224,7 @@ def compare(folder: Path, layers: int, backend: str) -> dict[str, Any]:
         "features_only_gradpatch": len(ours_after_0 - their_features),
         "features_only_circuit_tracer": len(their_features - ours_after_0),
         "logits_gradpatch": our_logits, "logits_circuit_tracer": their_logits,
-        "logit_probability_max_abs_diff": max(abs(a - b) for a, b in probabilities)}
+        "logit_probability_max_abs_diff": max((abs(a - b) for a, b in probabilities), default=None)}
     our_rows, our_cols = _node_indices(ours_graph["active_features"], layers, seq, our_logits, common, common_logits)
     their_rows, their_cols = _node_indices(theirs["active_features"], layers, seq, their_logits, common,
                                            common_logits)
@@ -296,8 +296,9 @@ def main() -> None:
         if not (folder / "gradpatch_run.json").exists():
             _run([sys.executable, __file__, "--model", args.model, "--ours", str(folder)], environment)
         layers = len(load_circuit_tracer(folder / "transcoders" / "config.yaml", *NODES[args.model]))
-        report = {"model": args.model, "tokens": len(json.loads((folder / "prompt.json").read_text())["ids"]),
-                  "layers": layers, "batch_size": args.batch_size, "threads": args.threads,
+        prompt = json.loads((folder / "prompt.json").read_text())
+        report = {"model": args.model, "tokens": len(prompt["ids"]), "layers": layers,
+                  "batch_size": prompt["batch_size"], "threads": args.threads,
                   "gradpatch": json.loads((folder / "gradpatch_run.json").read_text()),
                   **{f"circuit_tracer_{backend}": compare(folder, layers, backend) for backend in args.backends}}
     print(json.dumps(report, indent=1))
