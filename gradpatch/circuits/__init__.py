@@ -12,7 +12,7 @@ See docs/circuits.md.
 """
 
 from .attribute import AttributionGraph, attribute, salient_logits
-from .errors import CircuitError, FrozenNodesNotFoundError
+from .errors import CircuitError, FrozenNodesNotFoundError, MemoryBoundError
 from .files import frontend_graph, node_records, save_graph
 from .freeze import FrozenLayerNorm, FrozenNodes, find_frozen_nodes
 from .prune import PruneResult, compute_influence, graph_scores, logit_weights, normalize_matrix, prune_graph
@@ -24,6 +24,7 @@ __all__ = [
     "FrozenLayerNorm",
     "FrozenNodes",
     "FrozenNodesNotFoundError",
+    "MemoryBoundError",
     "PruneResult",
     "ReplacementModel",
     "ReplacementRun",

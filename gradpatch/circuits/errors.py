@@ -13,3 +13,8 @@ class CircuitError(GradpatchError, ValueError):
 class FrozenNodesNotFoundError(CircuitError):
     """The graph lacks the nodes that the local replacement model freezes (attention probabilities or normalisation
     scales); the message names the operations looked for."""
+
+
+class MemoryBoundError(CircuitError):
+    """A memory bound (``max_memory_bytes``) too small for one row of an attribution graph's backward passes; the
+    message gives the bytes needed."""
