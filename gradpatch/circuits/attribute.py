@@ -205,8 +205,8 @@ def attribute(model: ReplacementModel, *, max_n_logits: int = 10, desired_logit_
     found = [torch.cat([torch.full((len(nz), 1), layer), nz], 1)
              for layer in layers for nz in [model.layers[layer].activations[0].nonzero().cpu()]]
     active = torch.cat(found).long() if found else torch.zeros(0, 3, dtype=torch.long)
-    activations = torch.stack([model.layers[int(l)].activations[0, p, f] for l, p, f in active.tolist()]).float() \
-        if len(active) else torch.zeros(0)
+    activations = torch.cat([torch.zeros(0)] + [model.layers[layer].activations[0][tuple(entries[:, 1:].to(
+        model.embeddings.device).T)].float().cpu() for layer, entries in zip(layers, found)])
     logit_ids, logit_p = salient_logits(model.logits[0, -1], max_n_logits, desired_logit_prob)
     seq = model.ids.shape[1]
     n = len(active) + len(layers) * seq + seq + len(logit_ids)

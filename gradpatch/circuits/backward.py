@@ -155,8 +155,8 @@ class SavedBytes:
         fixed: bytes kept whatever the batch (shared values, e.g. the frozen attention inputs).
         per_row: bytes kept per row of the batch.
         transient_per_row: bytes per row saved during the forward pass and freed before its end (the replaced
-            MLPs' and frozen nodes' own computations), per spliced layer: the forward pass's peak above what it
-            keeps.
+            MLPs' and frozen nodes' own computations), per spliced layer: an upper estimate of the forward pass's
+            peak above what it keeps (a layer's are freed before the next layer's are saved).
     """
 
     fixed: int
@@ -165,23 +165,21 @@ class SavedBytes:
 
 
 def _saved_bytes(model: ReplacementModel, batch: int) -> tuple[int, int]:
-    """Bytes of the distinct storages that autograd saves in a forward pass of ``batch`` rows: (kept after the
-    pass, freed during it)."""
-    saved: list[weakref.ref[torch.Tensor]] = []
-    sizes: dict[int, int] = {}
+    """Bytes that autograd saves in a forward pass of ``batch`` rows: (the distinct storages kept after the pass,
+    the storages saved and freed during it, each time counted)."""
+    saved: list[tuple[weakref.ref[torch.Tensor], int]] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        sizes[storage.data_ptr()] = storage.nbytes()
-        saved.append(weakref.ref(tensor))
+        saved.append((weakref.ref(tensor), tensor.untyped_storage().nbytes()))
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         forward = RetainedForward(model, batch)
-    kept = {t.untyped_storage().data_ptr() for t in (ref() for ref in saved) if t is not None}
-    kept_bytes = sum(sizes[ptr] for ptr in kept)
-    del forward
-    return kept_bytes, sum(sizes.values()) - kept_bytes
+    alive = [(ref(), size) for ref, size in saved]
+    kept = {t.untyped_storage().data_ptr(): size for t, size in alive if t is not None}
+    freed = sum(size for t, size in alive if t is None)
+    del forward, alive
+    return sum(kept.values()), freed
 
 
 def measure_saved_bytes(model: ReplacementModel) -> SavedBytes:
