@@ -15,10 +15,10 @@ so every target is the sum of its sources' contributions plus a constant (biases
 
       A[target, source] = g · contribution.
 
-The gradients g of ``batch_size`` targets come from one forward and one backward pass: each row of the batch is a
-copy of the prompt, whose target is one node's value; the rows' values are summed, and the gradient of the sum
-with respect to zero perturbations δ ``[batch, seq, d_model]`` at every MLP output and at the embeddings gives each
-row's g. Adjacency: ``[n, n]``, rows = targets, columns = sources.
+The gradients g come from one forward pass of the replacement model over ``batch`` copies of the prompt, kept for
+one backward pass per ``batch`` targets (:mod:`gradpatch.circuits.backward`, circuit-tracer's method); the batch
+fits ``max_memory_bytes`` where given (:func:`memory_per_row`). Adjacency: ``[n, n]``, rows = targets, columns =
+sources, on the CPU (each batch's rows moved there as they are made).
 """
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ def plan_batch_size(model: ReplacementModel, n_nodes: int, n_targets: int, batch
 
 
 def memory_per_row(model: ReplacementModel, n_nodes: int) -> tuple[int, int]:
-    """An estimate of the bytes :func:`attribute` holds on the model's device, (fixed, per row of the batch).
+    """An estimate of the bytes :func:`attribute` holds on the model's device beyond the model's and transcoders'
+    parameters and the replacement model's recorded values, (fixed, per row of the batch).
 
     Per row: what the forward pass keeps for backward passes and its peak above that (measured,
     :func:`~gradpatch.circuits.backward.measure_saved_bytes`); the kept MLP outputs and embeddings, the gradients

@@ -149,7 +149,8 @@ class RetainedForward:
 
 @dataclass(frozen=True)
 class SavedBytes:
-    """What one forward pass of the replacement model keeps for backward passes, measured.
+    """What one forward pass of the replacement model keeps for backward passes, measured (parameters, held
+    anyway, left out).
 
     Attributes:
         fixed: bytes kept whatever the batch (shared values, e.g. the frozen attention inputs).
@@ -165,12 +166,15 @@ class SavedBytes:
 
 
 def _saved_bytes(model: ReplacementModel, batch: int) -> tuple[int, int]:
-    """Bytes that autograd saves in a forward pass of ``batch`` rows: (the distinct storages kept after the pass,
-    the storages saved and freed during it, each time counted)."""
+    """Bytes that autograd saves in a forward pass of ``batch`` rows, parameters left out: (the distinct storages
+    kept after the pass, the storages saved and freed during it, each time counted)."""
     saved: list[tuple[weakref.ref[torch.Tensor], int]] = []
+    modules = [model.pg.wrapped_model, *(spliced.transcoder for spliced in model.layers.values())]
+    parameters = {p.untyped_storage().data_ptr() for module in modules for p in module.parameters()}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        saved.append((weakref.ref(tensor), tensor.untyped_storage().nbytes()))
+        if tensor.untyped_storage().data_ptr() not in parameters:
+            saved.append((weakref.ref(tensor), tensor.untyped_storage().nbytes()))
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
