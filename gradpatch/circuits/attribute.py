@@ -106,6 +106,7 @@ class _Sources:
 
 
 def _sources(graph: AttributionGraph, device: torch.device) -> dict[int, _Sources]:
+    """Each spliced layer's :class:`_Sources`, from ``graph``'s feature nodes."""
     features, activations = graph.active_features.to(device), graph.activations.to(device)
     found = {}
     for layer in graph.layers:

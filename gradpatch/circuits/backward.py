@@ -173,9 +173,10 @@ def _saved_bytes(model: ReplacementModel, batch: int) -> tuple[int, int]:
     parameters = {p.untyped_storage().data_ptr() for module in modules for p in module.parameters()}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed = tensor.detach()  # the tensor itself would make a cycle with its grad_fn (never freed)
         if tensor.untyped_storage().data_ptr() not in parameters:
-            saved.append((weakref.ref(tensor), tensor.untyped_storage().nbytes()))
-        return tensor
+            saved.append((weakref.ref(packed), tensor.untyped_storage().nbytes()))
+        return packed
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         forward = RetainedForward(model, batch)
