@@ -1,14 +1,22 @@
 """Attribution graphs (gradpatch.circuits): size, time, memory and exactness on one prompt; prints JSON.
 
-Models: ``smollm2`` (the embedded SmolLM2-135M, 30 layers; TopK skip transcoders with random weights, 1,024 latents,
-k = ``--k``, at every MLP) or the test suite's ``tiny-llama`` / ``tiny-gpt2`` (ReLU skip transcoders, 64 latents,
-at both MLPs, as tests/test_circuits.py builds them). For each: the frozen nodes found, whether the replay is the
-model bit for bit, the graph's size, the seconds of :func:`~gradpatch.circuits.attribute`, the peak resident memory,
-and the exactness of the linearisation over every feature node, err = |h − Σ_s A[h, s] − bias(h)| as a fraction of
-Σ_s |A[h, s]| + |bias(h)| (worst) and of |h| (median; share ≤ 1e-4); the replacement and completeness scores and the
-pruned graph's size (circuit-tracer's default thresholds).
+Models: ``smollm2`` (the embedded SmolLM2-135M, 30 layers; with ``--random-weights`` a model of its shape with random
+weights, which needs no GGUF: hidden 576, MLP 1536, 9 heads, 3 KV heads, vocabulary 49,152, tied embeddings, and
+random token ids), with TopK skip transcoders of random weights (``--latents`` latents, k = ``--k``) at the first
+``--layers`` MLPs (default: all); or the test suite's ``tiny-llama`` / ``tiny-gpt2`` (ReLU skip transcoders, 64
+latents, at both MLPs, as tests/test_circuits.py builds them). For each: the frozen nodes found, whether the replay
+is the model bit for bit, the graph's size, the seconds of :func:`~gradpatch.circuits.attribute` and the targets per
+backward pass it used (``--batch-size``, made smaller by ``--max-memory`` GiB; the graphs for batches of 2 or more
+rows are extracted before, untimed), its wall-clock and process CPU seconds (all threads; the CPU is shared), its peak memory (CPU: the resident
+memory sampled every 20 ms during the call, and its rise over the resident memory before the call; CUDA: the peak
+of allocated GPU memory above what was allocated before), the exactness of the linearisation over every feature
+node, err = |h − Σ_s A[h, s] − bias(h)| as a fraction of Σ_s |A[h, s]| + |bias(h)| (worst) and of |h| (median;
+share ≤ 1e-4), the replacement and completeness scores and the pruned graph's size (circuit-tracer's default
+thresholds; ``--no-prune`` leaves them out). ``--sweep N`` times N forward passes of the model (batch 1, no
+gradients) each with one active feature ablated (−a W_dec[f] added to its MLP output at its position, which is the
+spliced model with that latent zeroed), and extrapolates to one exact patching sweep over every active feature.
 
-Run: ``OMP_NUM_THREADS=2 .venv/bin/python benchmarks/circuits.py --model smollm2 --tokens 8 --k 2``
+Run: ``OMP_NUM_THREADS=2 .venv/bin/python benchmarks/circuits.py --model smollm2 --tokens 16 --k 8``
 """
 
 from __future__ import annotations
@@ -17,27 +25,41 @@ import argparse
 import json
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
-from gradpatch import PatchableGraph
-from gradpatch.circuits import ReplacementModel, attribute, graph_scores, prune_graph
+from gradpatch import PatchableGraph, testing
+from gradpatch.circuits import AttributionGraph, ReplacementModel, attribute, graph_scores, prune_graph
+from gradpatch.circuits.attribute import memory_per_row, plan_batch_size
 from gradpatch.dictionaries import SkipTranscoder
+from gradpatch.patches import AddPatch
 
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of"
 
 
-def _smollm2(tokens: int, k: int) -> ReplacementModel:
-    from gradpatch.files.loaders import load_embedded_model
+def _smollm2(args: argparse.Namespace) -> ReplacementModel:
+    if args.random_weights:
+        model = testing.tiny_llama(49152, hidden=576, intermediate=1536, layers=30, init_std=0.02,
+                                   num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                                   max_position_embeddings=max(2048, args.tokens), rms_norm_eps=1e-5,
+                                   rope_theta=100000.0, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+        ids = torch.randint(0, 49152, (1, args.tokens), generator=torch.Generator().manual_seed(1))
+    else:
+        from gradpatch.files.loaders import load_embedded_model
 
-    model, tokenizer = load_embedded_model()
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids[:, :tokens]
+        model, tokenizer = load_embedded_model()
+        text = " ".join([PROMPT] * (1 + args.tokens // 16))
+        ids = tokenizer(text, return_tensors="pt").input_ids[:, :args.tokens]
+    model, ids = model.to(args.device), ids.to(args.device)
     generator = torch.Generator().manual_seed(0)
-    transcoders = {layer: SkipTranscoder(576, 1024, activation="topk", k=k, input_node=f"model.layers_{layer}.mlp.x",
-                                         output_node=f"model.layers_{layer}.mlp.output", generator=generator)
-                   for layer in range(model.config.num_hidden_layers)}
+    layers = range(args.layers or model.config.num_hidden_layers)
+    transcoders = {layer: SkipTranscoder(576, args.latents, activation="topk", k=args.k,
+                                         input_node=f"model.layers_{layer}.mlp.x",
+                                         output_node=f"model.layers_{layer}.mlp.output",
+                                         generator=generator).to(args.device) for layer in layers}
     return ReplacementModel(PatchableGraph(model, ids, use_cache=False), transcoders, ids)
 
 
@@ -48,44 +70,141 @@ def _tiny(name: str) -> ReplacementModel:
     return tiny_replacement(name, torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(3)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["smollm2", "tiny-llama", "tiny-gpt2"], default="smollm2")
-    parser.add_argument("--tokens", type=int, default=8)
-    parser.add_argument("--k", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=32)
-    args = parser.parse_args()
-    start = time.perf_counter()
-    model = _smollm2(args.tokens, args.k) if args.model == "smollm2" else _tiny(args.model[5:])
-    built = time.perf_counter() - start
+def _rss() -> int:
+    """The resident memory of this process in bytes."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+class _PeakMemory:
+    """The peak memory during a block: the resident memory sampled every 20 ms on the CPU, the allocator's peak on
+    CUDA; :attr:`peak` and :attr:`before` in bytes."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.peak = self.before = 0
+        self._done = threading.Event()
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.02):
+            self.peak = max(self.peak, _rss())
+
+    def __enter__(self) -> _PeakMemory:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.before = torch.cuda.memory_allocated()
+        else:
+            self.before = self.peak = _rss()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated()
+        else:
+            self._done.set()
+            self._thread.join()
+            self.peak = max(self.peak, _rss())
+
+
+def _exactness(model: ReplacementModel, graph: AttributionGraph) -> dict[str, float]:
+    """err = |h − Σ_s A[h, s] − bias(h)| over every feature node (module docstring)."""
     with torch.no_grad():
         full = model.run()
         bias = model.run(1, {layer: -(s.constant - s.transcoder.b_dec) for layer, s in model.layers.items()},
                          -model.embeddings)
+        features = graph.active_features
+        h = torch.cat([torch.zeros(0)] + [full.pre_activations[layer][0][tuple(
+            features[features[:, 0] == layer][:, 1:].T)].float().cpu() for layer in graph.layers])
+        b = torch.cat([torch.zeros(0)] + [bias.pre_activations[layer][0][tuple(
+            features[features[:, 0] == layer][:, 1:].T)].float().cpu() for layer in graph.layers])
+    edges = graph.adjacency[:graph.n_features]
+    error = (h - edges.sum(1) - b).abs()
+    relative = error / h.abs()
+    return {"worst_error_of_terms": float((error / (edges.abs().sum(1) + b.abs())).max()),
+            "median_error_of_target": float(relative.median()),
+            "share_error_of_target_le_1e-4": float((relative <= 1e-4).float().mean())}
+
+
+def _sweep(model: ReplacementModel, graph: AttributionGraph, forwards: int) -> dict[str, float]:
+    """Seconds per forward pass with one feature ablated, and their product with the number of features."""
+    chosen = torch.randperm(graph.n_features, generator=torch.Generator().manual_seed(0))[:forwards].tolist()
     start = time.perf_counter()
-    graph = attribute(model, batch_size=args.batch_size)
-    seconds = time.perf_counter() - start
-    of_terms, of_target = [], []
-    for row, (layer, position, feature) in enumerate(graph.active_features.tolist()):
-        h, b = full.pre_activations[layer][0, position, feature], bias.pre_activations[layer][0, position, feature]
-        error = (h - graph.adjacency[row].sum() - b).abs()
-        of_terms.append(float(error / (graph.adjacency[row].abs().sum() + b.abs())))
-        of_target.append(float(error / h.abs()))
-    relative = torch.tensor(of_target)
-    pruned = prune_graph(graph)
-    replacement, completeness = graph_scores(graph)
-    print(json.dumps({
-        "model": args.model, "tokens": int(model.ids.shape[1]), "layers": len(model.layers),
+    for index in chosen:
+        layer, position, feature = graph.active_features[index].tolist()
+        spliced = model.layers[layer]
+        delta = torch.zeros_like(spliced.outputs)
+        delta[0, position] = -float(graph.activations[index]) * spliced.transcoder.W_dec[feature].detach()
+        with torch.no_grad(), model.pg.patch({spliced.output_node: [AddPatch(value=delta)]}):
+            model.pg(model.ids, **model.forward_kwargs)
+    if model.ids.is_cuda:
+        torch.cuda.synchronize()
+    per_forward = (time.perf_counter() - start) / len(chosen)
+    return {"sweep_forwards_timed": len(chosen), "sweep_seconds_per_forward": round(per_forward, 4),
+            "sweep_seconds_extrapolated": round(per_forward * graph.n_features, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["smollm2", "tiny-llama", "tiny-gpt2"], default="smollm2")
+    parser.add_argument("--random-weights", action="store_true", help="smollm2's shape with random weights")
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=0, help="transcoders at the first N MLPs (0: all)")
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--latents", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-memory", type=float, default=None, help="GiB bound (max_memory_bytes)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--sweep", type=int, default=0, help="forwards timed for the exact sweep's cost")
+    parser.add_argument("--no-prune", action="store_true")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    model = _smollm2(args) if args.model == "smollm2" else _tiny(args.model[5:])
+    built = time.perf_counter() - start
+    start = time.perf_counter()
+    with torch.no_grad():  # extracts the graphs for batches of 2 or more rows (once per PatchableGraph), untimed
+        model.run(2)
+    extracted = time.perf_counter() - start
+    bound = None if args.max_memory is None else int(args.max_memory * 2**30)
+    n_features = sum(int(s.activations.count_nonzero()) for s in model.layers.values())
+    n_nodes = n_features + (len(model.layers) + 1) * model.ids.shape[1] + 10  # at most 10 logits
+    fixed, per_row = memory_per_row(model, n_nodes)
+    batch = plan_batch_size(model, n_nodes, n_features + 10, args.batch_size, bound)
+    with _PeakMemory(args.device) as memory:
+        start, cpu = time.perf_counter(), time.process_time()
+        graph = attribute(model, batch_size=args.batch_size, max_memory_bytes=bound)
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    n_targets = graph.n_features + len(graph.logit_tokens)
+    with torch.no_grad():
+        replay = bool(torch.equal(model.run().logits, model.logits))
+    report = {
+        "model": args.model + (" (random weights)" if args.random_weights else ""), "device": args.device,
+        "tokens": int(model.ids.shape[1]), "layers": len(model.layers),
         "frozen": {"attention": len(model.frozen.attention), "norms": len(model.frozen.norms),
                    "layer_norms": len(model.frozen.layer_norms)},
-        "replay_bit_exact": bool(torch.equal(full.logits, model.logits)), "build_seconds": round(built, 2),
+        "replay_bit_exact": replay, "build_seconds": round(built, 2),
+        "extract_batch_seconds": round(extracted, 2),
         "features": graph.n_features, "nodes": int(graph.adjacency.shape[0]), "logits": len(graph.logit_tokens),
-        "attribute_seconds": round(seconds, 2), "batch_size": args.batch_size,
+        "attribute_seconds": round(seconds, 2),
+        "attribute_cpu_seconds": round(cpu, 2), "batch_size_asked": args.batch_size, "batch_size_used": batch,
+        "backward_passes": -(-n_targets // batch), "estimate_fixed_gib": round(fixed / 2**30, 3),
+        "estimate_per_row_gib": round(per_row / 2**30, 4),
+        "max_memory_gib": args.max_memory, "adjacency_gib": round(graph.adjacency.numel() * 4 / 2**30, 3),
+        "memory_before_gib": round(memory.before / 2**30, 3), "peak_memory_gib": round(memory.peak / 2**30, 3),
+        "peak_above_before_gib": round((memory.peak - memory.before) / 2**30, 3),
         "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-        "worst_error_of_terms": max(of_terms), "median_error_of_target": float(relative.median()),
-        "share_error_of_target_le_1e-4": float((relative <= 1e-4).float().mean()),
-        "replacement_score": replacement, "completeness_score": completeness,
-        "pruned_nodes": int(pruned.node_mask.sum()), "pruned_edges": int(pruned.edge_mask.sum())}, indent=1))
+        **_exactness(model, graph)}
+    if not args.no_prune:
+        pruned = prune_graph(graph)
+        replacement, completeness = graph_scores(graph)
+        report.update({"replacement_score": replacement, "completeness_score": completeness,
+                       "pruned_nodes": int(pruned.node_mask.sum()), "pruned_edges": int(pruned.edge_mask.sum())})
+    if args.sweep:
+        report.update(_sweep(model, graph, args.sweep))
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

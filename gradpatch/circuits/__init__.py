@@ -13,7 +13,7 @@ See docs/circuits.md.
 """
 
 from .attribute import AttributionGraph, attribute, salient_logits
-from .errors import CircuitError, FrozenNodesNotFoundError, NoPathError
+from .errors import CircuitError, FrozenNodesNotFoundError, MemoryBoundError, NoPathError
 from .files import frontend_graph, node_records, save_graph
 from .freeze import FrozenLayerNorm, FrozenNodes, find_frozen_nodes
 from .html import graph_html, node_label
@@ -35,6 +35,7 @@ __all__ = [
     "InterventionResult",
     "LLAMA_MLP_INPUT",
     "LLAMA_MLP_OUTPUT",
+    "MemoryBoundError",
     "NoPathError",
     "PruneResult",
     "ReplacementModel",

@@ -15,10 +15,10 @@ so every target is the sum of its sources' contributions plus a constant (biases
 
       A[target, source] = g · contribution.
 
-The gradients g of ``batch_size`` targets come from one forward and one backward pass: each row of the batch is a
-copy of the prompt, whose target is one node's value; the rows' values are summed, and the gradient of the sum
-with respect to zero perturbations δ ``[batch, seq, d_model]`` at every MLP output and at the embeddings gives each
-row's g. Adjacency: ``[n, n]``, rows = targets, columns = sources.
+The gradients g come from one forward pass of the replacement model over ``batch`` copies of the prompt, kept for
+one backward pass per ``batch`` targets (:mod:`gradpatch.circuits.backward`, circuit-tracer's method); the batch
+fits ``max_memory_bytes`` where given (:func:`memory_per_row`). Adjacency: ``[n, n]``, rows = targets, columns =
+sources, on the CPU (each batch's rows moved there as they are made).
 """
 
 from __future__ import annotations
@@ -27,10 +27,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import CircuitError
-from .replacement import ReplacementModel, ReplacementRun
+from .backward import RetainedForward, Target, measure_saved_bytes
+from .errors import CircuitError, MemoryBoundError
+from .replacement import ReplacementModel
 
-__all__ = ["AttributionGraph", "attribute", "salient_logits"]
+__all__ = ["FEATURE_CHUNK", "AttributionGraph", "attribute", "memory_per_row", "plan_batch_size", "salient_logits"]
+
+#: Feature sources whose gradients are gathered at once when the edges are contracted.
+FEATURE_CHUNK = 1024
 
 
 @dataclass
@@ -90,82 +94,139 @@ def salient_logits(logits: torch.Tensor, max_n_logits: int = 10,
     return top_ids[:cutoff], top_p[:cutoff]
 
 
-def _targets(run: ReplacementRun, specs: list[tuple[str, int, int, int]]) -> torch.Tensor:
-    """Row b's target value ``[batch]``: ("feature", ℓ, p, f) -> h_ℓpf; ("logit", t, 0, 0) -> demeaned logit t."""
-    values = []
-    for row, (kind, a, b, c) in enumerate(specs):
-        if kind == "feature":
-            values.append(run.pre_activations[a][row, b, c])
-        else:
-            last = run.logits[row, -1]
-            values.append(last[a] - last.mean())
-    return torch.stack(values)
+@dataclass(frozen=True)
+class _Sources:
+    """One spliced layer's feature sources: columns ``[k]``, positions ``[k]``, feature ids ``[k]`` and
+    activations ``[k]`` (on the model's device)."""
+
+    columns: torch.Tensor
+    positions: torch.Tensor
+    ids: torch.Tensor
+    activations: torch.Tensor
 
 
-def _edges(model: ReplacementModel, graph: AttributionGraph, gradients: dict[int, torch.Tensor],
-           embed_gradient: torch.Tensor) -> torch.Tensor:
-    """The rows ``[batch, n]`` of the adjacency from each row's gradients at the MLP outputs and the embeddings."""
-    batch = embed_gradient.shape[0]
-    device = embed_gradient.device
-    rows = torch.zeros(batch, graph.adjacency.shape[1], dtype=graph.adjacency.dtype, device=device)
+def _sources(graph: AttributionGraph, device: torch.device) -> dict[int, _Sources]:
+    """Each spliced layer's :class:`_Sources`, from ``graph``'s feature nodes."""
     features, activations = graph.active_features.to(device), graph.activations.to(device)
+    found = {}
+    for layer in graph.layers:
+        columns = (features[:, 0] == layer).nonzero().squeeze(-1)
+        found[layer] = _Sources(columns, features[columns, 1], features[columns, 2], activations[columns])
+    return found
+
+
+def _edges(model: ReplacementModel, graph: AttributionGraph, sources: dict[int, _Sources],
+           gradients: dict[int, torch.Tensor], embed_gradient: torch.Tensor) -> torch.Tensor:
+    """The rows ``[batch, n]`` of the adjacency from each row's gradients at the MLP outputs ``[batch, seq, d_out]``
+    (layers absent: zero) and the embeddings ``[batch, seq, d_model]``: A[t, s] = g · contribution, for all sources
+    of a layer at once (feature sources in chunks of :data:`FEATURE_CHUNK`), as a product and a sum over d, whose
+    rows do not depend on the batch (a batched matmul's rounding does)."""
+    batch = embed_gradient.shape[0]
+    rows = torch.zeros(batch, graph.adjacency.shape[1], dtype=torch.float32, device=embed_gradient.device)
     for index, layer in enumerate(graph.layers):
-        spliced = model.layers[layer]
+        if layer not in gradients:
+            continue
+        spliced, found = model.layers[layer], sources[layer]
         grad = gradients[layer].float()  # [batch, seq, d_out]
-        chosen = (features[:, 0] == layer).nonzero().squeeze(-1)
-        if chosen.numel():
-            positions, ids = features[chosen, 1], features[chosen, 2]
-            directions = spliced.transcoder.W_dec[ids].detach().float()  # [k, d_out]
-            rows[:, chosen] = (grad[:, positions] * directions).sum(-1) * activations[chosen]
+        for start in range(0, len(found.columns), FEATURE_CHUNK):
+            part = slice(start, start + FEATURE_CHUNK)
+            directions = spliced.transcoder.W_dec.detach()[found.ids[part]].float()  # [k, d_out]
+            edges = (grad[:, found.positions[part]] * directions).sum(-1)
+            rows[:, found.columns[part]] = edges * found.activations[part]
         start = graph.error_start + index * graph.n_pos
         rows[:, start:start + graph.n_pos] = (grad * spliced.errors.float()).sum(-1)
     rows[:, graph.token_start:graph.logit_start] = (embed_gradient.float() * model.embeddings.float()).sum(-1)
     return rows
 
 
+def plan_batch_size(model: ReplacementModel, n_nodes: int, n_targets: int, batch_size: int,
+                    max_memory_bytes: int | None) -> int:
+    """Targets per backward pass: ``batch_size``, at most ``n_targets``, and, with ``max_memory_bytes``, at most
+    what fits in it (:func:`memory_per_row`).
+
+    Raises:
+        MemoryBoundError: ``max_memory_bytes`` does not hold one row (the message gives the bytes needed).
+    """
+    batch = max(1, min(batch_size, n_targets))
+    if max_memory_bytes is None:
+        return batch
+    fixed, per_row = memory_per_row(model, n_nodes)
+    fits = (max_memory_bytes - fixed) // per_row
+    if fits < 1:
+        raise MemoryBoundError(f"max_memory_bytes={max_memory_bytes} holds no row: one row of {n_nodes} nodes needs "
+                               f"{fixed + per_row} bytes ({fixed} whatever the batch, {per_row} per row); raise "
+                               f"the bound, shorten the prompt or splice fewer layers")
+    return int(min(batch, fits))
+
+
+def memory_per_row(model: ReplacementModel, n_nodes: int) -> tuple[int, int]:
+    """An estimate of the bytes :func:`attribute` holds on the model's device beyond the model's and transcoders'
+    parameters and the replacement model's recorded values, (fixed, per row of the batch).
+
+    Per row: what the forward pass keeps for backward passes and its peak above that (measured,
+    :func:`~gradpatch.circuits.backward.measure_saved_bytes`); the kept MLP outputs and embeddings, the gradients
+    read from them and the gradients injected (each ``[seq, Σ widths]``); the batch's adjacency row ``[n]``
+    (float32); a chunk of gathered gradients and their products ``2 × [FEATURE_CHUNK, d_out]``; and a backward pass's working gradients,
+    taken as 8 ``[seq, d_model]``. Fixed: what the forward pass keeps whatever the batch, plus the adjacency
+    ``[n, n]`` (float32) when the model is on the CPU (elsewhere the rows are moved to the CPU as they are made).
+    """
+    saved = measure_saved_bytes(model)
+    seq = model.ids.shape[1]
+    itemsize = model.embeddings.element_size()
+    d_model = model.embeddings.shape[-1]
+    widths = sum(s.transcoder.d_out + s.transcoder.d_in for s in model.layers.values()) + d_model
+    d_out = max(s.transcoder.d_out for s in model.layers.values())
+    per_row = (saved.per_row + saved.transient_per_row + 2 * seq * widths * itemsize + 4 * n_nodes
+               + 2 * FEATURE_CHUNK * d_out * 4 + 8 * seq * d_model * itemsize)
+    fixed = saved.fixed + (4 * n_nodes * n_nodes if model.embeddings.device.type == "cpu" else 0)
+    return fixed, per_row
+
+
 def attribute(model: ReplacementModel, *, max_n_logits: int = 10, desired_logit_prob: float = 0.95,
-              batch_size: int = 16) -> AttributionGraph:
-    """The unpruned attribution graph of ``model``'s prompt (module docstring).
+              batch_size: int = 16, max_memory_bytes: int | None = None) -> AttributionGraph:
+    """The unpruned attribution graph of ``model``'s prompt (module docstring): one forward pass of ``batch``
+    copies of the prompt, then one backward pass per ``batch`` targets.
 
     Args:
-        model: the local replacement model of the prompt.
+        model: the local replacement model of the prompt (on the device it runs on).
         max_n_logits, desired_logit_prob: the logit nodes (circuit-tracer's defaults 10 and 0.95).
-        batch_size: targets per forward and backward pass.
+        batch_size: targets per backward pass (rows of the forward pass), at most.
+        max_memory_bytes: a bound on the bytes held on the model's device (:func:`memory_per_row`); the batch is
+            made smaller to fit it. ``None``: no bound.
 
     Returns:
-        An :class:`AttributionGraph` (adjacency in float32 on the CPU).
+        An :class:`AttributionGraph` (adjacency ``[n, n]`` in float32 on the CPU, rows moved there as they are made).
 
     Raises:
         CircuitError: ``batch_size`` below 1.
+        MemoryBoundError: ``max_memory_bytes`` too small for one row.
     """
     if batch_size < 1:
         raise CircuitError(f"batch_size={batch_size}: give at least 1 target per backward pass")
     layers = sorted(model.layers)
     found = [torch.cat([torch.full((len(nz), 1), layer), nz], 1)
-             for layer in layers for nz in [model.layers[layer].activations[0].nonzero()]]
+             for layer in layers for nz in [model.layers[layer].activations[0].nonzero().cpu()]]
     active = torch.cat(found).long() if found else torch.zeros(0, 3, dtype=torch.long)
-    activations = torch.stack([model.layers[int(l)].activations[0, p, f] for l, p, f in active.tolist()]).float() \
-        if len(active) else torch.zeros(0)
+    activations = torch.cat([torch.zeros(0)] + [model.layers[layer].activations[0][tuple(entries[:, 1:].to(
+        model.embeddings.device).T)].float().cpu() for layer, entries in zip(layers, found)])
     logit_ids, logit_p = salient_logits(model.logits[0, -1], max_n_logits, desired_logit_prob)
     seq = model.ids.shape[1]
     n = len(active) + len(layers) * seq + seq + len(logit_ids)
-    graph = AttributionGraph(model.ids[0].cpu(), layers, active.cpu(), activations.cpu(), logit_ids.cpu(),
+    targets = ([Target("feature", l, p, f) for l, p, f in active.tolist()]
+               + [Target("logit", 0, 0, t) for t in logit_ids.tolist()])
+    batch = plan_batch_size(model, n, len(targets), batch_size, max_memory_bytes)
+    graph = AttributionGraph(model.ids[0].cpu(), layers, active, activations.cpu(), logit_ids.cpu(),
                              logit_p.cpu(), torch.zeros(n, n))
     graph.nodes = ([model.layers[int(l)].output_node for l in active[:, 0].tolist()]
                    + [model.layers[l].output_node for l in layers for _ in range(seq)]
                    + [model.embed] * seq + ["output|logits"] * len(logit_ids))
-    specs = [("feature", l, p, f) for l, p, f in active.tolist()] + [("logit", t, 0, 0) for t in logit_ids.tolist()]
-    target_rows = list(range(len(active))) + list(range(graph.logit_start, n))
-    for start in range(0, len(specs), batch_size):
-        chunk = specs[start:start + batch_size]
-        deltas = {layer: torch.zeros(len(chunk), seq, model.layers[layer].transcoder.d_out, requires_grad=True,
-                                     device=model.embeddings.device) for layer in layers}
-        embed_delta = torch.zeros(len(chunk), *model.embeddings.shape[1:], requires_grad=True,
-                                  device=model.embeddings.device)
-        with torch.enable_grad():
-            total = _targets(model.run(len(chunk), deltas, embed_delta), chunk).sum()
-            grads = torch.autograd.grad(total, [*deltas.values(), embed_delta], allow_unused=True)
-        grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, [*deltas.values(), embed_delta])]
-        rows = _edges(model, graph, dict(zip(layers, grads[:-1])), grads[-1])
+    target_rows = torch.cat([torch.arange(len(active)), torch.arange(graph.logit_start, n)])
+    sources = _sources(graph, model.embeddings.device)
+    forward = RetainedForward(model, batch)
+    for start in range(0, len(targets), batch):
+        chunk = targets[start:start + batch]
+        gradients, embed_gradient = forward.gradients(chunk)
+        rows = _edges(model, graph, sources, {layer: g[:len(chunk)] for layer, g in gradients.items()},
+                      embed_gradient[:len(chunk)])
         graph.adjacency[target_rows[start:start + len(chunk)]] = rows.cpu()
     return graph

@@ -18,3 +18,8 @@ class FrozenNodesNotFoundError(CircuitError):
 class NoPathError(CircuitError):
     """A transcoder's node off every path from the token embeddings to the logits: an input node that does not
     depend on the embeddings, or an output node that the logits do not depend on; the message names the node."""
+
+
+class MemoryBoundError(CircuitError):
+    """A memory bound (``max_memory_bytes``) too small for one row of an attribution graph's backward passes; the
+    message gives the bytes needed."""

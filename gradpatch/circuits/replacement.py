@@ -16,8 +16,9 @@ logits is then affine, which is what makes the attribution graph's edges exact.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -64,12 +65,19 @@ class ReplacementRun:
     """One forward pass of the replacement model.
 
     Attributes:
-        logits: ``[batch, seq, vocab]``.
-        pre_activations: layer -> h_ℓ ``[batch, seq, m]`` (with autograd history).
+        logits: ``[batch, seq, vocab]`` (``[batch, 1, vocab]`` where a patch kept the last position alone).
+        inputs: layer -> x_ℓ ``[batch, seq, d_in]`` (with autograd history).
+        transcoders: layer -> its transcoder.
     """
 
     logits: torch.Tensor
-    pre_activations: dict[int, torch.Tensor]
+    inputs: dict[int, torch.Tensor]
+    transcoders: dict[int, SparseDictionary]
+
+    @cached_property
+    def pre_activations(self) -> dict[int, torch.Tensor]:
+        """layer -> h_ℓ = x_ℓ W_enc + b_enc ``[batch, seq, m]`` (computed when first read, with autograd history)."""
+        return {layer: self.transcoders[layer].pre_activations(x) for layer, x in self.inputs.items()}
 
 
 class ReplacementModel:
@@ -144,7 +152,8 @@ class ReplacementModel:
                                                   x, a, y - output, y, decoded + (y - output))
 
     def run(self, batch: int = 1, deltas: Mapping[int, torch.Tensor] | None = None,
-            embed_delta: torch.Tensor | None = None) -> ReplacementRun:
+            embed_delta: torch.Tensor | None = None,
+            patches: Mapping[str, Sequence[Patch]] | None = None) -> ReplacementRun:
         """One forward pass of the replacement model on ``batch`` copies of the prompt.
 
         Args:
@@ -152,6 +161,7 @@ class ReplacementModel:
                 targets gives each row's gradients).
             deltas: layer -> δ_ℓ ``[batch or 1, seq, d_out]`` added to the MLP output (zero when absent).
             embed_delta: δ_E ``[batch or 1, seq, d_model]`` added to the token embeddings.
+            patches: more patches, NodePath -> patches applied after the replacement model's own.
 
         Returns:
             A :class:`ReplacementRun` (runs with autograd on: take gradients of it).
@@ -173,10 +183,12 @@ class ReplacementModel:
             output = CustomPatch(custom_op=self._output_op(spliced, readers[layer], deltas.get(layer)),
                                  requires_clone=False)
             patch_map.setdefault(spliced.output_node, []).append(output)
+        for path, extra in (patches or {}).items():
+            patch_map.setdefault(path, []).extend(extra)
         with self.pg.patch(patch_map):
             logits = self.pg(self.ids.expand(batch, -1), **self.forward_kwargs).logits
-        return ReplacementRun(logits, {layer: spliced.transcoder.pre_activations(readers[layer].held)
-                                       for layer, spliced in self.layers.items()})
+        return ReplacementRun(logits, {layer: readers[layer].held for layer in self.layers},
+                              {layer: spliced.transcoder for layer, spliced in self.layers.items()})
 
     @staticmethod
     def _layer_norm_op(norm: FrozenLayerNorm, reader: TranscoderInput, x0: torch.Tensor, y0: torch.Tensor,

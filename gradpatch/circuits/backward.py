@@ -1,0 +1,197 @@
+"""One forward pass of the local replacement model kept for many backward passes (circuit-tracer's method:
+Ameisen et al. 2025, "Circuit Tracing", appendix "Attribution graph computation"; circuit-tracer's
+``AttributionContext.compute_batch``).
+
+The replacement model (:mod:`gradpatch.circuits.replacement`) runs once on ``batch`` copies of the prompt with its
+autograd graph kept. A backward pass then injects, in each row, the gradient of that row's target and reads the
+gradient at every MLP output and at the token embeddings; rows are independent copies, so one backward pass gives
+``batch`` targets' gradients, and the graph serves every backward pass (``retain_graph=True``):
+
+- a feature target h_ℓpf = x_ℓp · W_enc[:, f] + b_enc[f]: the gradient W_enc[:, f] injected at x_ℓ (the MLP input,
+  ``[batch, seq, d_in]``), row r, position p; only layers below ℓ receive gradient;
+- a logit target logit_t − mean_v logit_v at the last position: the gradient e_t − 1/V injected at the last
+  position's logits ``[batch, vocab]``.
+
+The unembedding runs on the last position alone where the model layout names its input
+(:func:`gradpatch.layouts.logits_input`). The model's and the transcoders' parameters do not require gradients
+during the forward pass, so that autograd keeps only what the gradients with respect to activations need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..layouts import logits_input
+from ..patches import CustomPatch, Patch
+from .replacement import ReplacementModel
+
+__all__ = ["RetainedForward", "SavedBytes", "Target", "measure_saved_bytes"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A target node: ``kind`` ``"feature"`` (``layer``, ``position``, ``feature``) or ``"logit"`` (``feature`` =
+    the token id; ``layer`` and ``position`` unused)."""
+
+    kind: str
+    layer: int
+    position: int
+    feature: int
+
+
+class _Held:
+    """A patch's custom op that keeps the value passing its node (with its autograd history) and passes it on;
+    ``leaf`` makes it a leaf that requires grad, ``last`` keeps the last position alone (``[batch, 1, ...]``)."""
+
+    def __init__(self, leaf: bool = False, last: bool = False) -> None:
+        self.leaf, self.last = leaf, last
+        self.value = torch.empty(0)
+
+    def __call__(self, original: torch.Tensor) -> torch.Tensor:
+        value = original[:, -1:] if self.last else original
+        if self.leaf or not value.requires_grad:
+            value = value.detach().requires_grad_()
+        self.value = value
+        return value
+
+
+@contextlib.contextmanager
+def _frozen_parameters(model: ReplacementModel) -> Iterator[None]:
+    """The model's and transcoders' parameters without ``requires_grad`` (restored after)."""
+    modules = [model.pg.wrapped_model, *(spliced.transcoder for spliced in model.layers.values())]
+    parameters = [p for module in modules for p in module.parameters() if p.requires_grad]
+    for parameter in parameters:
+        parameter.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for parameter in parameters:
+            parameter.requires_grad_(True)
+
+
+class RetainedForward:
+    """The replacement model's forward pass on ``batch`` copies of the prompt, kept for backward passes.
+
+    Args:
+        model: the local replacement model.
+        batch: rows (targets per backward pass).
+
+    Attributes:
+        inputs: layer -> x_ℓ ``[batch, seq, d_in]``.
+        outputs: layer -> the MLP output ``[batch, seq, d_out]``.
+        embeddings: the token embeddings ``[batch, seq, d_model]`` (a leaf).
+        logits: the last position's logits ``[batch, vocab]``.
+    """
+
+    def __init__(self, model: ReplacementModel, batch: int) -> None:
+        self.model = model
+        self.batch = batch
+        held = {layer: _Held() for layer in model.layers}
+        embed = _Held(leaf=True)
+        patches: dict[str, list[Patch]] = {model.embed: [CustomPatch(custom_op=embed, requires_clone=False)]}
+        for layer, spliced in model.layers.items():
+            patches.setdefault(spliced.output_node, []).append(CustomPatch(custom_op=held[layer],
+                                                                           requires_clone=False))
+        cut = logits_input(model.pg)
+        if cut is not None:
+            patches.setdefault(cut, []).append(CustomPatch(custom_op=_Held(last=True), requires_clone=False))
+        with torch.enable_grad(), _frozen_parameters(model):
+            run = model.run(batch, patches=patches)
+            self.logits = run.logits[:, -1].clone()  # not a view: the full logits are not kept
+        self.inputs = run.inputs
+        self.outputs = {layer: holder.value for layer, holder in held.items()}
+        self.embeddings = embed.value
+
+    def gradients(self, targets: Sequence[Target]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """One backward pass: row r's gradient of ``targets[r]`` (at most ``batch`` targets; further rows get none).
+
+        Returns:
+            layer -> ∂target/∂(MLP output) ``[batch, seq, d_out]`` for the layers below the highest target (the
+            others' are zero and left out), and ∂target/∂(embeddings) ``[batch, seq, d_model]``.
+        """
+        outputs: list[torch.Tensor] = []
+        injected: list[torch.Tensor] = []
+        features: dict[int, list[tuple[int, Target]]] = {}
+        logits = [(row, target) for row, target in enumerate(targets) if target.kind == "logit"]
+        for row, target in enumerate(targets):
+            if target.kind == "feature":
+                features.setdefault(target.layer, []).append((row, target))
+        for layer, chosen in features.items():
+            x = self.inputs[layer]
+            gradient = torch.zeros_like(x)
+            rows = torch.tensor([row for row, _ in chosen], device=x.device)
+            positions = torch.tensor([t.position for _, t in chosen], device=x.device)
+            ids = torch.tensor([t.feature for _, t in chosen], device=x.device)
+            encoder = self.model.layers[layer].transcoder.W_enc.detach()  # [d_in, m]
+            gradient[rows, positions] = encoder[:, ids].T.to(x.dtype)
+            outputs.append(x)
+            injected.append(gradient)
+        if logits:
+            gradient = torch.zeros_like(self.logits)
+            rows = torch.tensor([row for row, _ in logits], device=gradient.device)
+            gradient[rows] = -1.0 / gradient.shape[-1]
+            gradient[rows, torch.tensor([t.feature for _, t in logits], device=gradient.device)] += 1.0
+            outputs.append(self.logits)
+            injected.append(gradient)
+        top = max(self.model.layers) + 1 if logits else max(features)
+        layers = [layer for layer in sorted(self.model.layers) if layer < top]
+        inputs = [self.outputs[layer] for layer in layers] + [self.embeddings]
+        grads = torch.autograd.grad(outputs, inputs, injected, retain_graph=True, allow_unused=True)
+        by_layer = {layer: g for layer, g in zip(layers, grads[:-1]) if g is not None}
+        embed = grads[-1] if grads[-1] is not None else torch.zeros_like(self.embeddings)
+        return by_layer, embed
+
+
+@dataclass(frozen=True)
+class SavedBytes:
+    """What one forward pass of the replacement model keeps for backward passes, measured (parameters, held
+    anyway, left out).
+
+    Attributes:
+        fixed: bytes kept whatever the batch (shared values, e.g. the frozen attention inputs).
+        per_row: bytes kept per row of the batch.
+        transient_per_row: bytes per row saved during the forward pass and freed before its end (the replaced
+            MLPs' and frozen nodes' own computations), per spliced layer: an upper estimate of the forward pass's
+            peak above what it keeps (a layer's are freed before the next layer's are saved).
+    """
+
+    fixed: int
+    per_row: int
+    transient_per_row: int
+
+
+def _saved_bytes(model: ReplacementModel, batch: int) -> tuple[int, int]:
+    """Bytes that autograd saves in a forward pass of ``batch`` rows, parameters left out: (the distinct storages
+    kept after the pass, the storages saved and freed during it, each time counted)."""
+    saved: list[tuple[weakref.ref[torch.Tensor], int]] = []
+    modules = [model.pg.wrapped_model, *(spliced.transcoder for spliced in model.layers.values())]
+    parameters = {p.untyped_storage().data_ptr() for module in modules for p in module.parameters()}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed = tensor.detach()  # the tensor itself would make a cycle with its grad_fn (never freed)
+        if tensor.untyped_storage().data_ptr() not in parameters:
+            saved.append((weakref.ref(packed), tensor.untyped_storage().nbytes()))
+        return packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward = RetainedForward(model, batch)
+    alive = [(ref(), size) for ref, size in saved]
+    kept = {t.untyped_storage().data_ptr(): size for t, size in alive if t is not None}
+    freed = sum(size for t, size in alive if t is None)
+    del forward, alive
+    return sum(kept.values()), freed
+
+
+def measure_saved_bytes(model: ReplacementModel) -> SavedBytes:
+    """The :class:`SavedBytes` of ``model``, from forward passes of 1 and 2 rows (what is kept grows linearly
+    with the rows)."""
+    kept_1, freed_1 = _saved_bytes(model, 1)
+    kept_2, freed_2 = _saved_bytes(model, 2)
+    per_row = max(kept_2 - kept_1, 0)
+    freed_per_row = max(freed_2 - freed_1, 0)
+    return SavedBytes(max(kept_1 - per_row, 0), per_row, freed_per_row // max(len(model.layers), 1))
