@@ -242,6 +242,7 @@ def main() -> None:
                                                "--dtype", args.dtype, "--schedule", args.schedule,
                                                "--warmup", str(args.warmup)])
                 dictionaries["sparsify"] = load_sparsify(work / "sparsify" / "run" / HOOKPOINT, node=NODE)
+            print(json.dumps({side: report[side]}), file=sys.stderr, flush=True)  # kept if a later step fails
         report["held_out"] = score(args, work, dictionaries)
         print(json.dumps(report, indent=2))
 
