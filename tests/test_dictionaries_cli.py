@@ -200,3 +200,30 @@ def test_the_shipped_e2e_config_parses(capsys: pytest.CaptureFixture) -> None:
     assert model["class_path"] == "recipes.dictionary.EndToEndDictionaryFitModule"
     assert (model["init_args"]["downstream_nodes"], model["init_args"]["downstream_coefficient"]) == ("residual", 5.0)
     assert model["init_args"]["dictionary"]["node"] == "model.layers_12.output"
+
+
+def test_fit_resumes_mid_run_from_a_checkpoint(trained: dict[str, Path], tmp_path: Path) -> None:
+    """A one-pass run checkpointed every 3 steps, resumed from step 3 with ``--ckpt_path``: the data module goes on
+    from the next batch and the module from its buffer, so the dictionary is the uninterrupted run's."""
+    model = {"dictionary": {"node": "model.layers_1.output", "k": 4, "expansion_factor": 2}, "buffer_rows": 128,
+             "lr": 0.01, "dead_after_tokens": 64}
+    checkpoints = tmp_path / "checkpoints"
+    callback = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {"dirpath": str(checkpoints), "every_n_train_steps": 3, "save_top_k": -1}}
+    config = {"trainer": {"accelerator": "cpu", "enable_progress_bar": False, "enable_checkpointing": True,
+                          "callbacks": [callback]}, "model": model,
+              "data": {"corpus": str(trained["corpus"]), "train_tokens": 640, "chunk_length": 16, "batch_size": 4,
+                       "eval_tokens": 64, "max_length": 32}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    arguments = ["fit", "--config", str(tmp_path / "config.yaml"), "--model.model_path", str(trained["model"])]
+    assert cli.main([*arguments, "--trainer.default_root_dir", str(tmp_path / "straight")]) == 0
+    step3 = checkpoints / "epoch=0-step=3.ckpt"
+    assert step3.is_file()
+    assert cli.main([*arguments, "--trainer.default_root_dir", str(tmp_path / "resumed"), "--ckpt_path",
+                     str(step3), "--trainer.callbacks", "[]"]) == 0
+    straight = load_dictionary(tmp_path / "straight" / "dictionary", check_fingerprint=False)
+    resumed = load_dictionary(tmp_path / "resumed" / "dictionary", check_fingerprint=False)
+    for name, tensor in resumed.state_dict().items():
+        torch.testing.assert_close(tensor, straight.state_dict()[name], rtol=1e-5, atol=1e-6)
+    first = torch.load(step3, weights_only=False)["state_dict"]["dictionaries.0.W_enc"]
+    assert not torch.allclose(first, straight.W_enc)

@@ -12,17 +12,23 @@ builds its dictionary from YAML fields, and the data module of corpus chunks it 
 
 :class:`DictionaryDataModule` holds out the first documents (``eval_tokens`` of them) for the evaluation written to
 ``metrics.json`` after training, and packs the documents after them into chunks of ``chunk_length`` tokens
-(:func:`recipes.dictionary.corpus.packed_chunks`), one pass, in order (the buffer shuffles the rows).
+(:func:`recipes.dictionary.corpus.packed_chunks`), one pass, in order (the buffer shuffles the rows). Its
+checkpointed state is the batches done, so ``gradpatch fit --ckpt_path CKPT`` goes on from the next one.
+
+``model:`` may list several dictionaries (``dictionary: [{node: ...}, {node: ...}]``: one run, several nodes), or
+name ``class_path: recipes.dictionary.EndToEndDictionaryFitModule`` with the fields under ``init_args:`` (end-to-end
+training, ``recipes/configs/sae_smollm2_e2e.yaml``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from editors import editable_graph
 from editors.passes import node_activations
@@ -172,6 +178,21 @@ class EndToEndDictionaryFitModule(EndToEndDictionaryModule):
         self.model_label = model_path or EMBEDDED_MODEL_LABEL
 
 
+class ResumedBatches(Sampler[list[int]]):
+    """Consecutive batches of ``batch_size`` row indices of ``0 .. rows − 1``, starting after the first ``done``
+    batches; its length is the whole epoch's, as Lightning counts the batches done before a checkpoint in it."""
+
+    def __init__(self, rows: int, batch_size: int, done: int = 0) -> None:
+        self.rows, self.batch_size, self.done = rows, batch_size, done
+
+    def __len__(self) -> int:
+        return -(-self.rows // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start in range(self.done * self.batch_size, self.rows, self.batch_size):
+            yield list(range(start, min(start + self.batch_size, self.rows)))
+
+
 class DictionaryDataModule(LightningDataModule):
     """Chunks of corpus tokens to train on, and held-out documents to evaluate on (module docstring); the tokenizer
     is the module's (``trainer.lightning_module.tokenizer``).
@@ -202,6 +223,8 @@ class DictionaryDataModule(LightningDataModule):
         self.batch_size, self.eval_tokens, self.max_length = batch_size, eval_tokens, max_length
         self.chunks: torch.Tensor | None = None
         self.eval_documents: list[list[int]] = []
+        #: From a checkpoint: ``{"epoch", "batches"}`` done (:meth:`load_state_dict`).
+        self.resume: dict[str, int] = {}
 
     def setup(self, stage: str) -> None:
         """Read and tokenize the corpus (once)."""
@@ -214,5 +237,16 @@ class DictionaryDataModule(LightningDataModule):
                                     self.chunk_length, self.max_length)
 
     def train_dataloader(self) -> DataLoader:
-        """The chunks ``[batch_size, chunk_length]`` in corpus order."""
-        return DataLoader(self.chunks, batch_size=self.batch_size)
+        """The chunks ``[batch_size, chunk_length]`` in corpus order; resumed from a checkpoint taken in this epoch,
+        those after the batches it had done."""
+        done = self.resume["batches"] if self.resume.get("epoch") == self.trainer.current_epoch else 0
+        return DataLoader(self.chunks, batch_sampler=ResumedBatches(len(self.chunks), self.batch_size, done))
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint keeps: the epoch and the batches of it done (so a resumed run goes on from the next)."""
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+        return {"epoch": self.trainer.current_epoch, "batches": progress.processed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Take :meth:`state_dict`'s position back from a checkpoint."""
+        self.resume = dict(state)
