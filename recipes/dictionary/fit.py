@@ -178,19 +178,19 @@ class EndToEndDictionaryFitModule(EndToEndDictionaryModule):
         self.model_label = model_path or EMBEDDED_MODEL_LABEL
 
 
-class ResumedBatches(Sampler[list[int]]):
-    """Consecutive batches of ``batch_size`` row indices of ``0 .. rows − 1``, starting after the first ``done``
-    batches; its length is the whole epoch's, as Lightning counts the batches done before a checkpoint in it."""
+class ResumedRows(Sampler[int]):
+    """Row indices ``0 .. rows − 1`` in order, starting at ``start``; its length is the whole epoch's, as Lightning
+    counts the batches done before a checkpoint in it. A plain sampler (not a batch sampler), so that Lightning can
+    still shard it over DDP ranks (``DistributedSamplerWrapper``)."""
 
-    def __init__(self, rows: int, batch_size: int, done: int = 0) -> None:
-        self.rows, self.batch_size, self.done = rows, batch_size, done
+    def __init__(self, rows: int, start: int = 0) -> None:
+        self.rows, self.start = rows, start
 
     def __len__(self) -> int:
-        return -(-self.rows // self.batch_size)
+        return self.rows
 
-    def __iter__(self) -> Iterator[list[int]]:
-        for start in range(self.done * self.batch_size, self.rows, self.batch_size):
-            yield list(range(start, min(start + self.batch_size, self.rows)))
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.rows))
 
 
 class DictionaryDataModule(LightningDataModule):
@@ -240,7 +240,8 @@ class DictionaryDataModule(LightningDataModule):
         """The chunks ``[batch_size, chunk_length]`` in corpus order; resumed from a checkpoint taken in this epoch,
         those after the batches it had done."""
         done = self.resume["batches"] if self.resume.get("epoch") == self.trainer.current_epoch else 0
-        return DataLoader(self.chunks, batch_sampler=ResumedBatches(len(self.chunks), self.batch_size, done))
+        return DataLoader(self.chunks, batch_size=self.batch_size,
+                          sampler=ResumedRows(len(self.chunks), done * self.batch_size))
 
     def state_dict(self) -> dict[str, int]:
         """What a checkpoint keeps: the epoch and the batches of it done (so a resumed run goes on from the next)."""
