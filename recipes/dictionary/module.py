@@ -1,7 +1,8 @@
 """Training a sparse dictionary in Lightning on activations streamed from a frozen PatchableGraph (local losses).
 
 :class:`DictionaryModule` is a :class:`~recipes.training.frozen.FrozenGraphModule` whose trainable tensors are one
-:class:`gradpatch.dictionaries.SparseDictionary`. Each training batch is token ids ``[batch, seq]`` without padding
+:class:`gradpatch.dictionaries.SparseDictionary`, or several at different nodes trained in one run (their rows side
+by side in the buffer, their losses summed). Each training batch is token ids ``[batch, seq]`` without padding
 (packed chunks of a corpus, what SAELens and sparsify train on; every position counts); the step
 
 1. reads the dictionary's input node (and a transcoder's output node) in one forward pass of the frozen graph that
