@@ -17,7 +17,7 @@ next ``--eval-tokens`` tokens of the corpus (held out), in batches of 4 chunks. 
 (FVU, L0, CE original / spliced / zero-ablated, CE loss recovered, KL), ``ce_increase`` = CE spliced − CE original,
 the training seconds; and each end-to-end run's CE increase over the local run's.
 
-Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=2 .venv/bin/python benchmarks/dictionaries_end_to_end.py [--train-tokens
+Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dictionaries_end_to_end.py [--train-tokens
 N] [--runs local,e2e,e2e+ds]``; ``--random-weights --device cuda`` trains on a randomly initialised model of
 SmolLM2-135M's shape instead (a timing check only: its CE numbers mean nothing).
 """
