@@ -180,8 +180,8 @@ def test_fit_trains_end_to_end_from_a_config(trained: dict[str, Path], tmp_path:
 def test_fit_trains_several_dictionaries_in_one_run(trained: dict[str, Path], tmp_path: Path) -> None:
     root = _fit_config(trained, tmp_path, {
         "dictionary": [{"node": "model.layers_0.output", "k": 4, "expansion_factor": 2},
-                       {"node": "model.layers_1.mlp.x", "kind": "transcoder", "output_node": "model.layers_1.mlp.output",
-                        "k": 4, "d_sae": 96}],
+                       {"node": "model.layers_1.mlp.x", "kind": "transcoder",
+                        "output_node": "model.layers_1.mlp.output", "k": 4, "d_sae": 96}],
         "buffer_rows": 32, "lr": 0.01, "ce_every_n_steps": 2})
     metrics = json.loads((root / "metrics.json").read_text())
     assert set(metrics) == {"model.layers_0.output", "model.layers_1.mlp.output"}

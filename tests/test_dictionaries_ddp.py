@@ -3,8 +3,9 @@
 The script runs in a subprocess (Lightning's launcher re-runs it for rank 1). End to end, the loss is the KL averaged
 over each rank's tokens and DDP averages the ranks' gradients, so 2 ranks of 2 sequences step as 1 process of the 4
 (the unit-norm projection of the decoder gradient is linear, so it commutes with the average): both ranks end with
-the single process's SAE, given the sequences in the order Lightning's DistributedSampler deals them. Locally each rank streams its own shard into its own buffer (the FVU is normalised per rank,
-so no single-process equal exists): both ranks end with the same SAE, written once.
+the single process's SAE, given the sequences in the order Lightning's DistributedSampler deals them. Locally each
+rank streams its own shard into its own buffer (the FVU is normalised per rank, so no single-process equal exists):
+both ranks end with the same SAE, written once.
 """
 
 from __future__ import annotations

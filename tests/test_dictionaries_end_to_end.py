@@ -74,7 +74,7 @@ def test_downstream_residual_nodes_are_the_later_layers_but_the_last() -> None:
 
 
 def test_e2e_ds_loss_and_gradient_follow_braun_et_al(llama_graph) -> None:
-    """loss = KL(p ‖ p̂) + β_ds · mean_k MSE(â_k, a_k), against the same quantities computed with plain patches."""
+    """loss = KL(p ‖ p̂) + β_ds · mean_k MSE(â_k, a_k), against the quantities computed with plain patches."""
     node, downstream, beta = "model.layers_0.output", ["model.layers_1.output", "model.norm.output"], 3.0
     sae, ids = _sae(node), CHUNKS[:4]
     module = EndToEndDictionaryModule(llama_graph, sae, downstream_nodes=downstream, downstream_coefficient=beta)

@@ -150,8 +150,8 @@ class EndToEndDictionaryFitModule(EndToEndDictionaryModule):
         dictionary, model_path, dtype, seed: as :class:`DictionaryFitModule`.
         lr, optimizer, sparsity_coefficient, dead_after_tokens, unit_norm_decoder, density_every_n_steps,
             downstream_coefficient: as :class:`~recipes.dictionary.EndToEndDictionaryModule`.
-        downstream_nodes: the NodePaths of the e2e+ds terms, or ``"residual"`` for Braun et al.'s choice after the
-            deepest dictionary's written node (:func:`~recipes.dictionary.downstream_residual_nodes`); ``None``:
+        downstream_nodes: the NodePaths of the e2e+ds terms, or ``"residual"`` for Braun et al.'s choice after the last
+            listed dictionary's written node (:func:`~recipes.dictionary.downstream_residual_nodes`); ``None``:
             none (plain e2e).
 
     Raises:
