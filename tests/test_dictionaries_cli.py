@@ -198,7 +198,7 @@ def test_the_shipped_e2e_config_parses(capsys: pytest.CaptureFixture) -> None:
     assert exit_info.value.code == 0
     model = yaml.safe_load(capsys.readouterr().out)["model"]
     assert model["class_path"] == "recipes.dictionary.EndToEndDictionaryFitModule"
-    assert (model["init_args"]["downstream_nodes"], model["init_args"]["downstream_coefficient"]) == ("residual", 5.0)
+    assert (model["init_args"]["downstream_nodes"], model["init_args"]["downstream_coefficient"]) == ("residual", 0.001)
     assert model["init_args"]["dictionary"]["node"] == "model.layers_12.output"
 
 
