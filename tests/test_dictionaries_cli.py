@@ -142,3 +142,88 @@ def test_the_shipped_config_parses(capsys: pytest.CaptureFixture) -> None:
     assert (spec["node"], spec["kind"], spec["activation"], spec["k"], spec["expansion_factor"]) == (
         "model.layers_12.output", "sae", "topk", 32, 4)
     assert (config["trainer"]["max_epochs"], config["trainer"]["max_steps"]) == (1, -1)
+
+
+def _fit_config(trained: dict[str, Path], folder: Path, model: dict) -> Path:
+    """``gradpatch fit`` on ``model`` (the config's ``model:``) over the trained fixture's corpus; returns the root."""
+    config = {"trainer": {"accelerator": "cpu", "enable_progress_bar": False, "log_every_n_steps": 1}, "model": model,
+              "data": {"corpus": str(trained["corpus"]), "train_tokens": 256, "chunk_length": 16, "batch_size": 4,
+                       "eval_tokens": 64, "max_length": 32}}
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    root = folder / "run"
+    assert cli.main(["fit", "--config", str(folder / "config.yaml"), "--model.model_path", str(trained["model"]),
+                     "--trainer.default_root_dir", str(root)]) == 0
+    return root
+
+
+def _scalars(root: Path) -> set[str]:
+    (version,) = (root / "lightning_logs").iterdir()
+    events = EventAccumulator(str(version), size_guidance={"scalars": 0})
+    events.Reload()
+    return set(events.Tags()["scalars"])
+
+
+def test_fit_trains_end_to_end_from_a_config(trained: dict[str, Path], tmp_path: Path) -> None:
+    root = _fit_config(trained, tmp_path, {
+        "class_path": "recipes.dictionary.EndToEndDictionaryFitModule",
+        "init_args": {"dictionary": {"node": "model.layers_0.output", "k": 4, "expansion_factor": 2}, "lr": 0.01,
+                      "downstream_nodes": ["model.layers_1.output"], "downstream_coefficient": 1.0}})
+    from gradpatch.files.loaders import load_model
+
+    sae = load_dictionary(root / "dictionary", model=load_model(trained["model"])[0])
+    assert (sae.config.input_node, sae.d_sae) == ("model.layers_0.output", 128)
+    metrics = json.loads((root / "metrics.json").read_text())
+    assert set(metrics) == KEYS and metrics["n_tokens"] == 64
+    assert {"kl", "ce_increase", "downstream_mse", "fvu", "l0", "dead_fraction"} <= _scalars(root)
+
+
+def test_fit_trains_several_dictionaries_in_one_run(trained: dict[str, Path], tmp_path: Path) -> None:
+    root = _fit_config(trained, tmp_path, {
+        "dictionary": [{"node": "model.layers_0.output", "k": 4, "expansion_factor": 2},
+                       {"node": "model.layers_1.mlp.x", "kind": "transcoder",
+                        "output_node": "model.layers_1.mlp.output", "k": 4, "d_sae": 96}],
+        "buffer_rows": 32, "lr": 0.01, "ce_every_n_steps": 2})
+    metrics = json.loads((root / "metrics.json").read_text())
+    assert set(metrics) == {"model.layers_0.output", "model.layers_1.mlp.output"}
+    assert all(set(scores) == KEYS and 0 < scores["fvu"] for scores in metrics.values())
+    for node in metrics:
+        assert (root / "dictionary" / node / "dictionary.safetensors").is_file()
+    assert {"ce_increase", "fvu/model.layers_0.output", "fvu/model.layers_1.mlp.output"} <= _scalars(root)
+
+
+def test_the_shipped_e2e_config_parses(capsys: pytest.CaptureFixture) -> None:
+    config_path = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "sae_smollm2_e2e.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--config", str(config_path), "--print_config"])
+    assert exit_info.value.code == 0
+    model = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert model["class_path"] == "recipes.dictionary.EndToEndDictionaryFitModule"
+    assert (model["init_args"]["downstream_nodes"], model["init_args"]["downstream_coefficient"]) == ("residual", 0.001)
+    assert model["init_args"]["dictionary"]["node"] == "model.layers_12.output"
+
+
+def test_fit_resumes_mid_run_from_a_checkpoint(trained: dict[str, Path], tmp_path: Path) -> None:
+    """A one-pass run checkpointed every 3 steps, resumed from step 3 with ``--ckpt_path``: the data module goes on
+    from the next batch and the module from its buffer, so the dictionary is the uninterrupted run's."""
+    model = {"dictionary": {"node": "model.layers_1.output", "k": 4, "expansion_factor": 2}, "buffer_rows": 128,
+             "lr": 0.01, "dead_after_tokens": 64}
+    checkpoints = tmp_path / "checkpoints"
+    callback = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {"dirpath": str(checkpoints), "every_n_train_steps": 3, "save_top_k": -1}}
+    config = {"trainer": {"accelerator": "cpu", "enable_progress_bar": False, "enable_checkpointing": True,
+                          "callbacks": [callback]}, "model": model,
+              "data": {"corpus": str(trained["corpus"]), "train_tokens": 640, "chunk_length": 16, "batch_size": 4,
+                       "eval_tokens": 64, "max_length": 32}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    arguments = ["fit", "--config", str(tmp_path / "config.yaml"), "--model.model_path", str(trained["model"])]
+    assert cli.main([*arguments, "--trainer.default_root_dir", str(tmp_path / "straight")]) == 0
+    step3 = checkpoints / "epoch=0-step=3.ckpt"
+    assert step3.is_file()
+    assert cli.main([*arguments, "--trainer.default_root_dir", str(tmp_path / "resumed"), "--ckpt_path",
+                     str(step3), "--trainer.callbacks", "[]"]) == 0
+    straight = load_dictionary(tmp_path / "straight" / "dictionary", check_fingerprint=False)
+    resumed = load_dictionary(tmp_path / "resumed" / "dictionary", check_fingerprint=False)
+    for name, tensor in resumed.state_dict().items():
+        torch.testing.assert_close(tensor, straight.state_dict()[name], rtol=1e-5, atol=1e-6)
+    first = torch.load(step3, weights_only=False)["state_dict"]["dictionaries.0.W_enc"]
+    assert not torch.allclose(first, straight.W_enc)

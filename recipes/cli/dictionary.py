@@ -66,8 +66,8 @@ def _run_eval(args: argparse.Namespace) -> int:
                                       f"2 tokens or more")
         with torch.no_grad():  # built on one document: the graph every [1, length] pass uses (no second extraction)
             pg = PatchableGraph(model, torch.tensor([documents[0]], device=device), use_cache=False).eval()
-        metrics = write_dictionary_metrics(pg, dictionary, documents, args.out, node=args.node,
-                                           output_node=args.output_node)
+        (metrics,) = write_dictionary_metrics(pg, dictionary, documents, args.out, node=args.node,
+                                              output_node=args.output_node).values()
     except (GradpatchError, FileNotFoundError) as error:
         return usage_error(_EVAL, error)
     summary = ", ".join(f"{key} {value:.4g}" for key, value in metrics.to_dict().items())

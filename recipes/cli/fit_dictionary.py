@@ -5,10 +5,13 @@
     gradpatch fit --config recipes/configs/sae_smollm2.yaml --trainer.default_root_dir runs/sae
     gradpatch fit --config recipes/configs/sae_smollm2.yaml --data.train_tokens 1024000 --model.lr 1e-3
 
-:func:`recipes.cli.fit.run_fit` sends a config whose ``model:`` has a ``dictionary:`` section here. After training,
-``D/dictionary`` holds the dictionary (or ``--export``; ``gradpatch dictionary eval --dictionary D/dictionary``
-evaluates it again) and ``D/metrics.json`` its evaluation on the data module's held-out documents
-(:func:`recipes.dictionary.write_dictionary_metrics`); TensorBoard logs under ``D/lightning_logs``.
+:func:`recipes.cli.fit.run_fit` sends a config whose ``model:`` has a ``dictionary:`` section here (a
+:class:`~recipes.dictionary.DictionaryFitModule`; or ``model.class_path`` with ``init_args.dictionary``, e.g.
+:class:`~recipes.dictionary.EndToEndDictionaryFitModule`, ``recipes/configs/sae_smollm2_e2e.yaml``). After
+training, ``D/dictionary`` holds the dictionary (several: ``D/dictionary/<node>/`` each; or ``--export``;
+``gradpatch dictionary eval --dictionary D/dictionary`` evaluates it again) and ``D/metrics.json`` its evaluation on
+the data module's held-out documents (:func:`recipes.dictionary.write_dictionary_metrics`; several: one object per
+node); TensorBoard logs under ``D/lightning_logs``.
 """
 
 from __future__ import annotations
@@ -24,17 +27,28 @@ __all__ = ["TRAINER_DEFAULTS", "is_dictionary_config", "run_dictionary_fit"]
 #: Over :data:`recipes.cli.fit_module.TRAINER_DEFAULTS`: one pass over the data module's ``train_tokens``.
 TRAINER_DEFAULTS: dict[str, Any] = {"max_epochs": 1, "max_steps": -1}
 
-_DESCRIPTION = ("Train a sparse autoencoder or transcoder on a frozen model's streamed activations "
-                "(DictionaryFitModule: local losses, shuffle buffer) over a text corpus (DictionaryDataModule); "
-                "writes the dictionary and metrics.json under --trainer.default_root_dir. See "
-                "recipes/configs/sae_smollm2.yaml and docs/dictionaries.md.")
+_DESCRIPTION = ("Train sparse autoencoders or transcoders on a frozen model's streamed activations "
+                "(DictionaryFitModule: local losses, shuffle buffer; or, with model.class_path "
+                "recipes.dictionary.EndToEndDictionaryFitModule, end to end: KL and the e2e+ds downstream terms) "
+                "over a text corpus (DictionaryDataModule); writes the dictionaries and metrics.json under "
+                "--trainer.default_root_dir. See recipes/configs/sae_smollm2.yaml, sae_smollm2_e2e.yaml and "
+                "docs/dictionaries.md.")
 
 
 def is_dictionary_config(args: Sequence[str]) -> bool:
-    """Whether ``gradpatch fit`` arguments name a ``--config`` file whose ``model:`` has a ``dictionary:`` section."""
+    """Whether ``gradpatch fit`` arguments name a ``--config`` file whose ``model:`` (or its ``init_args:``) has a
+    ``dictionary:`` section (one spec or a list)."""
+    return _model_section(args) is not None
+
+
+def _model_section(args: Sequence[str]) -> dict[str, Any] | None:
+    """The ``--config`` file's ``model:`` mapping when it has a ``dictionary:`` (directly or under ``init_args:``)."""
     document = config_document(args) or {}
     model = document.get("model")
-    return isinstance(model, dict) and isinstance(model.get("dictionary"), dict)
+    if not isinstance(model, dict):
+        return None
+    fields = model.get("init_args") if isinstance(model.get("init_args"), dict) else model
+    return model if isinstance(fields.get("dictionary"), (dict, list)) else None
 
 
 def run_dictionary_fit(args: Sequence[str]) -> int:
@@ -43,12 +57,15 @@ def run_dictionary_fit(args: Sequence[str]) -> int:
     Returns:
         0 on success; 1 when training stopped at a non-finite value (the error is printed, nothing is written).
     """
-    from ..dictionary import DictionaryDataModule, DictionaryFitModule, write_dictionary_metrics
+    from ..dictionary import DictionaryDataModule, DictionaryFitModule, DictionaryModule, write_dictionary_metrics
 
     def metrics(module: Any, data: Any, root: Path) -> str:
-        scores = write_dictionary_metrics(module.graph, module.dictionary, data.eval_documents, root)
-        return (f"held-out fvu {scores.fvu:.4f}, l0 {scores.l0:.1f}, CE loss recovered {scores.ce_loss_recovered:.4f} "
-                f"on {scores.n_tokens} tokens -> {root / 'metrics.json'}")
+        scores = write_dictionary_metrics(module.graph, list(module.dictionaries), data.eval_documents, root)
+        return ", ".join(f"{node}: held-out fvu {s.fvu:.4f}, l0 {s.l0:.1f}, CE loss recovered {s.ce_loss_recovered:.4f}"
+                         for node, s in scores.items()) + f" -> {root / 'metrics.json'}"
 
+    if "class_path" in (_model_section(args) or {}):  # e.g. recipes.dictionary.EndToEndDictionaryFitModule
+        return fit_and_export(DictionaryModule, DictionaryDataModule, args, _DESCRIPTION, metrics,
+                              export_name="dictionary", trainer_defaults=TRAINER_DEFAULTS, subclass_mode_model=True)
     return fit_and_export(DictionaryFitModule, DictionaryDataModule, args, _DESCRIPTION, metrics,
                           export_name="dictionary", trainer_defaults=TRAINER_DEFAULTS)

@@ -34,7 +34,8 @@ def config_document(args: Sequence[str]) -> dict[str, Any] | None:
 def fit_and_export(module_class: type, data_class: type, args: Sequence[str], description: str,
                    metrics: Callable[[Any, Any, Path], str], export_name: str = "intervention",
                    trainer_defaults: dict[str, Any] | None = None, **cli_options: Any) -> int:
-    """Parse ``args`` with LightningCLI (``--export FOLDER`` added), train, then on rank 0 export the intervention to
+    """Parse ``args`` with LightningCLI (``--export FOLDER`` and ``--ckpt_path CKPT`` added), train (resumed from
+    ``--ckpt_path`` when given), then on rank 0 export the intervention to
     ``--export`` (default ``<default_root_dir>/<export_name>``) and write the metrics.
 
     Args:
@@ -60,6 +61,8 @@ def fit_and_export(module_class: type, data_class: type, args: Sequence[str], de
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.add_argument("--export", type=str | None, default=None,
                                 help=f"folder for the trained intervention (default: <default_root_dir>/{export_name})")
+            parser.add_argument("--ckpt_path", type=str | None, default=None,
+                                help="a Lightning checkpoint to resume training from (Trainer.fit's ckpt_path)")
 
     cli = ExportCLI(
         module_class, data_class, run=False, auto_configure_optimizers=False, args=list(args),
@@ -68,7 +71,7 @@ def fit_and_export(module_class: type, data_class: type, args: Sequence[str], de
         parser_kwargs={"prog": "gradpatch fit", "description": description, "default_env": False}, **cli_options)
     trainer, module, data = cli.trainer, cli.model, cli.datamodule
     try:
-        trainer.fit(module, datamodule=data)
+        trainer.fit(module, datamodule=data, ckpt_path=cli.config.get("ckpt_path"))
     except NonFiniteError as error:
         print(f"gradpatch fit: {error}", file=sys.stderr)
         return 1

@@ -1,10 +1,14 @@
 """Training sparse dictionaries (:mod:`gradpatch.dictionaries`) in Lightning on a frozen PatchableGraph's activations.
 
 - :class:`DictionaryModule`: local losses on activations streamed through a bounded shuffle buffer.
-- :class:`EndToEndDictionaryModule`: KL between the model and the model with the dictionary spliced (Braun et al.).
+- :class:`EndToEndDictionaryModule`: KL between the model and the model with the dictionary spliced, plus the
+  downstream MSEs of "e2e+ds" (Braun et al.); :func:`downstream_residual_nodes`: their downstream nodes.
+- :func:`splice_all`, :func:`spliced_ce_increase`, :func:`next_token_ce`: several dictionaries spliced at once and
+  the CE they lose.
 - :class:`ActivationBuffer`: that buffer.
-- :class:`DictionaryFitModule`, :class:`DictionaryDataModule`, :class:`DictionarySpec`: what ``gradpatch fit`` builds
-  from a dictionary config (``recipes/configs/sae_smollm2.yaml``).
+- :class:`DictionaryFitModule`, :class:`EndToEndDictionaryFitModule`, :class:`DictionaryDataModule`,
+  :class:`DictionarySpec`: what ``gradpatch fit`` builds from a dictionary config (``recipes/configs/sae_smollm2.yaml``,
+  ``sae_smollm2_e2e.yaml``).
 - :func:`read_documents`, :func:`tokenize_documents`, :func:`packed_chunks`: a ``.txt`` / ``.jsonl`` / Wikipedia
   corpus as token ids; :func:`write_dictionary_metrics`: ``metrics.json``.
 
@@ -24,8 +28,14 @@ _EXPORTS: dict[str, str] = {
     "DictionaryFitModule": "fit",
     "DictionaryModule": "module",
     "DictionarySpec": "fit",
+    "EndToEndDictionaryFitModule": "fit",
     "EndToEndDictionaryModule": "end_to_end",
+    "build_dictionaries": "fit",
     "build_dictionary": "fit",
+    "downstream_residual_nodes": "end_to_end",
+    "next_token_ce": "spliced",
+    "splice_all": "spliced",
+    "spliced_ce_increase": "spliced",
     "packed_chunks": "corpus",
     "read_documents": "corpus",
     "tokenize_documents": "corpus",

@@ -43,6 +43,13 @@ class ActivationBuffer:
         """The rows held ``[len(self), width]`` (a view of :attr:`storage`), ``None`` before the first push."""
         return None if self.storage is None else self.storage[:self.held]
 
+    def restore(self, rows: torch.Tensor | None) -> None:
+        """Hold exactly ``rows`` ``[n, width]`` (a checkpoint's :attr:`rows`; ``None``: empty), in a new storage of
+        ``max(n, capacity)`` rows."""
+        self.storage, self.held = None, 0
+        if rows is not None:
+            self.push(rows)
+
     def push(self, rows: torch.Tensor) -> None:
         """Add ``rows`` ``[n, width]`` (detached, copied in). The storage, ``capacity`` rows, grows only to hold more
         rows than that (a caller that pushes past :meth:`ready` without drawing, or a batch above ``capacity``).

@@ -12,17 +12,23 @@ builds its dictionary from YAML fields, and the data module of corpus chunks it 
 
 :class:`DictionaryDataModule` holds out the first documents (``eval_tokens`` of them) for the evaluation written to
 ``metrics.json`` after training, and packs the documents after them into chunks of ``chunk_length`` tokens
-(:func:`recipes.dictionary.corpus.packed_chunks`), one pass, in order (the buffer shuffles the rows).
+(:func:`recipes.dictionary.corpus.packed_chunks`), one pass, in order (the buffer shuffles the rows). Its
+checkpointed state is the batches done, so ``gradpatch fit --ckpt_path CKPT`` goes on from the next one.
+
+``model:`` may list several dictionaries (``dictionary: [{node: ...}, {node: ...}]``: one run, several nodes), or
+name ``class_path: recipes.dictionary.EndToEndDictionaryFitModule`` with the fields under ``init_args:`` (end-to-end
+training, ``recipes/configs/sae_smollm2_e2e.yaml``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from editors import editable_graph
 from editors.passes import node_activations
@@ -32,9 +38,11 @@ from gradpatch.model_io import model_device
 from ..errors import RecipeConfigError
 from ..training.frozen import DtypeName, EMBEDDED_MODEL_LABEL, OptimizerName
 from .corpus import packed_chunks, read_documents, tokenize_documents
+from .end_to_end import EndToEndDictionaryModule, downstream_residual_nodes
 from .module import AUXK_COEFFICIENT, DictionaryModule
 
-__all__ = ["DictionaryDataModule", "DictionaryFitModule", "DictionarySpec", "build_dictionary"]
+__all__ = ["DictionaryDataModule", "DictionaryFitModule", "DictionarySpec", "EndToEndDictionaryFitModule",
+           "build_dictionaries", "build_dictionary", "load_graph"]
 
 
 @dataclass
@@ -86,36 +94,103 @@ def build_dictionary(pg: Any, spec: DictionarySpec, seed: int = 0) -> SparseDict
                 generator=generator)
 
 
+def load_graph(model_path: str | None, dtype: DtypeName) -> tuple[Any, Any]:
+    """``(pg, tokenizer)``: the model at ``model_path`` (``None``: the embedded SmolLM2-135M-Instruct) in ``dtype``,
+    its graph extracted by :func:`editors.editable_graph`."""
+    from gradpatch.files.loaders import load_model
+
+    model, tokenizer = load_model(model_path, dtype=getattr(torch, dtype))
+    return editable_graph(model, tokenizer), tokenizer
+
+
+def build_dictionaries(pg: Any, specs: DictionarySpec | list[DictionarySpec], seed: int) -> list[SparseDictionary]:
+    """:func:`build_dictionary` of each spec (one spec or a list: several nodes in one run); spec ``i`` is seeded
+    ``seed + i``."""
+    specs = [specs] if isinstance(specs, DictionarySpec) else list(specs)
+    return [build_dictionary(pg, spec, seed + i) for i, spec in enumerate(specs)]
+
+
 class DictionaryFitModule(DictionaryModule):
-    """A :class:`DictionaryModule` built from config fields: it loads the model and builds the dictionary.
+    """A :class:`DictionaryModule` built from config fields: it loads the model and builds the dictionaries.
 
     Args:
-        dictionary: what to train (:class:`DictionarySpec`).
+        dictionary: what to train (:class:`DictionarySpec`), or a list of them (several nodes in one run).
         model_path: a ``save_pretrained`` directory or ``.gguf`` file; ``None`` for the embedded SmolLM2-135M-Instruct.
         dtype: the model's dtype (the dictionary trains in float32).
         buffer_rows, lr, optimizer, sparsity_coefficient, auxk_coefficient, dead_after_tokens, unit_norm_decoder,
-            seed, density_every_n_steps: as :class:`DictionaryModule` (``seed`` also seeds the initial weights).
+            seed, density_every_n_steps, ce_every_n_steps: as :class:`DictionaryModule` (``seed`` also seeds the
+            initial weights).
 
     Raises:
         RecipeConfigError, NodePathError, DictionaryConfigError: as :func:`build_dictionary` and
             :class:`DictionaryModule`.
     """
 
-    def __init__(self, dictionary: DictionarySpec, model_path: str | None = None, dtype: DtypeName = "float32",
-                 buffer_rows: int = 8192, lr: float = 2e-4, optimizer: OptimizerName = "adam",
-                 sparsity_coefficient: float = 1e-3, auxk_coefficient: float = AUXK_COEFFICIENT,
-                 dead_after_tokens: int = 10_000_000, unit_norm_decoder: bool = True, seed: int = 0,
-                 density_every_n_steps: int = 50) -> None:
-        from gradpatch.files.loaders import load_model
-
-        model, tokenizer = load_model(model_path, dtype=getattr(torch, dtype))
-        pg = editable_graph(model, tokenizer)
-        super().__init__(pg, build_dictionary(pg, dictionary, seed), buffer_rows=buffer_rows, lr=lr,
+    def __init__(self, dictionary: DictionarySpec | list[DictionarySpec], model_path: str | None = None,
+                 dtype: DtypeName = "float32", buffer_rows: int = 8192, lr: float = 2e-4,
+                 optimizer: OptimizerName = "adam", sparsity_coefficient: float = 1e-3,
+                 auxk_coefficient: float = AUXK_COEFFICIENT, dead_after_tokens: int = 10_000_000,
+                 unit_norm_decoder: bool = True, seed: int = 0, density_every_n_steps: int = 50,
+                 ce_every_n_steps: int = 50) -> None:
+        pg, tokenizer = load_graph(model_path, dtype)
+        super().__init__(pg, build_dictionaries(pg, dictionary, seed), buffer_rows=buffer_rows, lr=lr,
                          optimizer=optimizer, sparsity_coefficient=sparsity_coefficient,
                          auxk_coefficient=auxk_coefficient, dead_after_tokens=dead_after_tokens,
-                         unit_norm_decoder=unit_norm_decoder, seed=seed, density_every_n_steps=density_every_n_steps)
+                         unit_norm_decoder=unit_norm_decoder, seed=seed, density_every_n_steps=density_every_n_steps,
+                         ce_every_n_steps=ce_every_n_steps)
         self.tokenizer = tokenizer
         self.model_label = model_path or EMBEDDED_MODEL_LABEL
+
+
+class EndToEndDictionaryFitModule(EndToEndDictionaryModule):
+    """An :class:`~recipes.dictionary.EndToEndDictionaryModule` built from config fields (``gradpatch fit`` with
+    ``model.class_path: recipes.dictionary.EndToEndDictionaryFitModule``, ``recipes/configs/sae_smollm2_e2e.yaml``).
+
+    Args:
+        dictionary, model_path, dtype, seed: as :class:`DictionaryFitModule`.
+        lr, optimizer, sparsity_coefficient, dead_after_tokens, unit_norm_decoder, density_every_n_steps,
+            downstream_coefficient: as :class:`~recipes.dictionary.EndToEndDictionaryModule`.
+        downstream_nodes: the NodePaths of the e2e+ds terms, or ``"residual"`` for Braun et al.'s choice after the last
+            listed dictionary's written node (:func:`~recipes.dictionary.downstream_residual_nodes`); ``None``:
+            none (plain e2e).
+
+    Raises:
+        RecipeConfigError, NodePathError, DictionaryConfigError: as :class:`DictionaryFitModule` and
+            :class:`~recipes.dictionary.EndToEndDictionaryModule`.
+    """
+
+    def __init__(self, dictionary: DictionarySpec | list[DictionarySpec], model_path: str | None = None,
+                 dtype: DtypeName = "float32", lr: float = 2e-4, optimizer: OptimizerName = "adam",
+                 sparsity_coefficient: float = 1e-3, dead_after_tokens: int = 10_000_000,
+                 unit_norm_decoder: bool = True, seed: int = 0, density_every_n_steps: int = 50,
+                 downstream_nodes: list[str] | Literal["residual"] | None = None,
+                 downstream_coefficient: float = 0.0) -> None:
+        pg, tokenizer = load_graph(model_path, dtype)
+        dictionaries = build_dictionaries(pg, dictionary, seed)
+        if downstream_nodes == "residual":
+            downstream_nodes = downstream_residual_nodes(pg, str(dictionaries[-1].config.output_node
+                                                                 or dictionaries[-1].config.input_node))
+        super().__init__(pg, dictionaries, lr=lr, optimizer=optimizer, sparsity_coefficient=sparsity_coefficient,
+                         dead_after_tokens=dead_after_tokens, unit_norm_decoder=unit_norm_decoder,
+                         downstream_nodes=downstream_nodes or (), downstream_coefficient=downstream_coefficient,
+                         density_every_n_steps=density_every_n_steps)
+        self.tokenizer = tokenizer
+        self.model_label = model_path or EMBEDDED_MODEL_LABEL
+
+
+class ResumedRows(Sampler[int]):
+    """Row indices ``0 .. rows − 1`` in order, starting at ``start``; its length is the whole epoch's, as Lightning
+    counts the batches done before a checkpoint in it. A plain sampler (not a batch sampler), so that Lightning can
+    still shard it over DDP ranks (``DistributedSamplerWrapper``)."""
+
+    def __init__(self, rows: int, start: int = 0) -> None:
+        self.rows, self.start = rows, start
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.rows))
 
 
 class DictionaryDataModule(LightningDataModule):
@@ -148,6 +223,8 @@ class DictionaryDataModule(LightningDataModule):
         self.batch_size, self.eval_tokens, self.max_length = batch_size, eval_tokens, max_length
         self.chunks: torch.Tensor | None = None
         self.eval_documents: list[list[int]] = []
+        #: From a checkpoint: ``{"epoch", "batches"}`` done (:meth:`load_state_dict`).
+        self.resume: dict[str, int] = {}
 
     def setup(self, stage: str) -> None:
         """Read and tokenize the corpus (once)."""
@@ -160,5 +237,17 @@ class DictionaryDataModule(LightningDataModule):
                                     self.chunk_length, self.max_length)
 
     def train_dataloader(self) -> DataLoader:
-        """The chunks ``[batch_size, chunk_length]`` in corpus order."""
-        return DataLoader(self.chunks, batch_size=self.batch_size)
+        """The chunks ``[batch_size, chunk_length]`` in corpus order; resumed from a checkpoint taken in this epoch,
+        those after the batches it had done."""
+        done = self.resume["batches"] if self.resume.get("epoch") == self.trainer.current_epoch else 0
+        return DataLoader(self.chunks, batch_size=self.batch_size,
+                          sampler=ResumedRows(len(self.chunks), done * self.batch_size))
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint keeps: the epoch and the batches of it done (so a resumed run goes on from the next)."""
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+        return {"epoch": self.trainer.current_epoch, "batches": progress.processed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Take :meth:`state_dict`'s position back from a checkpoint."""
+        self.resume = dict(state)

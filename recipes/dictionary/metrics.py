@@ -5,6 +5,7 @@ document per forward pass (no padding), written atomically. Both ``gradpatch dic
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,26 +20,34 @@ __all__ = ["METRICS_NAME", "write_dictionary_metrics"]
 METRICS_NAME = "metrics.json"
 
 
-def write_dictionary_metrics(pg: Any, dictionary: SparseDictionary, documents: list[list[int]], folder: str | Path,
-                             node: str | None = None, output_node: str | None = None) -> DictionaryMetrics:
+def write_dictionary_metrics(pg: Any, dictionary: SparseDictionary | Sequence[SparseDictionary],
+                             documents: list[list[int]], folder: str | Path, node: str | None = None,
+                             output_node: str | None = None) -> dict[str, DictionaryMetrics]:
     """Evaluate ``dictionary`` spliced into ``pg`` (without its error term) on ``documents`` and write the metrics
-    to ``folder/metrics.json`` (the keys of :meth:`~gradpatch.dictionaries.DictionaryMetrics.to_dict`).
+    to ``folder/metrics.json`` (the keys of :meth:`~gradpatch.dictionaries.DictionaryMetrics.to_dict`). Several
+    dictionaries are each evaluated alone, and the file holds one such object per written node.
 
     Args:
         pg: the :class:`gradpatch.PatchableGraph`.
-        dictionary: the SAE or transcoder (moved to the model's device).
+        dictionary: the SAE or transcoder (moved to the model's device), or several.
         documents: token ids, one list per document (each ``[1, len]`` in its own forward pass).
         folder: where ``metrics.json`` goes (created if missing); nothing is written when evaluation fails.
-        node, output_node: the NodePaths read and written (default: the dictionary's config's).
+        node, output_node: the NodePaths read and written (default: the dictionary's config's; one dictionary only).
 
     Returns:
-        The metrics.
+        ``{written node: metrics}``.
 
     Raises:
         DictionaryConfigError, NodePathError, DictionaryShapeError: as :func:`gradpatch.dictionaries.splice`.
     """
     device = model_device(pg)
     batches = [torch.tensor([ids], device=device) for ids in documents]
-    metrics = evaluate_dictionary(pg, dictionary.to(device), batches, node=node, output_node=output_node)
-    atomic_write_text(Path(folder) / METRICS_NAME, json.dumps(metrics.to_dict(), indent=2) + "\n")
-    return metrics
+    dictionaries = [dictionary] if isinstance(dictionary, SparseDictionary) else list(dictionary)
+    scores = {}
+    for one in dictionaries:
+        written = output_node or node or one.config.output_node or one.config.input_node
+        scores[str(written)] = evaluate_dictionary(pg, one.to(device), batches, node=node, output_node=output_node)
+    document = (next(iter(scores.values())).to_dict() if len(scores) == 1 else
+                {name: metrics.to_dict() for name, metrics in scores.items()})
+    atomic_write_text(Path(folder) / METRICS_NAME, json.dumps(document, indent=2) + "\n")
+    return scores

@@ -1,7 +1,8 @@
 """Training a sparse dictionary in Lightning on activations streamed from a frozen PatchableGraph (local losses).
 
 :class:`DictionaryModule` is a :class:`~recipes.training.frozen.FrozenGraphModule` whose trainable tensors are one
-:class:`gradpatch.dictionaries.SparseDictionary`. Each training batch is token ids ``[batch, seq]`` without padding
+:class:`gradpatch.dictionaries.SparseDictionary`, or several at different nodes trained in one run (their rows side
+by side in the buffer, their losses summed). Each training batch is token ids ``[batch, seq]`` without padding
 (packed chunks of a corpus, what SAELens and sparsify train on; every position counts); the step
 
 1. reads the dictionary's input node (and a transcoder's output node) in one forward pass of the frozen graph that
@@ -32,11 +33,13 @@ is given one).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
 
 from editors.passes import node_activations
 from gradpatch.finite import StepGuard
@@ -46,6 +49,7 @@ from gradpatch.dictionaries import (SparseDictionary, auxk_loss, jumprelu_l0, l1
 from ..errors import RecipeConfigError
 from ..training.frozen import FrozenGraphModule, OptimizerName
 from .buffer import ActivationBuffer
+from .spliced import spliced_ce_increase
 
 __all__ = ["AUXK_COEFFICIENT", "DictionaryModule"]
 
@@ -54,13 +58,20 @@ AUXK_COEFFICIENT = 1 / 32
 
 
 class DictionaryModule(FrozenGraphModule):
-    """Train ``dictionary`` on the activations of ``pg`` (see the module docstring).
+    """Train one dictionary, or several at different nodes in one run, on the activations of ``pg`` (see the module
+    docstring).
+
+    With several dictionaries one forward pass reads every node they need, the buffer holds their rows side by side
+    (so each step's draw is the same tokens for all), the loss is the sum of their local losses, and each term is
+    logged per dictionary as ``<term>/<node>`` (``fvu/model.layers_3.output``); ``ce_increase`` is that of the model
+    with all of them spliced.
 
     Args:
         pg: the :class:`gradpatch.PatchableGraph` (frozen by this module).
-        dictionary: the SAE or transcoder to train; its config's ``input_node`` (and ``output_node``) name the nodes.
+        dictionary: the SAE or transcoder to train, or a sequence of them; each config's ``input_node`` (and
+            ``output_node``) name its nodes. Several dictionaries must write different nodes.
         buffer_rows: rows (tokens) the shuffle buffer holds before training starts and keeps holding; memory
-            ``buffer_rows × (d_in + d_out) × 4`` bytes in float32, allocated once (a draw copies the rows drawn only).
+            ``buffer_rows × Σ node widths × 4`` bytes in float32, allocated once (a draw copies the rows drawn only).
         lr, optimizer: as :class:`~recipes.training.frozen.FrozenGraphModule` (Adam, 2e-4 by default).
         sparsity_coefficient: λ of the L1 (ReLU) or L0 (JumpReLU) penalty.
         auxk_coefficient: α of AuxK (TopK, BatchTopK).
@@ -68,39 +79,59 @@ class DictionaryModule(FrozenGraphModule):
         unit_norm_decoder: keep the decoder rows at unit norm.
         seed: the buffer's random draws.
         density_every_n_steps: optimizer steps per feature-density histogram (0: none).
+        ce_every_n_steps: optimizer steps per logged ``ce_increase`` (0: none), measured on that step's batch of
+            token ids after the update: CE with the dictionaries spliced without error terms − the model's CE.
 
     Raises:
-        RecipeConfigError: no input node in the dictionary's config (or no output node for a transcoder), or a
-            non-positive ``buffer_rows`` or ``dead_after_tokens``, a negative ``density_every_n_steps``.
+        RecipeConfigError: no dictionary, a dictionary whose config names no input node (or no output node for a
+            transcoder), two writing the same node, a non-positive ``buffer_rows`` or ``dead_after_tokens``, a
+            negative ``density_every_n_steps`` or ``ce_every_n_steps``.
     """
 
-    def __init__(self, pg: Any, dictionary: SparseDictionary, buffer_rows: int = 65536, lr: float = 2e-4,
-                 optimizer: OptimizerName = "adam", sparsity_coefficient: float = 1e-3,
+    def __init__(self, pg: Any, dictionary: SparseDictionary | Sequence[SparseDictionary], buffer_rows: int = 65536,
+                 lr: float = 2e-4, optimizer: OptimizerName = "adam", sparsity_coefficient: float = 1e-3,
                  auxk_coefficient: float = AUXK_COEFFICIENT, dead_after_tokens: int = 10_000_000,
-                 unit_norm_decoder: bool = True, seed: int = 0, density_every_n_steps: int = 50) -> None:
+                 unit_norm_decoder: bool = True, seed: int = 0, density_every_n_steps: int = 50,
+                 ce_every_n_steps: int = 50) -> None:
         super().__init__(lr=lr, optimizer=optimizer)
-        config = dictionary.config
-        nodes = [config.input_node] + ([config.output_node] if config.kind != "sae" else [])
-        if any(node is None for node in nodes):
-            raise RecipeConfigError(f"the {config.kind}'s config names no node to train on: build it with "
-                                    f"node=... (SAE) or input_node=... and output_node=... (transcoder)")
-        if buffer_rows < 1 or dead_after_tokens < 1 or density_every_n_steps < 0:
+        dictionaries = [dictionary] if isinstance(dictionary, SparseDictionary) else list(dictionary)
+        written = [_nodes(d)[-1] for d in dictionaries]
+        if not dictionaries or len(set(written)) < len(written):
+            raise RecipeConfigError(f"DictionaryModule needs one dictionary or several writing different nodes, got "
+                                    f"{len(dictionaries)} writing {written}")
+        if buffer_rows < 1 or dead_after_tokens < 1 or min(density_every_n_steps, ce_every_n_steps) < 0:
             raise RecipeConfigError(f"buffer_rows ({buffer_rows}) and dead_after_tokens ({dead_after_tokens}) must be "
-                                    f"positive, density_every_n_steps ({density_every_n_steps}) >= 0")
+                                    f"positive, density_every_n_steps ({density_every_n_steps}) and ce_every_n_steps "
+                                    f"({ce_every_n_steps}) >= 0")
         self.attach_graph(pg)
-        self.dictionary = dictionary
-        self.nodes: list[str] = [str(node) for node in nodes]
+        self.dictionaries = nn.ModuleList(dictionaries)
+        #: Every node read, in order; a dictionary's input and target are columns of their concatenation.
+        self.nodes: list[str] = list(dict.fromkeys(node for d in dictionaries for node in _nodes(d)))
         self.sparsity_coefficient = float(sparsity_coefficient)
         self.auxk_coefficient = float(auxk_coefficient)
         self.dead_after_tokens = int(dead_after_tokens)
         self.unit_norm_decoder = unit_norm_decoder
         self.buffer = ActivationBuffer(buffer_rows, torch.Generator().manual_seed(seed))
         self.density_every_n_steps = int(density_every_n_steps)
-        self.register_buffer("tokens_since_fired", torch.zeros(dictionary.d_sae, dtype=torch.long))
+        self.ce_every_n_steps = int(ce_every_n_steps)
+        #: Each dictionary's latents are a slice of the firing counters: offsets[i] .. offsets[i + 1].
+        self.offsets = [0]
+        for d in dictionaries:
+            self.offsets.append(self.offsets[-1] + d.d_sae)
+        self.register_buffer("tokens_since_fired", torch.zeros(self.offsets[-1], dtype=torch.long))
         #: Tokens each latent fired on, and tokens seen, since the last density histogram.
-        self.register_buffer("window_fired", torch.zeros(dictionary.d_sae), persistent=False)
+        self.register_buffer("window_fired", torch.zeros(self.offsets[-1]), persistent=False)
         self.window_tokens = 0
         self.saved_to: Path | None = None
+
+    @property
+    def dictionary(self) -> SparseDictionary:
+        """The dictionary trained (the first one when there are several)."""
+        return self.dictionaries[0]
+
+    def suffix(self, index: int) -> str:
+        """What dictionary ``index``'s logged names end with: nothing for one dictionary, ``/<written node>``."""
+        return "" if len(self.dictionaries) == 1 else "/" + _nodes(self.dictionaries[index])[-1]
 
     def step_guard(self) -> StepGuard:
         """How a non-finite step is reported (a :class:`gradpatch.errors.NonFiniteError`; nothing is written)."""
@@ -123,87 +154,180 @@ class DictionaryModule(FrozenGraphModule):
             return None
         return super().training_step(self.buffer.pop(rows.shape[0]), batch_idx)
 
+    def nodes_of(self, index: int) -> tuple[str, str]:
+        """Dictionary ``index``'s (input node, target node); the same node twice for an SAE."""
+        nodes = _nodes(self.dictionaries[index])
+        return nodes[0], nodes[-1]
+
+    def columns(self, rows: torch.Tensor, node: str) -> torch.Tensor:
+        """``node``'s columns of ``rows`` ``[n, Σ widths]`` (the nodes in :attr:`nodes` order)."""
+        widths: dict[str, int] = {}
+        for index, dictionary in enumerate(self.dictionaries):
+            read, write = self.nodes_of(index)
+            widths[read], widths[write] = dictionary.d_in, dictionary.d_out
+        start = sum(widths[name] for name in self.nodes[:self.nodes.index(node)])
+        return rows[:, start:start + widths[node]]
+
     def loss_terms(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The local loss on ``rows`` ``[n, d_in (+ d_out)]``: ``{"loss", "fvu", "l0", "dead_fraction", ...}``."""
-        dictionary = self.dictionary
-        x = rows[:, :dictionary.d_in]
-        target = x if dictionary.config.kind == "sae" else rows[:, dictionary.d_in:]
+        """The local loss on ``rows`` ``[n, Σ widths]``: ``{"loss", "fvu", "l0", "dead_fraction", ...}`` (each name
+        but ``loss`` suffixed per dictionary when there are several; ``loss`` their sum)."""
+        terms: dict[str, torch.Tensor] = {}
+        losses = []
+        for index in range(len(self.dictionaries)):
+            read, write = self.nodes_of(index)
+            one = self.local_terms(index, self.columns(rows, read), self.columns(rows, write))
+            losses.append(one.pop("loss"))
+            terms.update({name + self.suffix(index): value for name, value in one.items()})
+        terms["loss"] = torch.stack(losses).sum()
+        self.log_terms(terms)
+        return terms
+
+    def local_terms(self, index: int, x: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Dictionary ``index``'s local loss on inputs ``x`` ``[n, d_in]`` against ``target`` ``[n, d_out]``:
+        ``{"loss", "fvu", "l0", "dead_fraction", "auxk" or "penalty"}``."""
+        dictionary = self.dictionaries[index]
         h = dictionary.pre_activations(x)
         z = dictionary.activate(h)
         prediction = dictionary.output(x, z)
         fvu = normalized_mse(prediction, target)
-        dead = self.track_firing(z)
-        terms = {"fvu": fvu, **self.sparsity_terms(h, z)}
+        dead = self.track_firing(index, z)
+        terms = {"fvu": fvu, **self.sparsity_terms(index, h, z)}
         if dictionary.config.activation in ("topk", "batchtopk"):
             terms["auxk"] = auxk_loss(h, target - prediction, dictionary.W_dec, dead, max(dictionary.d_out // 2, 1))
             terms["loss"] = fvu + self.auxk_coefficient * terms["auxk"]
         else:
             terms["loss"] = fvu + self.sparsity_coefficient * terms["penalty"]
-        return self.logged(terms, z)
+        return {**terms, **self.firing_terms(index, z)}
 
-    def track_firing(self, z: torch.Tensor) -> torch.Tensor:
-        """Count ``z``'s ``[n, m]`` tokens into :attr:`tokens_since_fired` (0 for the latents that fired); returns the
-        dead latents ``[m]`` (booleans)."""
+    def track_firing(self, index: int, z: torch.Tensor) -> torch.Tensor:
+        """Count dictionary ``index``'s latents ``z`` ``[n, m]`` into :attr:`tokens_since_fired` (0 for the latents
+        that fired); returns its dead latents ``[m]`` (booleans)."""
+        counters = slice(self.offsets[index], self.offsets[index + 1])
         with torch.no_grad():
-            self.tokens_since_fired += z.shape[0]
-            self.tokens_since_fired[(z > 0).any(0)] = 0
-            self.window_fired += (z > 0).sum(0).to(self.window_fired)
-            self.window_tokens += z.shape[0]
-        return self.tokens_since_fired > self.dead_after_tokens
+            fired = z > 0
+            since = self.tokens_since_fired[counters]
+            since += z.shape[0]
+            since[fired.any(0)] = 0
+            self.window_fired[counters] += fired.sum(0).to(self.window_fired)
+            if index == 0:
+                self.window_tokens += z.shape[0]
+        return since > self.dead_after_tokens
 
-    def sparsity_terms(self, h: torch.Tensor, z: torch.Tensor) -> dict[str, torch.Tensor]:
+    def firing_terms(self, index: int, z: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{"l0": mean active latents per token of z [n, m], "dead_fraction": of dictionary index}``."""
+        since = self.tokens_since_fired[self.offsets[index]:self.offsets[index + 1]]
+        return {"l0": (z > 0).float().sum(-1).mean().detach(),
+                "dead_fraction": (since > self.dead_after_tokens).float().mean()}
+
+    def sparsity_terms(self, index: int, h: torch.Tensor, z: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{"penalty": ...}`` to weigh by λ: L1 for ReLU, L0 for JumpReLU; ``{}`` for TopK and BatchTopK."""
-        config = self.dictionary.config
-        if config.activation == "relu":
-            return {"penalty": l1_penalty(z, self.dictionary.W_dec)}
-        if config.activation == "jumprelu":
-            return {"penalty": jumprelu_l0(h, self.dictionary.threshold, config.bandwidth)}
+        dictionary = self.dictionaries[index]
+        if dictionary.config.activation == "relu":
+            return {"penalty": l1_penalty(z, dictionary.W_dec)}
+        if dictionary.config.activation == "jumprelu":
+            return {"penalty": jumprelu_l0(h, dictionary.threshold, dictionary.config.bandwidth)}
         return {}
 
-    def logged(self, terms: dict[str, torch.Tensor], z: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``terms`` with ``l0`` (mean active latents per token of ``z``) and ``dead_fraction`` added, all but
-        ``loss`` logged."""
-        terms["l0"] = (z > 0).float().sum(-1).mean().detach()
-        terms["dead_fraction"] = (self.tokens_since_fired > self.dead_after_tokens).float().mean()
+    def log_terms(self, terms: dict[str, torch.Tensor]) -> None:
+        """Log every term but ``loss`` (detached), on this step."""
         self.log_dict({name: value.detach() for name, value in terms.items() if name != "loss"}, on_step=True,
-                      on_epoch=False, batch_size=z.shape[0])
-        return terms
+                      on_epoch=False, batch_size=1)
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Remove each decoder row's gradient component along the row (unit-norm decoders)."""
-        W_dec = self.dictionary.W_dec  # noqa: N806
-        if self.unit_norm_decoder and W_dec.grad is not None:
-            W_dec.grad = remove_parallel_gradient(W_dec.detach(), W_dec.grad)
+        for dictionary in self.dictionaries if self.unit_norm_decoder else ():
+            W_dec = dictionary.W_dec  # noqa: N806
+            if W_dec.grad is not None:
+                W_dec.grad = remove_parallel_gradient(W_dec.detach(), W_dec.grad)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         """The checked optimizer step, then the decoder rows back to unit norm."""
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         if self.unit_norm_decoder:
             with torch.no_grad():
-                self.dictionary.W_dec.copy_(unit_norm_rows(self.dictionary.W_dec))
+                for dictionary in self.dictionaries:
+                    dictionary.W_dec.copy_(unit_norm_rows(dictionary.W_dec))
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Every ``density_every_n_steps`` optimizer steps, the window's feature-density histogram to each
-        TensorBoard logger; the window then starts again."""
-        if outputs is None or not self.density_every_n_steps or self.global_step % self.density_every_n_steps:
+        """After an optimizer step: every ``ce_every_n_steps``, ``ce_increase`` on the step's batch; every
+        ``density_every_n_steps``, the window's feature-density histogram (per dictionary) to each TensorBoard
+        logger, and the window starts again."""
+        if outputs is None:
+            return
+        if self.ce_every_n_steps and self.global_step % self.ce_every_n_steps == 0:
+            self.log_ce_increase(batch["input_ids"] if isinstance(batch, dict) else batch)
+        if not self.density_every_n_steps or self.global_step % self.density_every_n_steps:
             return
         density = (self.window_fired / max(self.window_tokens, 1)).add(1e-10).log10().cpu()
         for logger in self.loggers:
             if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_histogram("feature_density_log10", density, self.global_step)
+                for index in range(len(self.dictionaries)):
+                    logger.experiment.add_histogram("feature_density_log10" + self.suffix(index),
+                                                    density[self.offsets[index]:self.offsets[index + 1]],
+                                                    self.global_step)
         self.window_fired.zero_()
         self.window_tokens = 0
 
+    def log_ce_increase(self, ids: torch.Tensor) -> None:
+        """Write ``ce_increase`` (:func:`~recipes.dictionary.spliced.spliced_ce_increase` on token ids ``[batch,
+        seq]``) to each logger at this optimizer step (once: not through ``self.log``, which repeats a value logged
+        after the step at the next steps)."""
+        value = float(spliced_ce_increase(self.graph, list(self.dictionaries), ids))
+        for logger in self.loggers:
+            logger.log_metrics({"ce_increase": value}, step=self.global_step)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The trainable tensors, the firing counters, and the activation buffer's rows and generator (so a run
+        resumed from the checkpoint draws what the uninterrupted run would)."""
+        super().on_save_checkpoint(checkpoint)
+        generator = self.buffer.generator
+        rows = self.buffer.rows
+        checkpoint["activation_buffer"] = {"rows": None if rows is None else rows.clone(),  # not the whole storage
+                                           "generator": None if generator is None else generator.get_state()}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Check the trainable tensors (as the base class does), then restore the activation buffer."""
+        super().on_load_checkpoint(checkpoint)
+        state = checkpoint.get("activation_buffer")
+        if state is not None:
+            self.buffer.restore(state["rows"])
+            if state["generator"] is not None and self.buffer.generator is not None:
+                self.buffer.generator.set_state(state["generator"])
+
     def export_intervention(self, folder: Path) -> Path:
-        """Write the dictionary to ``folder`` (:func:`gradpatch.dictionaries.save_dictionary`, with the model's
-        fingerprint), unless :meth:`on_fit_end` already wrote it there; returns ``folder``."""
+        """Write the dictionary to ``folder`` (several: one folder per dictionary, named by its written node) with
+        :func:`gradpatch.dictionaries.save_dictionary` and the model's fingerprint, unless :meth:`on_fit_end`
+        already wrote it there; returns ``folder``."""
         if self.saved_to is None or Path(folder).resolve() != self.saved_to:
-            save_dictionary(self.dictionary, folder, model=self.graph.wrapped_model)
+            self.save_dictionaries(Path(folder))
         return Path(folder)
 
+    def save_dictionaries(self, folder: Path) -> None:
+        """One dictionary to ``folder``; several to ``folder/<written node>/`` each."""
+        if len(self.dictionaries) == 1:
+            save_dictionary(self.dictionary, folder, model=self.graph.wrapped_model)
+            return
+        for dictionary in self.dictionaries:
+            save_dictionary(dictionary, folder / _nodes(dictionary)[-1], model=self.graph.wrapped_model)
+
     def on_fit_end(self) -> None:
-        """Write the trained dictionary to ``<default_root_dir>/dictionary`` (rank 0), with the model's fingerprint."""
+        """Write the trained dictionaries to ``<default_root_dir>/dictionary`` (rank 0), with the model's
+        fingerprint (:meth:`save_dictionaries`)."""
         if self.trainer.is_global_zero:
             folder = Path(self.trainer.default_root_dir) / "dictionary"
-            save_dictionary(self.dictionary, folder, model=self.graph.wrapped_model)
+            self.save_dictionaries(folder)
             self.saved_to = folder.resolve()
+
+
+def _nodes(dictionary: SparseDictionary) -> list[str]:
+    """The NodePaths ``dictionary`` reads and writes: ``[input]`` for an SAE, ``[input, output]`` for a transcoder.
+
+    Raises:
+        RecipeConfigError: the config names no input node, or a transcoder's no output node.
+    """
+    config = dictionary.config
+    nodes = [config.input_node] + ([config.output_node] if config.kind != "sae" else [])
+    if any(node is None for node in nodes):
+        raise RecipeConfigError(f"the {config.kind}'s config names no node to train on: build it with "
+                                f"node=... (SAE) or input_node=... and output_node=... (transcoder)")
+    return [str(node) for node in nodes]

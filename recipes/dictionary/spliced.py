@@ -1,0 +1,51 @@
+"""The model with several dictionaries spliced at once, and the next-token cross-entropy it loses.
+
+Training logs the CE loss increase on its own batches (CE with the dictionaries spliced, without their error terms,
+minus the model's CE), the number ``metrics.json`` reports after training on held-out tokens
+(:func:`gradpatch.dictionaries.evaluate_dictionary`'s ``ce_loss_spliced − ce_loss_original``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gradpatch.dictionaries import Splice, SparseDictionary, splice
+
+__all__ = ["next_token_ce", "splice_all", "spliced_ce_increase"]
+
+
+def next_token_ce(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``logits`` ``[batch, seq, vocab]`` on token ids ``[batch, seq]``, over every
+    position that has a next token (a scalar, float32)."""
+    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+
+
+@contextmanager
+def splice_all(pg: Any, dictionaries: Sequence[SparseDictionary], error_term: bool = False) -> Iterator[list[Splice]]:
+    """Splice every dictionary at its config's nodes (:func:`gradpatch.dictionaries.splice`, nested patch blocks)
+    for the ``with`` block; yields the splices (their ``latents`` after a forward pass).
+
+    Raises:
+        NodePathError, DictionaryShapeError: as :func:`gradpatch.dictionaries.splice` and ``pg.patch``.
+    """
+    splices = [splice(pg, d, str(d.config.input_node), output_node=d.config.output_node, error_term=error_term)
+               for d in dictionaries]
+    with ExitStack() as stack:
+        for spliced in splices:
+            stack.enter_context(pg.patch(spliced))
+        yield splices
+
+
+def spliced_ce_increase(pg: Any, dictionaries: Sequence[SparseDictionary], ids: torch.Tensor) -> torch.Tensor:
+    """CE(model with every dictionary spliced, no error terms) − CE(model) on token ids ``[batch, seq]``, without
+    gradients (two forward passes)."""
+    with torch.no_grad():
+        original = next_token_ce(pg(ids, use_cache=False).logits, ids)
+        with splice_all(pg, dictionaries):
+            spliced = next_token_ce(pg(ids, use_cache=False).logits, ids)
+    return spliced - original
