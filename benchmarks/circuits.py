@@ -1,22 +1,25 @@
 """Attribution graphs (gradpatch.circuits): size, time, memory and exactness on one prompt; prints JSON.
 
-Models: ``smollm2`` (the embedded SmolLM2-135M, 30 layers; with ``--random-weights`` a model of its shape with random
-weights, which needs no GGUF: hidden 576, MLP 1536, 9 heads, 3 KV heads, vocabulary 49,152, tied embeddings, and
-random token ids), with TopK skip transcoders of random weights (``--latents`` latents, k = ``--k``) at the first
-``--layers`` MLPs (default: all); or the test suite's ``tiny-llama`` / ``tiny-gpt2`` (ReLU skip transcoders, 64
-latents, at both MLPs, as tests/test_circuits.py builds them). For each: the frozen nodes found, whether the replay
-is the model bit for bit, the graph's size, the seconds of :func:`~gradpatch.circuits.attribute` and the targets per
-backward pass it used (``--batch-size``, made smaller by ``--max-memory`` GiB; the graphs for batches of 2 or more
-rows are extracted before, untimed), its wall-clock and process CPU seconds (all threads; the CPU is shared), its peak memory (CPU: the resident
-memory sampled every 20 ms during the call, and its rise over the resident memory before the call; CUDA: the peak
-of allocated GPU memory above what was allocated before), the exactness of the linearisation over every feature
-node, err = |h − Σ_s A[h, s] − bias(h)| as a fraction of Σ_s |A[h, s]| + |bias(h)| (worst) and of |h| (median;
-share ≤ 1e-4), the replacement and completeness scores and the pruned graph's size (circuit-tracer's default
-thresholds; ``--no-prune`` leaves them out). ``--sweep N`` times N forward passes of the model (batch 1, no
-gradients) each with one active feature ablated (−a W_dec[f] added to its MLP output at its position, which is the
-spliced model with that latent zeroed), and extrapolates to one exact patching sweep over every active feature.
+Models: ``smollm2`` (the embedded SmolLM2-135M, 30 layers; with ``--random-weights`` a model of its shape with
+random weights, which needs no GGUF: hidden 576, MLP 1536, 9 heads, 3 KV heads, vocabulary 49,152, tied embeddings,
+and random token ids), with TopK skip transcoders of random weights (``--latents`` latents, k = ``--k``) at the
+first ``--layers`` MLPs (default: all); or the test suite's ``tiny-llama`` / ``tiny-gpt2`` (ReLU skip transcoders,
+64 latents, at both MLPs, as tests/test_circuits.py builds them). For each: the frozen nodes found, whether the
+replay is the model bit for bit, the graph's size, the seconds of :func:`~gradpatch.circuits.attribute` and the
+targets per backward pass it used (``--batch-size``, made smaller by ``--max-memory`` GiB; the graphs for batches of
+2 or more rows are extracted before, untimed), its wall-clock and process CPU seconds (all threads; the CPU is
+shared), its peak memory (CPU: the resident memory sampled every 20 ms during the call, and its rise over the
+resident memory before the call; CUDA: the peak of allocated GPU memory above what was allocated before), the
+exactness of the linearisation over every feature node, err = |h − Σ_s A[h,s] − bias(h)| as a fraction of Σ_s
+|A[h,s]| + |bias(h)| (worst) and of |h| (median; share ≤ 1e-4), the replacement and completeness scores and the
+pruned graph's size (circuit-tracer's default thresholds; ``--no-prune`` leaves them out). ``--sweep N`` times N
+forward passes of the model (batch 1, no gradients) each with one active feature ablated (−a W_dec[f] added to its
+MLP output at its position, which is the spliced model with that latent zeroed), and extrapolates to one exact
+patching sweep over every active feature.
 
-Run: ``OMP_NUM_THREADS=2 .venv/bin/python benchmarks/circuits.py --model smollm2 --tokens 16 --k 8``
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/circuits.py --model smollm2 --tokens 16 --k 8``; a long prompt
+under a bound: ``... --tokens 256 --layers 4 --k 2 --max-memory 1.0``; on a GPU: ``--random-weights --tokens 1024
+--k 1 --device cuda --max-memory 16 --no-prune`` (docs/circuits.md).
 """
 
 from __future__ import annotations

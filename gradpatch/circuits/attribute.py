@@ -155,7 +155,7 @@ def plan_batch_size(model: ReplacementModel, n_nodes: int, n_targets: int, batch
     if fits < 1:
         raise MemoryBoundError(f"max_memory_bytes={max_memory_bytes} holds no row: one row of {n_nodes} nodes needs "
                                f"{fixed + per_row} bytes ({fixed} whatever the batch, {per_row} per row); raise "
-                               f"the bound, shorten the prompt or splice fewer layers")
+                               f"the bound or shorten the prompt")
     return int(min(batch, fits))
 
 
@@ -166,9 +166,10 @@ def memory_per_row(model: ReplacementModel, n_nodes: int) -> tuple[int, int]:
     Per row: what the forward pass keeps for backward passes and its peak above that (measured,
     :func:`~gradpatch.circuits.backward.measure_saved_bytes`); the kept MLP outputs and embeddings, the gradients
     read from them and the gradients injected (each ``[seq, Σ widths]``); the batch's adjacency row ``[n]``
-    (float32); a chunk of gathered gradients and their products ``2 × [FEATURE_CHUNK, d_out]``; and a backward pass's working gradients,
-    taken as 8 ``[seq, d_model]``. Fixed: what the forward pass keeps whatever the batch, plus the adjacency
-    ``[n, n]`` (float32) when the model is on the CPU (elsewhere the rows are moved to the CPU as they are made).
+    (float32); a chunk of gathered gradients and their products ``2 × [FEATURE_CHUNK, d_out]``; and a backward
+    pass's working gradients, taken as 8 ``[seq, d_model]``. Fixed: what the forward pass keeps whatever the batch,
+    plus the adjacency ``[n, n]`` (float32) when the model is on the CPU (elsewhere the rows are moved to the CPU as
+    they are made).
     """
     saved = measure_saved_bytes(model)
     seq = model.ids.shape[1]
