@@ -15,7 +15,9 @@ exactness of the linearisation over every feature node, err = |h − Σ_s A[h,s]
 pruned graph's size (circuit-tracer's default thresholds; ``--no-prune`` leaves them out). ``--sweep N`` times N
 forward passes of the model (batch 1, no gradients) each with one active feature ablated (−a W_dec[f] added to its
 MLP output at its position, which is the spliced model with that latent zeroed), and extrapolates to one exact
-patching sweep over every active feature.
+patching sweep over every active feature. Position 0 follows circuit-tracer (``attribute``'s
+``zero_first_position``: no feature node there, its contribution in the biases); ``--keep-first-position`` keeps
+position 0's features and errors as nodes.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/circuits.py --model smollm2 --tokens 16 --k 8``; a long prompt
 under a bound: ``... --tokens 256 --layers 4 --k 2 --max-memory 1.0``; on a GPU: ``--random-weights --tokens 1024
@@ -114,11 +116,15 @@ class _PeakMemory:
 
 
 def _exactness(model: ReplacementModel, graph: AttributionGraph) -> dict[str, float]:
-    """err = |h − Σ_s A[h, s] − bias(h)| over every feature node (module docstring)."""
+    """err = |h − Σ_s A[h, s] − bias(h)| over every feature node (module docstring); bias(h): h with every source
+    removed (with ``graph.zero_first_position``, position 0's features and errors are no sources and stay)."""
+    first = int(graph.zero_first_position)
+    deltas = {layer: -(s.constant - s.transcoder.b_dec) for layer, s in model.layers.items()}
+    for delta in deltas.values():
+        delta[:, :first] = 0
     with torch.no_grad():
         full = model.run()
-        bias = model.run(1, {layer: -(s.constant - s.transcoder.b_dec) for layer, s in model.layers.items()},
-                         -model.embeddings)
+        bias = model.run(1, deltas, -model.embeddings)
         features = graph.active_features
         h = torch.cat([torch.zeros(0)] + [full.pre_activations[layer][0][tuple(
             features[features[:, 0] == layer][:, 1:].T)].float().cpu() for layer in graph.layers])
@@ -163,6 +169,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sweep", type=int, default=0, help="forwards timed for the exact sweep's cost")
     parser.add_argument("--no-prune", action="store_true")
+    parser.add_argument("--keep-first-position", action="store_true",
+                        help="position 0's features and errors as nodes (default: circuit-tracer's convention)")
     args = parser.parse_args()
     start = time.perf_counter()
     model = _smollm2(args) if args.model == "smollm2" else _tiny(args.model[5:])
@@ -172,13 +180,15 @@ def main() -> None:
         model.run(2)
     extracted = time.perf_counter() - start
     bound = None if args.max_memory is None else int(args.max_memory * 2**30)
-    n_features = sum(int(s.activations.count_nonzero()) for s in model.layers.values())
+    first = 0 if args.keep_first_position else 1
+    n_features = sum(int(s.activations[:, first:].count_nonzero()) for s in model.layers.values())
     n_nodes = n_features + (len(model.layers) + 1) * model.ids.shape[1] + 10  # at most 10 logits
     fixed, per_row = memory_per_row(model, n_nodes)
     batch = plan_batch_size(model, n_nodes, n_features + 10, args.batch_size, bound)
     with _PeakMemory(args.device) as memory:
         start, cpu = time.perf_counter(), time.process_time()
-        graph = attribute(model, batch_size=args.batch_size, max_memory_bytes=bound)
+        graph = attribute(model, batch_size=args.batch_size, max_memory_bytes=bound,
+                          zero_first_position=not args.keep_first_position)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     n_targets = graph.n_features + len(graph.logit_tokens)
     with torch.no_grad():
@@ -186,6 +196,7 @@ def main() -> None:
     report = {
         "model": args.model + (" (random weights)" if args.random_weights else ""), "device": args.device,
         "tokens": int(model.ids.shape[1]), "layers": len(model.layers),
+        "zero_first_position": graph.zero_first_position,
         "frozen": {"attention": len(model.frozen.attention), "norms": len(model.frozen.norms),
                    "layer_norms": len(model.frozen.layer_norms)},
         "replay_bit_exact": replay, "build_seconds": round(built, 2),

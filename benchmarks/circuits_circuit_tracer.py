@@ -15,12 +15,14 @@ threads; the peak resident memory is that process's.
 The graphs are compared on circuit-tracer's node order, which gradpatch's follows. circuit-tracer zeroes every
 activation and the error vector at position 0 (0.5.0: ``zero_positions = slice(0, 1)``, after prepending a special
 token to a prompt that lacks one; d797c82: when the first token is a special token), so its graph has no
-position-0 feature nodes and its position-0 error nodes have zero edges; gradpatch keeps them. The comparison is on
-the common nodes (features and errors at positions ≥ 1, every token and logit node): targets are the common feature
-and logit rows, sources the common feature, error and token columns. Reported per circuit-tracer side: the feature
-sets (equal or not), the logit nodes, max |A_gradpatch − A_circuit-tracer| over the compared block, the largest
-|A| there, the number of entries differing by more than 1e-4, the worst and median row's max |diff| / max |row|,
-and the largest |A| of circuit-tracer's graph outside the block.
+position-0 feature nodes and its position-0 error nodes have zero edges. gradpatch's ``attribute`` does the same
+by default (``zero_first_position``), and the whole matrices are compared; with ``--keep-first-position`` it keeps
+position 0's nodes and the comparison is on the common nodes (features and errors at positions ≥ 1, every token and
+logit node). Targets are the common feature and logit rows, sources the common feature, error and token columns.
+Reported per circuit-tracer side: the feature sets (equal outright, and equal at positions ≥ 1), the logit nodes,
+max |A_gradpatch − A_circuit-tracer| over the compared block, the largest |A| there, the number of entries
+differing by more than 1e-4, the worst and median row's max |diff| / max |row|, and the largest |A| of each graph
+outside the block.
 
 Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/circuits_circuit_tracer.py --model tiny-llama``
 (``--model tiny-gpt2``; ``--model smollm2 --tokens 16 --k 2 --batch-size 64``); the virtualenvs are options.
@@ -176,7 +178,7 @@ def ours(args: argparse.Namespace, folder: Path) -> None:
     rss_loaded = _rss_gib()
     _reset_peak_rss()
     start, cpu, load = time.perf_counter(), time.process_time(), os.getloadavg()[0]
-    graph = attribute(replacement, batch_size=prompt["batch_size"])
+    graph = attribute(replacement, batch_size=prompt["batch_size"], zero_first_position=not args.keep_first_position)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     save_file({"adjacency": graph.adjacency.contiguous(), "active_features": graph.active_features.contiguous(),
                "activation_values": graph.activations.contiguous(), "logit_tokens": graph.logit_tokens.contiguous(),
@@ -187,16 +189,18 @@ def ours(args: argparse.Namespace, folder: Path) -> None:
         "attribute_cpu_seconds": round(cpu, 2), "load_average_1min": [round(load, 1), round(os.getloadavg()[0], 1)],
         "rss_after_load_gib": round(rss_loaded, 3), "peak_rss_during_attribute_gib": round(_peak_rss_gib(), 3),
         "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-        "torch_threads": torch.get_num_threads()}))
+        "torch_threads": torch.get_num_threads(), "zero_first_position": not args.keep_first_position}))
 
 
 def _node_indices(features: torch.Tensor, layers: int, seq: int, logit_tokens: list[int],
-                  common: list[tuple[int, int, int]], common_logits: list[int]) -> tuple[list[int], list[int]]:
-    """Indices (rows = targets, columns = sources) of the common nodes in one graph's order."""
+                  common: list[tuple[int, int, int]], common_logits: list[int], first: int
+                  ) -> tuple[list[int], list[int]]:
+    """Indices (rows = targets, columns = sources) of the common nodes in one graph's order (error nodes from
+    position ``first``)."""
     where = {tuple(f): i for i, f in enumerate(features.tolist())}
     feature_rows = [where[f] for f in common]
     start = len(features)
-    errors = [start + layer * seq + position for layer in range(layers) for position in range(1, seq)]
+    errors = [start + layer * seq + position for layer in range(layers) for position in range(first, seq)]
     tokens = [start + layers * seq + position for position in range(seq)]
     logits = [start + (layers + 1) * seq + logit_tokens.index(t) for t in common_logits]
     return feature_rows + logits, feature_rows + errors + tokens
@@ -210,7 +214,8 @@ def compare(folder: Path, layers: int, backend: str) -> dict[str, Any]:
     ours_features = {tuple(f) for f in ours_graph["active_features"].tolist()}
     their_features = {tuple(f) for f in theirs["active_features"].tolist()}
     ours_after_0 = {f for f in ours_features if f[1] > 0}
-    common = sorted(ours_after_0 & their_features)
+    zeroed = json.loads((folder / "gradpatch_run.json").read_text())["zero_first_position"]
+    common = sorted(ours_features & their_features)
     our_logits, their_logits = ours_graph["logit_tokens"].tolist(), theirs["logit_tokens"].tolist()
     common_logits = [t for t in our_logits if t in their_logits]
     probabilities = [(float(ours_graph["logit_probabilities"][our_logits.index(t)]),
@@ -220,31 +225,37 @@ def compare(folder: Path, layers: int, backend: str) -> dict[str, Any]:
         "features_gradpatch": len(ours_features),
         "features_gradpatch_at_position_0": len(ours_features) - len(ours_after_0),
         "features_circuit_tracer": len(their_features),
+        "feature_sets_equal": ours_features == their_features,
         "feature_sets_equal_after_position_0": ours_after_0 == their_features,
         "features_only_gradpatch": len(ours_after_0 - their_features),
         "features_only_circuit_tracer": len(their_features - ours_after_0),
         "logits_gradpatch": our_logits, "logits_circuit_tracer": their_logits,
         "logit_probability_max_abs_diff": max((abs(a - b) for a, b in probabilities), default=None)}
-    our_rows, our_cols = _node_indices(ours_graph["active_features"], layers, seq, our_logits, common, common_logits)
+    first = 0 if zeroed else 1  # position 0's error nodes compared where both graphs zero them
+    our_rows, our_cols = _node_indices(ours_graph["active_features"], layers, seq, our_logits, common, common_logits,
+                                       first)
     their_rows, their_cols = _node_indices(theirs["active_features"], layers, seq, their_logits, common,
-                                           common_logits)
+                                           common_logits, first)
     a = ours_graph["adjacency"][our_rows][:, our_cols].double()
     b = theirs["adjacency"][their_rows][:, their_cols].double()
     diff = (a - b).abs()
     row_scale = a.abs().amax(1).clamp_min(1e-30)
     activations_diff = (ours_graph["activation_values"][our_rows[:len(common)]]
                         - theirs["activation_values"][their_rows[:len(common)]]).abs()
-    their_rest = theirs["adjacency"].clone()
+    their_rest, our_rest = theirs["adjacency"].clone(), ours_graph["adjacency"].clone()
     their_rest[torch.tensor(their_rows)[:, None], torch.tensor(their_cols)[None, :]] = 0
+    our_rest[torch.tensor(our_rows)[:, None], torch.tensor(our_cols)[None, :]] = 0
     report.update({
-        "compared_block": list(a.shape),
+        "compared_block": list(a.shape), "shapes": [list(ours_graph["adjacency"].shape),
+                                                    list(theirs["adjacency"].shape)],
         "activation_max_abs_diff": float(activations_diff.max()) if len(common) else 0.0,
         "adjacency_max_abs_diff": float(diff.max()), "adjacency_max_abs": float(a.abs().max()),
         "entries_diff_gt_1e-4": int((diff > 1e-4).sum()), "entries_nonzero": int((a != 0).sum()),
         "worst_row_max_diff_of_row_max": float((diff.amax(1) / row_scale).max()),
         "median_row_max_diff_of_row_max": float((diff.amax(1) / row_scale).median()),
         "logit_rows_max_abs_diff": float(diff[len(common):].max()),
-        "circuit_tracer_max_abs_outside_block": float(their_rest.abs().max())})
+        "circuit_tracer_max_abs_outside_block": float(their_rest.abs().max()),
+        "gradpatch_max_abs_outside_block": float(our_rest.abs().max())})
     return report
 
 
@@ -274,6 +285,9 @@ def main() -> None:
                              "rotary buffers that GPT-2's attention lacks)")
     parser.add_argument("--keep", help="a folder to keep the inputs and the graphs in, reused when run again "
                                        "(default: a temporary one)")
+    parser.add_argument("--keep-first-position", action="store_true",
+                        help="gradpatch keeps position 0's features and errors as nodes (default: circuit-tracer's "
+                             "convention, attribute's zero_first_position)")
     parser.add_argument("--ours", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.backends = args.backends or (["transformerlens"] if args.model == "tiny-gpt2"
@@ -294,7 +308,8 @@ def main() -> None:
                                 else (args.python, ""))
                 _run([python, str(SIDE), "graph", str(folder), backend], {**environment, "PYTHONPATH": path})
         if not (folder / "gradpatch_run.json").exists():
-            _run([sys.executable, __file__, "--model", args.model, "--ours", str(folder)], environment)
+            _run([sys.executable, __file__, "--model", args.model, "--ours", str(folder),
+                  *(["--keep-first-position"] if args.keep_first_position else [])], environment)
         layers = len(load_circuit_tracer(folder / "transcoders" / "config.yaml", *NODES[args.model]))
         prompt = json.loads((folder / "prompt.json").read_text())
         report = {"model": args.model, "tokens": len(prompt["ids"]), "layers": layers,

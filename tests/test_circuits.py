@@ -68,9 +68,19 @@ def graph(replacement) -> AttributionGraph:
     return attribute(replacement, batch_size=32)
 
 
-def _zeroed(replacement: ReplacementModel) -> dict[int, torch.Tensor]:
-    """δ_ℓ that remove every feature's and error's contribution (the MLP output becomes b_dec + skip)."""
-    return {layer: -(spliced.constant - spliced.transcoder.b_dec) for layer, spliced in replacement.layers.items()}
+@pytest.fixture(scope="module")
+def kept(replacement) -> AttributionGraph:
+    """The graph with position 0's features and errors as nodes."""
+    return attribute(replacement, batch_size=32, zero_first_position=False)
+
+
+def _zeroed(replacement: ReplacementModel, first: int = 0) -> dict[int, torch.Tensor]:
+    """δ_ℓ that remove every feature's and error's contribution at positions ≥ ``first`` (the MLP output there
+    becomes b_dec + skip)."""
+    deltas = {layer: -(spliced.constant - spliced.transcoder.b_dec) for layer, spliced in replacement.layers.items()}
+    for delta in deltas.values():
+        delta[:, :first] = 0
+    return deltas
 
 
 def test_frozen_nodes_found_from_the_graph() -> None:
@@ -122,13 +132,16 @@ def test_replacement_model_replays_the_prompt(replacement) -> None:
         assert torch.equal(spliced.activations, spliced.transcoder.encode(spliced.inputs))
 
 
-def test_each_target_is_the_sum_of_its_edges_plus_its_bias(replacement, graph) -> None:
-    """h = Σ_s A[h, s] + bias, the bias being h with every source removed (the frozen model is affine); within
-    1e-4 of the size of the terms summed, Σ_s |A[h, s]| + |bias| (float32 cancellation between large terms)."""
+@pytest.mark.parametrize("zero_first_position", [True, False])
+def test_each_target_is_the_sum_of_its_edges_plus_its_bias(replacement, graph, kept, zero_first_position) -> None:
+    """h = Σ_s A[h, s] + bias, the bias being h with every source removed (the frozen model is affine; with
+    ``zero_first_position`` position 0's features and errors are not sources and stay in the bias); within 1e-4 of
+    the size of the terms summed, Σ_s |A[h, s]| + |bias| (float32 cancellation between large terms)."""
+    graph = graph if zero_first_position else kept
     assert graph.n_features > 50 and len(graph.logit_tokens) >= 1
     with torch.no_grad():
         full = replacement.run()
-        bias = replacement.run(1, _zeroed(replacement), -replacement.embeddings)
+        bias = replacement.run(1, _zeroed(replacement, int(zero_first_position)), -replacement.embeddings)
     targets, biases, rows = [], [], []
     for row, (layer, position, feature) in enumerate(graph.active_features.tolist()):
         targets.append(full.pre_activations[layer][0, position, feature])
@@ -188,6 +201,28 @@ def test_sampled_edges_match_exact_perturbations(replacement, graph) -> None:
         assert abs(_change(replacement, graph, row, {}, embed_delta) - edge) <= 1e-3 * abs(edge)
         checked += 2
     assert checked == 28
+
+
+def test_position_zero_has_no_feature_node_and_no_edges(replacement, graph, kept) -> None:
+    """circuit-tracer's convention (the default): no feature node at position 0, the error nodes at position 0
+    without edges; every other node and edge as in the graph that keeps position 0 (within 1e-5, the batches'
+    targets differ)."""
+    assert graph.zero_first_position and not kept.zero_first_position
+    assert bool((graph.active_features[:, 1] >= 1).all())
+    at_zero = kept.active_features[:, 1] == 0
+    assert int(at_zero.sum()) > 0  # the tiny models have active features at position 0
+    assert torch.equal(graph.active_features, kept.active_features[~at_zero])
+    assert torch.equal(graph.activations, kept.activations[~at_zero])
+    features = (~at_zero).nonzero().squeeze(-1)
+    n_kept = kept.adjacency.shape[0]
+    others = torch.cat([features, torch.arange(kept.error_start, n_kept)])  # rows and columns of graph, in kept
+    assert graph.adjacency.shape == (len(others), len(others))
+    errors_at_zero = [graph.error_start + index * graph.n_pos for index in range(len(graph.layers))]
+    assert not graph.adjacency[:, errors_at_zero].any() and not graph.adjacency[errors_at_zero].any()
+    assert kept.adjacency[:, [kept.error_start + i * kept.n_pos for i in range(len(kept.layers))]].any()
+    expected = kept.adjacency[others][:, others].clone()
+    expected[:, errors_at_zero] = 0
+    torch.testing.assert_close(graph.adjacency, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_batching_does_not_change_the_graph(replacement, graph) -> None:

@@ -25,6 +25,7 @@ from gradpatch.dictionaries import SkipTranscoder, export_circuit_tracer, save_d
 from gradpatch.files.loaders import load_model
 from gradpatch.patches import AddPatch
 from recipes import cli
+from recipes.cli.circuit import with_special_first
 from recipes.testing import save_tiny_backbone
 
 PROMPT = "the capital of France is Paris and the capital of Italy is"
@@ -60,9 +61,11 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "out": out}
 
 
-def _replacement(saved: dict[str, Path]) -> tuple[ReplacementModel, object]:
+def _replacement(saved: dict[str, Path], keep_first_position: bool = False) -> tuple[ReplacementModel, object]:
+    """The CLI's replacement model: a special token prepended to the prompt unless ``keep_first_position``."""
     model, tokenizer = load_model(saved["model"])
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    ids = ids if keep_first_position else with_special_first(ids, tokenizer)
     return ReplacementModel(PatchableGraph(model, ids, use_cache=False), _transcoders(), ids), tokenizer
 
 
@@ -170,6 +173,30 @@ def test_graph_html_shows_every_node_in_a_headless_browser(saved: dict[str, Path
     assert highlighted and all(first["source"] in (a["data-source"], a["data-target"]) for a in highlighted)
 
 
+def test_position_zero_follows_circuit_tracer_unless_kept(saved: dict[str, Path], tmp_path: Path) -> None:
+    """By default a special token is prepended (the tiny tokenizer adds none, and has no BOS: its pad token) and
+    position 0 has no feature node; ``--keep-first-position`` runs the prompt as tokenized, with position 0's
+    nodes (the graph :func:`attribute` gives with ``zero_first_position=False``)."""
+    model, tokenizer = load_model(saved["model"])
+    raw = tokenizer(PROMPT, return_tensors="pt").input_ids
+    assert int(raw[0, 0]) not in tokenizer.all_special_ids
+    assert with_special_first(raw, tokenizer).tolist() == [[tokenizer.pad_token_id, *raw[0].tolist()]]
+    assert torch.equal(with_special_first(with_special_first(raw, tokenizer), tokenizer),
+                       with_special_first(raw, tokenizer))
+    nodes = json.loads((saved["out"] / "nodes.json").read_text())["nodes"]
+    assert all(n["position"] >= 1 for n in nodes if n["kind"] == "feature")
+    assert len([n for n in nodes if n["kind"] == "token"]) == raw.shape[1] + 1
+    out = tmp_path / "kept"
+    assert cli.main(["circuit", "--prompt", PROMPT, "--dictionaries", str(saved["dictionaries"]), "--model",
+                     str(saved["model"]), "--device", "cpu", "--batch-size", "64", "--out", str(out),
+                     "--keep-first-position"]) == 0
+    replacement, _ = _replacement(saved, keep_first_position=True)
+    expected = attribute(replacement, zero_first_position=False)
+    assert int((expected.active_features[:, 1] == 0).sum()) > 0
+    torch.testing.assert_close(load_file(out / "adjacency.safetensors")["adjacency"], expected.adjacency,
+                               rtol=1e-4, atol=1e-5)
+
+
 def test_circuit_tracer_layout_gives_the_same_graph(saved: dict[str, Path], tmp_path: Path) -> None:
     """The config.yaml layout gives the same graph; ``--direct-effects`` runs the edit in the frozen model."""
     out = tmp_path / "ct"
@@ -188,7 +215,7 @@ def test_circuit_tracer_layout_gives_the_same_graph(saved: dict[str, Path], tmp_
 @pytest.fixture(scope="module")
 def tiny(saved: dict[str, Path]) -> tuple[PatchableGraph, dict[int, SkipTranscoder], torch.Tensor]:
     model, tokenizer = load_model(saved["model"])
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    ids = with_special_first(tokenizer(PROMPT, return_tensors="pt").input_ids, tokenizer)  # as the CLI runs it
     return PatchableGraph(model, ids, use_cache=False), _transcoders(), ids
 
 

@@ -5,6 +5,15 @@ Nodes, in circuit-tracer's order: the active features (layer ℓ, position p, fe
 the error nodes (ℓ, p), layer-major; the token embeddings (p); the top output logits at the last position, by
 probability until their cumulative probability reaches ``desired_logit_prob`` (at most ``max_n_logits``).
 
+Position 0 (``zero_first_position``, the default): as circuit-tracer does (0.5.0's ``zero_positions = slice(0, 1)``
+in ``setup_attribution``; commit d797c82's ``zero_bos``), the activations and error vectors at position 0 are taken
+as 0 for the graph: no feature node at position 0, and the error nodes (ℓ, 0) are kept in the layout with a zero
+contribution (no edges in or out). The forward pass is unchanged (the residual stream still carries position 0's
+MLP outputs, as in circuit-tracer, which only zeroes its recorded copies): their contribution is a constant of the
+frozen model, so it joins the targets' biases and every target is still the sum of its incoming edges plus its bias;
+the other nodes' edges do not change. circuit-tracer 0.5.0 also prepends a special token to a prompt that does not
+start with one (``ensure_tokenized``); :func:`attribute` takes the prompt as given (``gradpatch circuit`` prepends).
+
 Edges are direct effects in the local replacement model (:mod:`gradpatch.circuits.replacement`), which is affine,
 so every target is the sum of its sources' contributions plus a constant (biases):
 
@@ -51,6 +60,7 @@ class AttributionGraph:
         adjacency: ``[n, n]``, rows = targets, columns = sources, n = n_features + len(layers)·seq + seq + n_logits.
         nodes: NodePath of each node (a feature's and error's: the MLP output it writes; a token's: the
             embeddings; a logit's: the logits).
+        zero_first_position: position 0's activations and errors were taken as 0 (module docstring).
     """
 
     input_tokens: torch.Tensor
@@ -61,6 +71,7 @@ class AttributionGraph:
     logit_probabilities: torch.Tensor
     adjacency: torch.Tensor
     nodes: list[str] = field(default_factory=list)
+    zero_first_position: bool = False
 
     @property
     def n_features(self) -> int:
@@ -120,7 +131,9 @@ def _edges(model: ReplacementModel, graph: AttributionGraph, sources: dict[int, 
     """The rows ``[batch, n]`` of the adjacency from each row's gradients at the MLP outputs ``[batch, seq, d_out]``
     (layers absent: zero) and the embeddings ``[batch, seq, d_model]``: A[t, s] = g · contribution, for all sources
     of a layer at once (feature sources in chunks of :data:`FEATURE_CHUNK`), as a product and a sum over d, whose
-    rows do not depend on the batch (a batched matmul's rounding does)."""
+    rows do not depend on the batch (a batched matmul's rounding does). With ``graph.zero_first_position`` the
+    error nodes at position 0 get no edges."""
+    first = int(graph.zero_first_position)
     batch = embed_gradient.shape[0]
     rows = torch.zeros(batch, graph.adjacency.shape[1], dtype=torch.float32, device=embed_gradient.device)
     for index, layer in enumerate(graph.layers):
@@ -134,7 +147,7 @@ def _edges(model: ReplacementModel, graph: AttributionGraph, sources: dict[int, 
             edges = (grad[:, found.positions[part]] * directions).sum(-1)
             rows[:, found.columns[part]] = edges * found.activations[part]
         start = graph.error_start + index * graph.n_pos
-        rows[:, start:start + graph.n_pos] = (grad * spliced.errors.float()).sum(-1)
+        rows[:, start + first:start + graph.n_pos] = (grad[:, first:] * spliced.errors[:, first:].float()).sum(-1)
     rows[:, graph.token_start:graph.logit_start] = (embed_gradient.float() * model.embeddings.float()).sum(-1)
     return rows
 
@@ -184,7 +197,8 @@ def memory_per_row(model: ReplacementModel, n_nodes: int) -> tuple[int, int]:
 
 
 def attribute(model: ReplacementModel, *, max_n_logits: int = 10, desired_logit_prob: float = 0.95,
-              batch_size: int = 16, max_memory_bytes: int | None = None) -> AttributionGraph:
+              batch_size: int = 16, max_memory_bytes: int | None = None,
+              zero_first_position: bool = True) -> AttributionGraph:
     """The unpruned attribution graph of ``model``'s prompt (module docstring): one forward pass of ``batch``
     copies of the prompt, then one backward pass per ``batch`` targets.
 
@@ -194,6 +208,9 @@ def attribute(model: ReplacementModel, *, max_n_logits: int = 10, desired_logit_
         batch_size: targets per backward pass (rows of the forward pass), at most.
         max_memory_bytes: a bound on the bytes held on the model's device (:func:`memory_per_row`); the batch is
             made smaller to fit it. ``None``: no bound.
+        zero_first_position: circuit-tracer's convention (module docstring): no feature node at position 0, the
+            error nodes at position 0 without edges, their contributions in the biases. ``False``: position 0's
+            features and errors are nodes like any other position's.
 
     Returns:
         An :class:`AttributionGraph` (adjacency ``[n, n]`` in float32 on the CPU, rows moved there as they are made).
@@ -205,8 +222,10 @@ def attribute(model: ReplacementModel, *, max_n_logits: int = 10, desired_logit_
     if batch_size < 1:
         raise CircuitError(f"batch_size={batch_size}: give at least 1 target per backward pass")
     layers = sorted(model.layers)
+    first = int(zero_first_position)
     found = [torch.cat([torch.full((len(nz), 1), layer), nz], 1)
              for layer in layers for nz in [model.layers[layer].activations[0].nonzero().cpu()]]
+    found = [entries[entries[:, 1] >= first] for entries in found]
     active = torch.cat(found).long() if found else torch.zeros(0, 3, dtype=torch.long)
     activations = torch.cat([torch.zeros(0)] + [model.layers[layer].activations[0][tuple(entries[:, 1:].to(
         model.embeddings.device).T)].float().cpu() for layer, entries in zip(layers, found)])
@@ -217,7 +236,7 @@ def attribute(model: ReplacementModel, *, max_n_logits: int = 10, desired_logit_
                + [Target("logit", 0, 0, t) for t in logit_ids.tolist()])
     batch = plan_batch_size(model, n, len(targets), batch_size, max_memory_bytes)
     graph = AttributionGraph(model.ids[0].cpu(), layers, active, activations.cpu(), logit_ids.cpu(),
-                             logit_p.cpu(), torch.zeros(n, n))
+                             logit_p.cpu(), torch.zeros(n, n), zero_first_position=zero_first_position)
     graph.nodes = ([model.layers[int(l)].output_node for l in active[:, 0].tolist()]
                    + [model.layers[l].output_node for l in layers for _ in range(seq)]
                    + [model.embed] * seq + ["output|logits"] * len(logit_ids))

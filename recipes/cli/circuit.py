@@ -15,6 +15,11 @@ circuit-tracer's frontend format), ``OUT/graph.html`` (one self-contained page),
 nodes and edges as text, a feature-influence image) and, with ``--intervene``, ``OUT/interventions.json`` (the top
 logits before and after). Bad input exits with status 2, the fix on stderr, and writes nothing. See
 docs/circuits.md.
+
+Position 0, as circuit-tracer 0.5.0 does: a prompt whose first token is not a special token gets one prepended (the
+tokenizer's BOS, else its pad, EOS or first special token), and position 0 has no feature nodes and its error nodes
+no edges (:func:`gradpatch.circuits.attribute`'s ``zero_first_position``); positions, ``--intervene``'s included,
+count the prepended token. ``--keep-first-position`` takes the prompt as tokenized and keeps position 0's nodes.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any
 
 from .options import add_device_option, add_model_option, usage_error
 
-__all__ = ["NAME", "parse_edit", "register"]
+__all__ = ["NAME", "parse_edit", "register", "with_special_first"]
 
 NAME = "circuit"
 _EDIT = re.compile(r"(ablate|scale|clamp|steer):(-?\d+):(-?\d+):(\d+)(?:=(-?[0-9.eE+-]+))?")
@@ -54,6 +59,22 @@ def parse_edit(text: str) -> Any:
     except ValueError as error:
         raise ValueError(f"--intervene {text!r}: {value!r} is not a number") from error
     return FeatureEdit(int(layer), int(position), int(feature), kind, number)
+
+
+def with_special_first(ids: Any, tokenizer: Any) -> Any:
+    """``ids`` ``[1, seq]`` with a special token prepended where the first is not one (circuit-tracer 0.5.0's
+    ``ensure_tokenized``: the tokenizer's BOS, else pad, EOS or its first special token; none: ``ids`` as they
+    are)."""
+    import torch
+
+    special = list(tokenizer.all_special_ids)
+    if int(ids[0, 0]) in special:
+        return ids
+    candidates = [tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id, *special]
+    first = next((token for token in candidates if token is not None), None)
+    if first is None:
+        return ids
+    return torch.cat([torch.full((1, 1), int(first), dtype=ids.dtype, device=ids.device), ids], 1)
 
 
 def _check_numbers(args: argparse.Namespace) -> str | None:
@@ -98,6 +119,8 @@ def _run(args: argparse.Namespace) -> int:
         ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
         if ids.shape[1] < 1:
             return usage_error(NAME, "--prompt gave no token; give some text")
+        if not args.keep_first_position:
+            ids = with_special_first(ids, tokenizer)
         with torch.no_grad():  # built on a short prefix: the prompt's length is checked against the context below
             pg = PatchableGraph(model, ids[:, :2], use_cache=False).eval()
         replacement = ReplacementModel(pg, transcoders, ids)
@@ -108,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
         else:
             result = intervene(pg, transcoders, ids, edits, freeze_attention=not args.live_attention, top_k=args.top_k)
         graph = attribute(replacement, max_n_logits=args.max_n_logits, desired_logit_prob=args.desired_logit_prob,
-                          batch_size=args.batch_size)
+                          batch_size=args.batch_size, zero_first_position=not args.keep_first_position)
         total = graph.n_features
         if args.max_feature_nodes is not None:
             graph = limit_features(graph, args.max_feature_nodes, batch_size=args.batch_size)
@@ -162,6 +185,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-n-logits", type=int, default=10, help="logit nodes at most (default %(default)s)")
     p.add_argument("--desired-logit-prob", type=float, default=0.95,
                    help="logit nodes until their probability reaches this (default %(default)s)")
+    p.add_argument("--keep-first-position", action="store_true",
+                   help="take the prompt as tokenized and keep position 0's features and errors as nodes (default: "
+                        "circuit-tracer 0.5.0's convention: a special token prepended where the prompt lacks one, "
+                        "no nodes at position 0)")
     p.add_argument("--input-node", default="model.layers_{layer}.mlp.x", metavar="TEMPLATE",
                    help="NodePath a circuit-tracer transcoder reads, {layer} for the layer (default %(default)s)")
     p.add_argument("--output-node", default="model.layers_{layer}.mlp.output", metavar="TEMPLATE",
