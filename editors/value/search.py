@@ -8,7 +8,9 @@ at the subject's last token of every prompt), ROME minimises::
            + λ_wd · ‖δ‖ / ‖v₀‖²                                              (weight decay, as the reference code)
 
 with ``‖δ‖ ≤ clamp_factor · ‖v₀‖`` enforced after each step (``v₀ = W k* + b``, the output at the averaged
-key), and ``v* = v₀ + δ``. :class:`ValueObjective` computes the terms (``loss(delta) -> dict``); a
+key), and ``v* = v₀ + δ``. Given the update's direction ``u`` (ROME's default), ``δ`` instead enters through the
+rank-one update itself, ``(uᵀ k) δ`` at every token (the model with ``W + δ uᵀ``), so the search optimises what the edit
+will do. :class:`ValueObjective` computes the terms (``loss(delta) -> dict``); a
 :class:`ValueRunner` minimises it. Two runners share that one objective: :func:`optimize_value`, the plain-torch
 loop (Adam, early stop when ``loss < 0.05``; the batched search's loop, :func:`editors.value.loop.search_values`, run
 on a batch of one) that ``editors`` uses when nothing else is given, and
