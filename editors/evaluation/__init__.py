@@ -1,5 +1,6 @@
 """CounterFact evaluation (Meng et al. 2022, section 4.2): cases, their scores (efficacy, paraphrase,
-neighbourhood, and per prompt form of the prompt-form suite) and the loop that edits, scores and restores, one fact or a batch at a time.
+neighbourhood, and per prompt form of the prompt-form suite) and the loop that edits, scores and restores, one fact
+or a batch at a time.
 
 Names are imported on first use (:func:`editors.lazy.lazy_exports`).
 """
