@@ -45,6 +45,7 @@ from .solve.rank_one import update_direction
 from .statistics.corpus import Corpus
 from .statistics.keys import ContextPrefixes, context_activations
 from .statistics.second_moment import SecondMoment
+from .value.rewrite import rewrite_check
 from .value.search import StepCallback, ValueObjective, ValueResult, ValueRunner, optimize_value
 
 __all__ = ["DEFAULT_SMOLLM2_NODE", "ROME", "ROMEConfig"]
@@ -111,7 +112,8 @@ class ROME(Editor):
 
         Returns:
             The :class:`Edit` (not applied); ``edit.info`` holds losses (``first_loss``, ``loss``: the first and last
-            evaluated), ``converged``, steps, norms, timings and ``start_token`` (the token every text was read
+            evaluated), ``converged`` (the search converged and, for a request with ``target_true``, the edit wins on
+            its own rewrite prompt: ``rewrite``, :func:`editors.value.rewrite.rewrite_check`), steps, norms, timings and ``start_token`` (the token every text was read
             after, ``None`` for none: prompt the edited model the same way).
 
         Raises:
@@ -147,6 +149,7 @@ class ROME(Editor):
         objective = ValueObjective(
             self.pg, self.tokenizer, layer, request, templates.subset(c.value_prefixes), v_init,
             kl_factor=c.kl_factor, weight_decay=c.weight_decay, clamp_factor=c.clamp_factor,
+            direction=u.to(device=v_init.device, dtype=v_init.dtype) if c.value_through_update else None,
         )
         result = self.value_runner(objective, steps=c.steps, lr=c.lr, early_stop_loss=c.early_stop_loss,
                                    callback=callback)
@@ -154,7 +157,12 @@ class ROME(Editor):
         t2 = time.perf_counter()
         # v* = W k* + δ, so v = v* - W k* = δ (eq. 2): no weight is read, so quantized layers are edited too
         v = result.delta.detach().to(device=u.device, dtype=torch.float64)
-        info = value_record(result, c.early_stop_loss, ("loss", "nll", "kl", "target_prob")) | {
+        info = value_record(result, c.early_stop_loss, ("loss", "nll", "kl", "target_prob"))
+        rewrite = rewrite_check(self.pg, self.tokenizer, layer, request, u, v)
+        if rewrite is not None and not rewrite["wins"]:
+            info["converged"] = False  # whatever the search's loss did, the edit does not write the fact
+        info |= {
+            "rewrite": rewrite,
             "v_init_norm": float(v_init.norm()),
             "key_norm": float(key.norm()),
             "n_key_prompts": len(contexts),

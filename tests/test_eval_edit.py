@@ -129,6 +129,7 @@ def test_neighborhood_prompts_about_subjects_edited_in_the_group_are_left_out():
     ("memit", ["--batch-size", "2", "--nodes", NODE, "--mom2-update-weight", "7"]),
     ("rome", ["--batch-size", "2", "--sequential", "2", "--node", NODE]),
     ("rome", ["--node", NODE, "--keys-per-context", "--subject-first-key"]),
+    ("rome", ["--node", NODE, "--value-at-subject"]),
 ])
 def test_eval_edit_command(method, extra, tmp_path):
     from recipes.cli import main
@@ -138,7 +139,10 @@ def test_eval_edit_command(method, extra, tmp_path):
     tiny_gpt2(len(tok)).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     cases_file = tmp_path / "cases.json"
-    cases_file.write_text(json.dumps(CASES), encoding="utf-8")
+    forms = [{"subject_first": f"{c['requested_rewrite']['subject']} is where I live", "clause": f"We went, late, to "
+              f"{c['requested_rewrite']['subject']}"} for c in CASES]
+    forms[1].pop("clause")  # a form some cases lack is scored over the cases that have it
+    cases_file.write_text(json.dumps([c | {"form_prompts": f} for c, f in zip(CASES, forms)]), encoding="utf-8")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(list(TOY_SENTENCES) * 4), encoding="utf-8")
     out = tmp_path / "metrics.json"
@@ -156,12 +160,20 @@ def test_eval_edit_command(method, extra, tmp_path):
     assert [c["case_id"] for c in metrics["cases"]] == [0, 1, 2, 3]
     assert all(0.0 <= metrics[k] <= 1.0 for k in ("efficacy_score", "paraphrase_score", "neighborhood_score"))
     assert all(row["edit"]["steps"] is not None for row in metrics["cases"])
+    assert list(metrics["forms"]) == ["subject_first", "clause"]  # each form's score beside the overall ones
+    assert metrics["forms"]["subject_first"]["n"] == 4 and metrics["forms"]["clause"]["n"] == 3
+    for name, form in metrics["forms"].items():
+        having = [row for row in metrics["cases"] if name in row["forms"]]
+        assert form["score"] == pytest.approx(sum(row["forms"][name] for row in having) / len(having))
+        assert form["pre"] == pytest.approx(sum(row["pre"]["forms"][name] for row in having) / len(having))
     expected = {"file": str(preserve), "n_facts": 2, "weight": 2.0} if "--preserve" in extra else None
     assert metrics["preserved"] == expected
     settings = metrics["settings"]
     assert settings["keys"].startswith("per context" if "--keys-per-context" in extra else "averaged")
     if method == "rome":
         assert metrics["config"]["subject_first_key"] is ("--subject-first-key" in extra)
+        assert metrics["config"]["value_through_update"] is ("--value-at-subject" not in extra)
+        assert all(set(row["edit"]["rewrite"]) == {"logp_new", "logp_true", "wins"} for row in metrics["cases"])
         assert "mom2_update_weight" not in settings
     else:
         assert metrics["config"]["true_logit_weight"] == (0.5 if "--true-logit-weight" in extra else 0.0)

@@ -166,6 +166,15 @@ class Edit:
         if self.info.get("converged") is False and not allow_unconverged:
             first, last = (f"{x:.4g}" if isinstance(x, float) else x for x in (self.info.get("first_loss"),
                                                                                self.info.get("loss")))
+            rewrite = self.info.get("rewrite")
+            if isinstance(rewrite, dict) and rewrite.get("wins") is False:
+                raise EditNotConvergedError(
+                    f"The edit of {self.node} loses on its own rewrite prompt {self.request.text!r} (log P(new) "
+                    f"{rewrite['logp_new']:.3g} <= log P(true) {rewrite['logp_true']:.3g}; the value search's loss "
+                    f"{first} -> {last} in {self.info.get('steps')} steps), so it was not applied: edit at another "
+                    f"layer (--node), give the search more room (clamp_factor, steps), or pass allow_unconverged=True "
+                    f"to apply it anyway"
+                )
             raise EditNotConvergedError(
                 f"The value search of the edit of {self.node} did not converge (loss {first} -> {last} in "
                 f"{self.info.get('steps')} steps), so it was not applied: compute it again with more steps or a "

@@ -1,5 +1,6 @@
 """CounterFact evaluation (Meng et al. 2022, section 4.2): cases, their scores (efficacy, paraphrase,
-neighbourhood) and the loop that edits, scores and restores, one fact or a batch at a time.
+neighbourhood, and per prompt form of the prompt-form suite) and the loop that edits, scores and restores, one fact
+or a batch at a time.
 
 Names are imported on first use (:func:`editors.lazy.lazy_exports`).
 """
@@ -13,7 +14,11 @@ _EXPORTS: dict[str, str] = {
     "CounterFactCase": "counterfact",
     "load_cases": "counterfact",
     "save_cases": "counterfact",
+    "FORMS": "forms",
+    "candidate_forms": "forms",
+    "known_forms": "forms",
     "EDIT_INFO_KEYS": "scores",
+    "form_summary": "scores",
     "case_row": "scores",
     "evaluate_cases": "sequential",
     "mentions_subject": "scores",

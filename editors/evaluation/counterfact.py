@@ -8,8 +8,11 @@ A case is the JSON record::
                            "target_new": {"str": "London"}, "target_true": {"str": "Paris"},
                            "relation_id": "P36"},
      "paraphrase_prompts": ["France's capital city is", ...],
-     "neighborhood_prompts": ["The Eiffel Tower is located in the city of", ...]}
+     "neighborhood_prompts": ["The Eiffel Tower is located in the city of", ...],
+     "form_prompts": {"subject_first": "France's capital is", ...}}
 
+``form_prompts`` (optional, not in CounterFact) holds the same rewrite in other prompt forms, named by form
+(:mod:`editors.evaluation.forms`); each should now prefer ``target_new``, and the evaluation scores each form apart.
 Targets are stored without a leading space and scored as ``prompt + " " + target``.
 """
 
@@ -36,12 +39,15 @@ class CounterFactCase:
         request: the rewrite.
         paraphrase_prompts: other phrasings of the rewritten fact (should now prefer ``target_new``).
         neighborhood_prompts: prompts about other subjects whose answer is ``target_true`` (should keep it).
+        form_prompts: form name -> the rewrite prompt in that form, subject filled in (should now prefer
+            ``target_new``; :mod:`editors.evaluation.forms`).
     """
 
     case_id: int | str
     request: EditRequest
     paraphrase_prompts: tuple[str, ...] = field(default_factory=tuple)
     neighborhood_prompts: tuple[str, ...] = field(default_factory=tuple)
+    form_prompts: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, record: Mapping[str, Any]) -> "CounterFactCase":
@@ -51,21 +57,28 @@ class CounterFactCase:
         request = EditRequest.from_dict(record["requested_rewrite"])
         if not request.target_true:
             raise ValueError(f"Case {record.get('case_id', '?')}: evaluation needs requested_rewrite.target_true")
+        forms = record.get("form_prompts", {})
+        if not isinstance(forms, Mapping) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                                     for k, v in forms.items()):
+            raise ValueError(f"Case {record.get('case_id', '?')}: form_prompts must map form names to prompts "
+                             f"(strings with the subject filled in), got {forms!r}")
         return cls(
             case_id=record.get("case_id", 0),
             request=request,
             paraphrase_prompts=tuple(record.get("paraphrase_prompts", ())),
             neighborhood_prompts=tuple(record.get("neighborhood_prompts", ())),
+            form_prompts=dict(forms),
         )
 
     def to_dict(self) -> dict[str, Any]:
         """The CounterFact JSON record."""
-        return {
+        record = {
             "case_id": self.case_id,
             "requested_rewrite": self.request.to_dict(),
             "paraphrase_prompts": list(self.paraphrase_prompts),
             "neighborhood_prompts": list(self.neighborhood_prompts),
         }
+        return record | ({"form_prompts": dict(self.form_prompts)} if self.form_prompts else {})
 
 
 def load_cases(source: str | os.PathLike[str] | Iterable[Mapping[str, Any]]) -> list[CounterFactCase]:

@@ -3,7 +3,8 @@
 
 - efficacy: ``P(new) > P(true)`` on the rewrite prompt;
 - paraphrase: the fraction of paraphrase prompts with ``P(new) > P(true)``;
-- neighbourhood: the fraction of neighbourhood prompts with ``P(true) > P(new)``.
+- neighbourhood: the fraction of neighbourhood prompts with ``P(true) > P(new)``;
+- forms: per prompt form of the case (``form_prompts``, :mod:`editors.evaluation.forms`), ``P(new) > P(true)``.
 
 The scores are means over cases.
 """
@@ -23,11 +24,12 @@ from ..passes.scoring import mean_target_logprobs
 from ..passes.selected_logits import target_logprobs_at
 from .counterfact import CounterFactCase
 
-__all__ = ["EDIT_INFO_KEYS", "case_row", "mentions_subject", "neighborhood_fraction", "score_case",
+__all__ = ["EDIT_INFO_KEYS", "case_row", "form_summary", "mentions_subject", "neighborhood_fraction", "score_case",
            "score_cases", "score_summary"]
 
 #: The fields of an edit's ``info`` (its value search) that a case row keeps under ``"edit"``.
-EDIT_INFO_KEYS = ("steps", "converged", "loss", "nll", "kl", "target_prob", "delta_norm", "v_init_norm", "timings_s")
+EDIT_INFO_KEYS = ("steps", "converged", "loss", "nll", "kl", "target_prob", "delta_norm", "v_init_norm", "timings_s",
+                  "rewrite")
 
 
 def score_cases(pg: nn.Module, tokenizer: Any, cases: Sequence[CounterFactCase], batch_size: int = 64
@@ -42,11 +44,13 @@ def score_cases(pg: nn.Module, tokenizer: Any, cases: Sequence[CounterFactCase],
 
     Returns:
         One row per case: ``efficacy`` (0/1), ``paraphrase`` and ``neighborhood`` (fractions, ``None`` without such
-        prompts), and the mean log-probabilities ``logp_new`` / ``logp_true`` per prompt group (``rewrite``,
-        ``paraphrase``, ``neighborhood``).
+        prompts), ``forms`` (form name -> 0/1, ``P(new) > P(true)`` on the case's prompt in that form), and the mean
+        log-probabilities ``logp_new`` / ``logp_true`` per prompt group (``rewrite``, ``paraphrase``,
+        ``neighborhood``, ``forms``).
     """
     groups_of = [{"rewrite": [c.request.text], "paraphrase": list(c.paraphrase_prompts),
-                  "neighborhood": list(c.neighborhood_prompts)} for c in cases]
+                  "neighborhood": list(c.neighborhood_prompts), "forms": list(c.form_prompts.values())}
+                 for c in cases]
     prompts, targets = [], []
     for case, groups in zip(cases, groups_of):
         for target in (case.request.target_new, case.request.target_true):
@@ -60,7 +64,7 @@ def score_cases(pg: nn.Module, tokenizer: Any, cases: Sequence[CounterFactCase],
         scores = mean_target_logprobs(lambda ids: pg(ids.to(device), use_cache=False), tokenizer, prompts, targets,
                                       batch_size=batch_size).tolist()
     rows, i = [], 0
-    for groups in groups_of:
+    for case, groups in zip(cases, groups_of):
         row: dict[str, Any] = {"logp_new": {}, "logp_true": {}}
         for which in ("logp_new", "logp_true"):
             for name, group in groups.items():
@@ -69,6 +73,8 @@ def score_cases(pg: nn.Module, tokenizer: Any, cases: Sequence[CounterFactCase],
         row["efficacy"] = _fraction(row, "rewrite", True)
         row["paraphrase"] = _fraction(row, "paraphrase", True)
         row["neighborhood"] = _fraction(row, "neighborhood", False)
+        row["forms"] = {name: float(new > true) for name, new, true in
+                        zip(case.form_prompts, row["logp_new"]["forms"], row["logp_true"]["forms"])}
         rows.append(row)
     return rows
 
@@ -113,9 +119,9 @@ def case_row(case: CounterFactCase, pre: Mapping[str, Any], post: Mapping[str, A
     return {"case_id": case.case_id, "subject": request.subject, "prompt": request.text,
             "target_true": request.target_true, "target_new": request.target_new,
             "efficacy": post["efficacy"], "paraphrase": post["paraphrase"],
-            "neighborhood": neighborhood_fraction(post, keep),
+            "neighborhood": neighborhood_fraction(post, keep), "forms": post["forms"],
             "pre": {"efficacy": pre["efficacy"], "paraphrase": pre["paraphrase"],
-                    "neighborhood": neighborhood_fraction(pre, keep)},
+                    "neighborhood": neighborhood_fraction(pre, keep), "forms": pre["forms"]},
             "logp": {"pre": {"new": pre["logp_new"], "true": pre["logp_true"]},
                      "post": {"new": post["logp_new"], "true": post["logp_true"]}}}
 
@@ -139,3 +145,18 @@ def score_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
     """``{"efficacy_score", "paraphrase_score", "neighborhood_score"}``: the means over ``rows`` of their
     ``efficacy`` / ``paraphrase`` / ``neighborhood`` (rows without a score are left out; ``None`` if none has one)."""
     return {f"{name}_score": _mean([row[name] for row in rows]) for name in ("efficacy", "paraphrase", "neighborhood")}
+
+
+def form_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float | int | None]]:
+    """Per prompt form (:mod:`editors.evaluation.forms`), over the :func:`case_row` rows that have it: ``{"score"``
+    (the fraction of cases whose prompt in that form prefers ``target_new`` after the edit), ``"pre"`` (the same
+    before), ``"n"`` (cases)``}``; forms in the order first met, ``{}`` when no case has form prompts."""
+    names: dict[str, None] = {}
+    for row in rows:
+        names.update(dict.fromkeys(row.get("forms", {})))
+    summary: dict[str, dict[str, float | int | None]] = {}
+    for name in names:
+        having = [row for row in rows if name in row.get("forms", {})]
+        summary[name] = {"score": _mean([row["forms"][name] for row in having]),
+                         "pre": _mean([row["pre"]["forms"][name] for row in having]), "n": len(having)}
+    return summary

@@ -29,7 +29,7 @@ from ..edits.batch import BatchEdit
 from ..edits.edit import Edit, restore_edits
 from ..requests import EditRequest
 from .counterfact import CounterFactCase
-from .scores import EDIT_INFO_KEYS, case_row, mentions_subject, score_cases, score_summary
+from .scores import EDIT_INFO_KEYS, case_row, form_summary, mentions_subject, score_cases, score_summary
 
 __all__ = ["AppliedBatch", "BatchApplier", "batch_applier", "evaluate_cases", "evaluate_sequential", "rome_applier"]
 
@@ -109,9 +109,11 @@ def evaluate_sequential(
 
     Returns:
         ``{"efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases", "pre", "batch_size", "sequential",
-        "batches", "seconds_per_batch", "cases", "neighborhood_prompts_left_out"}``: ``pre`` the scores before any
-        edit; ``batches`` one record per batch (group, facts, seconds, the editor's record); each case row as
-        :func:`~editors.evaluation.scores.case_row` writes it, with its batch, group and ``neighborhood_left_out`` (above). The
+        "batches", "seconds_per_batch", "cases", "neighborhood_prompts_left_out", "forms"}``: ``pre`` the scores
+        before any edit; ``forms`` the scores per prompt form of the cases' ``form_prompts``
+        (:func:`~editors.evaluation.scores.form_summary`, ``{}`` without any); ``batches`` one record per batch
+        (group, facts, seconds, the editor's record); each case row as :func:`~editors.evaluation.scores.case_row`
+        writes it, with its batch, group and ``neighborhood_left_out`` (above). The
         weights end as they began.
 
     Raises:
@@ -156,6 +158,7 @@ def evaluate_sequential(
                 bar.note(f"group {g // sequential + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()
                                                                      if v is not None))
     return {**score_summary(rows), "n_cases": len(rows), "pre": score_summary([r["pre"] for r in rows]),
+            "forms": form_summary(rows),
             "neighborhood_prompts_left_out": sum(r["neighborhood_left_out"] for r in rows), "batch_size": batch_size,
             "sequential": sequential, "batches": records, "seconds_per_batch": [r["seconds"] for r in records],
             "cases": rows}

@@ -8,7 +8,9 @@ at the subject's last token of every prompt), ROME minimises::
            + λ_wd · ‖δ‖ / ‖v₀‖²                                              (weight decay, as the reference code)
 
 with ``‖δ‖ ≤ clamp_factor · ‖v₀‖`` enforced after each step (``v₀ = W k* + b``, the output at the averaged
-key), and ``v* = v₀ + δ``. :class:`ValueObjective` computes the terms (``loss(delta) -> dict``); a
+key), and ``v* = v₀ + δ``. Given the update's direction ``u`` (ROME's default), ``δ`` instead enters through the
+rank-one update itself, ``(uᵀ k) δ`` at every token (the model with ``W + δ uᵀ``), so the search optimises what the edit
+will do. :class:`ValueObjective` computes the terms (``loss(delta) -> dict``); a
 :class:`ValueRunner` minimises it. Two runners share that one objective: :func:`optimize_value`, the plain-torch
 loop (Adam, early stop when ``loss < 0.05``; the batched search's loop, :func:`editors.value.loop.search_values`, run
 on a batch of one) that ``editors`` uses when nothing else is given, and
@@ -35,6 +37,7 @@ from gradpatch import AddPatch
 from gradpatch.finite import StepGuard
 from gradpatch.model_io import model_device, pad_token_id, right_pad
 
+from ..edits.patches import KeyCapture, LowRankAdd
 from ..layers import LinearLayer
 from ..passes.selected_logits import logits_at, output_embedding_input_node
 from ..passes.token_log_probs import token_log_probs
@@ -144,6 +147,13 @@ class ValueObjective:
         weight_decay: λ_wd (1e-3; the reference code uses 0.5 for GPT-2 XL and 1e-3 for Llama).
         clamp_factor: maximum ``‖δ‖ / ‖v₀‖`` (4).
         kl_prompts: templates of the essence prompts (default ``["{} is a"]``).
+        direction: ``u`` ``[d_in]`` of the rank-one update the edit will write (eq. 2, ``W' = W + δ uᵀ``): ``δ``
+            then enters every forward pass through that update, changing the output at every token of every prompt
+            by ``(uᵀ k) δ`` for the token's key ``k``, exactly as the applied edit will. ``None``: ``δ`` is added at
+            the subject's last token of every prompt (the paper's search), which assumes ``uᵀ k = 1`` there; where a
+            prompt's key is far from ``k*`` (a subject right after the start token: ``uᵀ k`` was 0.34 for "Kyoto is
+            located in the country of", 0.21 for "Cristiano Ronaldo is a professional", docs/rome.md) the search then
+            met its target on a prompt the edit moves by a third of ``δ``.
     """
 
     def __init__(
@@ -158,8 +168,10 @@ class ValueObjective:
         weight_decay: float = 1e-3,
         clamp_factor: float = 4.0,
         kl_prompts: tuple[str, ...] = (KL_PROMPT,),
+        direction: torch.Tensor | None = None,
     ) -> None:
         self.pg, self.layer, self.request = pg, layer, request
+        self.direction = None if direction is None else direction.detach()
         self.kl_factor, self.weight_decay, self.clamp_factor = kl_factor, weight_decay, clamp_factor
         self.v_init = v_init.detach()
         self.device = model_device(pg)
@@ -193,9 +205,13 @@ class ValueObjective:
     def _logits(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits at the target tokens' positions ``[n_target_tokens, vocab]`` and at the KL prompts' last positions
         ``[n_kl, vocab]`` (the output embedding runs there only: :func:`editors.passes.selected_logits.logits_at`)."""
-        patch = AddPatch(value=delta, slice=self.patch_index)
-        logits = logits_at(self.pg, self.input_ids, self.read_rows, self.read_cols, {self.layer.output_node: patch},
-                           head_node=self.head_node)
+        if self.direction is None:
+            patches: dict[str, Any] = {self.layer.output_node: AddPatch(value=delta, slice=self.patch_index)}
+        else:  # through the rank-one update: (uᵀ k) δ at every token, as W + δ uᵀ
+            capture = KeyCapture()
+            patches = {self.layer.input_node: [capture],
+                       self.layer.output_node: [LowRankAdd(capture=capture, u=self.direction, v=delta)]}
+        logits = logits_at(self.pg, self.input_ids, self.read_rows, self.read_cols, patches, head_node=self.head_node)
         targets, kl = logits.split([len(self.target_tokens), len(self.kl_rows)])
         return targets, kl
 

@@ -12,7 +12,8 @@ The first ``--n-cases`` cases are cut into batches of ``--batch-size`` facts; ``
 after another (each computed on the model the earlier ones left) before the group's cases are scored and the weights
 restored (:func:`editors.evaluation.sequential.evaluate_sequential`). ROME edits a batch's facts one by one (rank-one
 edits, the plain-torch value runner); MEMIT and AlphaEdit a batch at once. The JSON has ``eval-rome``'s fields
-(``efficacy_score``, ``paraphrase_score``, ``neighborhood_score``, ``n_cases``, ``pre``, ``cases``) plus ``batches``,
+(``efficacy_score``, ``paraphrase_score``, ``neighborhood_score``, ``n_cases``, ``pre``, ``cases``) plus ``forms``
+(per prompt form of a suite's ``form_prompts``, :mod:`editors.evaluation.forms`: ``score``, ``pre``, ``n``), ``batches``,
 ``seconds_per_batch`` and ``neighborhood_prompts_left_out`` (neighbourhood prompts naming a subject edited in the same
 group are not scored). Every text is edited and scored after the editor's start token (``--start-token``; the
 editor's ``tokenizer``), which ``settings.start_token`` records.
@@ -83,6 +84,9 @@ def evaluate_edits(args: argparse.Namespace) -> dict[str, Any] | int:
     if args.subject_first_key and (args.method != "rome" or not args.keys_per_context):
         return usage_error(command, "--subject-first-key applies to ROME with --keys-per-context; add "
                                     "--method rome --keys-per-context or drop it")
+    if args.value_at_subject and args.method != "rome":
+        return usage_error(command, "--value-at-subject applies to ROME (MEMIT's batched search adds δ at the subject "
+                                    "already); drop it or add --method rome")
     if args.true_logit_weight and args.method == "rome":
         return usage_error(command, "--true-logit-weight applies to MEMIT and AlphaEdit; drop it for ROME")
     if not args.preserve_weight > 0:
@@ -112,7 +116,7 @@ def evaluate_edits(args: argparse.Namespace) -> dict[str, Any] | int:
                                  sequential=args.sequential, after_group=editor.forget, progress=not args.quiet)
     t3 = time.perf_counter()
     return {key: result[key] for key in ("efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases",
-                                         "pre", "neighborhood_prompts_left_out")} | {
+                                         "pre", "forms", "neighborhood_prompts_left_out")} | {
         "method": args.method,
         "nodes": nodes,
         "model": args.model or "embedded:SmolLM2-135M-Instruct",
@@ -138,7 +142,13 @@ def write_metrics(args: argparse.Namespace, result: dict[str, Any]) -> int:
           f"neighborhood {result['neighborhood_score']:.3f}  ({result['n_cases']} cases; before the edits "
           f"{result['pre']['efficacy_score']:.3f} / {result['pre']['paraphrase_score']:.3f} / "
           f"{result['pre']['neighborhood_score']:.3f}) -> {out}")
+    for name, form in result.get("forms", {}).items():
+        print(f"  form {name}: {_score(form['score'])} ({form['n']} cases; before the edits {_score(form['pre'])})")
     return 0
+
+
+def _score(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -148,7 +158,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
                                 "progress": not args.quiet, "allow_unconverged": True,
                                 "keys_per_context": args.keys_per_context} | start_token_setting(args)
     if args.method == "rome":
-        return settings | {"subject_first_key": args.subject_first_key}
+        return settings | {"subject_first_key": args.subject_first_key,
+                           "value_through_update": not args.value_at_subject}
     settings |= {"mom2_update_weight": args.mom2_update_weight, "mom2_relative_weight": args.mom2_relative_weight,
                  "value_dtype": args.value_dtype, "true_logit_weight": args.true_logit_weight}
     if args.nullspace_threshold is not None:
@@ -236,6 +247,9 @@ def add_evaluation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--subject-first-key", action="store_true",
                    help="ROME with --keys-per-context: also solve for the key of the subject at the start of the "
                         "text (prompts that begin with a one-token subject)")
+    p.add_argument("--value-at-subject", action="store_true",
+                   help="ROME: search the value with δ added at the subject's last token (the paper's search) instead "
+                        "of through the rank-one update the edit writes (the default; docs/rome.md)")
     p.add_argument("--value-dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="MEMIT/AlphaEdit: run the batched value search on a copy of the model in this dtype "
                         "(bfloat16 on a float32 model on CPU: faster; default: the model itself)")
