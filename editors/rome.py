@@ -113,8 +113,9 @@ class ROME(Editor):
         Returns:
             The :class:`Edit` (not applied); ``edit.info`` holds losses (``first_loss``, ``loss``: the first and last
             evaluated), ``converged`` (the search converged and, for a request with ``target_true``, the edit wins on
-            its own rewrite prompt: ``rewrite``, :func:`editors.value.rewrite.rewrite_check`), steps, norms, timings and ``start_token`` (the token every text was read
-            after, ``None`` for none: prompt the edited model the same way).
+            its own rewrite prompt: ``rewrite``, :func:`editors.value.rewrite.rewrite_check`), steps, norms, timings
+            and ``start_token`` (the token every text was read after, ``None`` for none: prompt the edited model the
+            same way).
 
         Raises:
             EditError: the graph is in training mode.

@@ -1,6 +1,6 @@
 """Attribution graphs (gradpatch.circuits) on the tiny Llama (SDPA and eager attention) and the tiny GPT-2 with
-random skip transcoders at both MLPs: the frozen nodes found from the graph, the exactness of the linearisation (each target = Σ incoming edges + its
-bias; sampled edges = exact perturbations of the frozen model), bad input, pruning, scores and files."""
+random skip transcoders at both MLPs: the frozen nodes found from the graph, the exactness of the linearisation
+(each target = Σ incoming edges + its bias; sampled edges = exact perturbations of the frozen model), bad input, pruning, scores and files."""
 
 from __future__ import annotations
 

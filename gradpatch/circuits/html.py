@@ -3,7 +3,8 @@ network, nothing fetched), to look at without installing circuit-tracer's fronte
 
 The page draws the nodes of ``graph.json`` (circuit-tracer's frontend format, :func:`~gradpatch.circuits.files.
 frontend_graph`) on a grid: one column per prompt position, one row per layer that has a node, the token embeddings
-at the bottom and the logits at the top; its links are lines, blue for positive and red for negative weights, wider for larger |weight|.
+at the bottom and the logits at the top; its links are lines, blue for positive and red for negative weights, wider
+for larger |weight|.
 Every node carries its label (:func:`node_label`: layer, feature, position and token) as a tooltip and in the table
 below the drawing, which also gives its activation and influence. Clicking a node highlights its links.
 """
