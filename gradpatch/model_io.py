@@ -1,25 +1,43 @@
 """What a model takes and gives, whatever wraps it: the model behind a :class:`~gradpatch.PatchableGraph`, the
-device and dtype its inputs need, the logits in its output, and right- and left-padded token batches.
+device and dtype its inputs need, the logits in its output, right- and left-padded token batches, and its parameters
+frozen for a block.
 
 General helpers the editors and the recipes share; nothing here knows about edits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["call_left_padded", "left_pad", "logits_of", "model_device", "model_dtype", "pad_token_id", "right_pad",
-           "wrapped_model"]
+__all__ = ["call_left_padded", "frozen_parameters", "left_pad", "logits_of", "model_device", "model_dtype",
+           "pad_token_id", "right_pad", "wrapped_model"]
 
 
 def wrapped_model(target: nn.Module) -> nn.Module:
     """The model behind a :class:`gradpatch.PatchableGraph` (its parameters are shared), or ``target`` itself."""
     inner = getattr(target, "wrapped_model", None)
     return inner if isinstance(inner, nn.Module) else target
+
+
+@contextlib.contextmanager
+def frozen_parameters(*modules: nn.Module) -> Iterator[None]:
+    """Turn off ``requires_grad`` on every parameter of ``modules`` (a PatchableGraph's: its model's) for the block,
+    so that autograd keeps only what gradients with respect to activations or patch values need; restore each
+    parameter's flag after."""
+    params = [p for module in modules for p in wrapped_model(module).parameters()]
+    flags = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in zip(params, flags):
+            p.requires_grad_(flag)
 
 
 def model_device(target: nn.Module) -> torch.device:

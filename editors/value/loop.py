@@ -12,9 +12,8 @@ per step, by ``recipes.rome_value.LightningValueRunner``. The early stop (a fact
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -22,27 +21,13 @@ import torch
 from torch import nn
 
 from gradpatch.finite import StepGuard
-from gradpatch.model_io import wrapped_model
+from gradpatch.model_io import frozen_parameters
 
 __all__ = ["BatchStepCallback", "FactsObjective", "ValueResult", "ValueSearch", "check_learning_rate",
            "frozen_parameters", "run_search", "search_values"]
 
 #: ``callback(step, {fact: terms})``: called once per step with the terms (floats) of every fact evaluated.
 BatchStepCallback = Callable[[int, dict[int, dict[str, float]]], None]
-
-
-@contextlib.contextmanager
-def frozen_parameters(model: nn.Module) -> Iterator[None]:
-    """Turn off ``requires_grad`` on every parameter for the block (only the delta gets gradients), then restore."""
-    params = list(wrapped_model(model).parameters())
-    flags = [p.requires_grad for p in params]
-    try:
-        for p in params:
-            p.requires_grad_(False)
-        yield
-    finally:
-        for p, flag in zip(params, flags):
-            p.requires_grad_(flag)
 
 
 @dataclass

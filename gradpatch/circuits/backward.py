@@ -19,14 +19,14 @@ during the forward pass, so that autograd keeps only what the gradients with res
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..layouts import logits_input
+from ..model_io import frozen_parameters
 from ..patches import CustomPatch, Patch
 from .replacement import ReplacementModel
 
@@ -60,20 +60,6 @@ class _Held:
         return value
 
 
-@contextlib.contextmanager
-def _frozen_parameters(model: ReplacementModel) -> Iterator[None]:
-    """The model's and transcoders' parameters without ``requires_grad`` (restored after)."""
-    modules = [model.pg.wrapped_model, *(spliced.transcoder for spliced in model.layers.values())]
-    parameters = [p for module in modules for p in module.parameters() if p.requires_grad]
-    for parameter in parameters:
-        parameter.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for parameter in parameters:
-            parameter.requires_grad_(True)
-
-
 class RetainedForward:
     """The replacement model's forward pass on ``batch`` copies of the prompt, kept for backward passes.
 
@@ -100,7 +86,7 @@ class RetainedForward:
         cut = logits_input(model.pg)
         if cut is not None:
             patches.setdefault(cut, []).append(CustomPatch(custom_op=_Held(last=True), requires_clone=False))
-        with torch.enable_grad(), _frozen_parameters(model):
+        with torch.enable_grad(), frozen_parameters(model.pg, *(s.transcoder for s in model.layers.values())):
             run = model.run(batch, patches=patches)
             self.logits = run.logits[:, -1].clone()  # not a view: the full logits are not kept
         self.inputs = run.inputs
