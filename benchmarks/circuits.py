@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from gradpatch import PatchableGraph, testing
-from gradpatch.circuits import AttributionGraph, ReplacementModel, attribute, graph_scores, prune_graph
+from gradpatch.circuits import (AttributionGraph, ReplacementModel, attribute, graph_influence, graph_scores,
+                                prune_graph)
 from gradpatch.circuits.attribute import memory_per_row, plan_batch_size
 from gradpatch.dictionaries import SkipTranscoder
 from gradpatch.patches import AddPatch
@@ -212,8 +213,9 @@ def main() -> None:
         "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         **_exactness(model, graph)}
     if not args.no_prune:
-        pruned = prune_graph(graph)
-        replacement, completeness = graph_scores(graph)
+        unpruned = graph_influence(graph)
+        pruned = prune_graph(graph, unpruned=unpruned)
+        replacement, completeness = graph_scores(graph, unpruned)
         report.update({"replacement_score": replacement, "completeness_score": completeness,
                        "pruned_nodes": int(pruned.node_mask.sum()), "pruned_edges": int(pruned.edge_mask.sum())})
     if args.sweep:

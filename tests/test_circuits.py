@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from gradpatch import PatchableGraph, testing
 from gradpatch.circuits import (AttributionGraph, CircuitError, FrozenNodesNotFoundError, ReplacementModel,
-                                attribute, compute_influence, find_frozen_nodes, graph_scores, normalize_matrix,
-                                prune_graph, save_graph)
+                                attribute, compute_influence, find_frozen_nodes, graph_influence, graph_scores,
+                                normalize_matrix, prune_graph, save_graph)
 from gradpatch.dictionaries import SkipTranscoder, SparseAutoencoder
 from gradpatch.errors import FingerprintMismatchError
 
@@ -248,6 +248,10 @@ def test_pruning_and_scores(graph) -> None:
         prune_graph(graph, node_threshold=1.5)
     replacement_score, completeness = graph_scores(graph)
     assert 0.0 <= replacement_score <= 1.0 and 0.0 <= completeness <= 1.0
+    unpruned = graph_influence(graph)  # computed once and handed over: the same masks and scores
+    again = prune_graph(graph, unpruned=unpruned)
+    assert torch.equal(again.node_mask, pruned.node_mask) and torch.equal(again.edge_mask, pruned.edge_mask)
+    assert graph_scores(graph, unpruned) == (replacement_score, completeness)
 
 
 def test_files(graph, tmp_path) -> None:

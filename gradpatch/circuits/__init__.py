@@ -19,7 +19,8 @@ from .freeze import FrozenLayerNorm, FrozenNodes, find_frozen_nodes
 from .html import graph_html, node_label
 from .intervene import EDIT_KINDS, FeatureEdit, InterventionResult, intervene, intervene_direct, top_logits
 from .paths import check_paths
-from .prune import PruneResult, compute_influence, graph_scores, logit_weights, normalize_matrix, prune_graph
+from .prune import (GraphInfluence, PruneResult, compute_influence, graph_influence, graph_scores, logit_weights,
+                    normalize_matrix, prune_graph)
 from .replacement import ReplacementModel, ReplacementRun, SplicedLayer
 from .select import limit_features, visit_order
 from .transcoders import LLAMA_MLP_INPUT, LLAMA_MLP_OUTPUT, load_transcoders
@@ -32,6 +33,7 @@ __all__ = [
     "FrozenLayerNorm",
     "FrozenNodes",
     "FrozenNodesNotFoundError",
+    "GraphInfluence",
     "InterventionResult",
     "LLAMA_MLP_INPUT",
     "LLAMA_MLP_OUTPUT",
@@ -47,6 +49,7 @@ __all__ = [
     "find_frozen_nodes",
     "frontend_graph",
     "graph_html",
+    "graph_influence",
     "graph_scores",
     "intervene",
     "intervene_direct",

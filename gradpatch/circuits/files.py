@@ -26,7 +26,7 @@ from safetensors.torch import save as save_safetensors
 from ..files.atomic import atomic_write_bytes, atomic_write_text
 from .attribute import AttributionGraph
 from .html import graph_html
-from .prune import prune_graph
+from .prune import GraphInfluence, prune_graph
 
 __all__ = ["frontend_graph", "node_records", "save_graph"]
 
@@ -46,15 +46,17 @@ def node_records(graph: AttributionGraph) -> list[dict[str, Any]]:
 
 
 def frontend_graph(graph: AttributionGraph, decode: Callable[[int], str] = str, slug: str = "gradpatch",
-                   prompt: str = "", node_threshold: float = 0.8, edge_threshold: float = 0.98) -> dict[str, Any]:
+                   prompt: str = "", node_threshold: float = 0.8, edge_threshold: float = 0.98,
+                   unpruned: GraphInfluence | None = None) -> dict[str, Any]:
     """The pruned graph as circuit-tracer's frontend reads it (module docstring).
 
     Args:
         decode: token id -> text (a tokenizer's ``decode``; default: the id).
         slug: the graph's name; prompt: the prompt's text.
         node_threshold, edge_threshold: pruning (:func:`~gradpatch.circuits.prune.prune_graph`).
+        unpruned: ``graph``'s :func:`~gradpatch.circuits.prune.graph_influence`, if already computed.
     """
-    pruned = prune_graph(graph, node_threshold, edge_threshold)
+    pruned = prune_graph(graph, node_threshold, edge_threshold, unpruned)
     n_layers = max(graph.layers) + 1
     records = node_records(graph)
     nodes: dict[int, dict[str, Any]] = {}
@@ -98,9 +100,10 @@ def frontend_graph(graph: AttributionGraph, decode: Callable[[int], str] = str, 
 
 def save_graph(graph: AttributionGraph, directory: str | Path, decode: Callable[[int], str] = str,
                slug: str = "gradpatch", prompt: str = "", node_threshold: float = 0.8,
-               edge_threshold: float = 0.98) -> Path:
+               edge_threshold: float = 0.98, unpruned: GraphInfluence | None = None) -> Path:
     """Write ``adjacency.safetensors``, ``nodes.json``, ``graph.json`` and ``graph.html`` to ``directory`` (created if
-    missing), each atomically.
+    missing), each atomically. ``unpruned``: ``graph``'s :func:`~gradpatch.circuits.prune.graph_influence`, if
+    already computed.
 
     Returns:
         The directory as a ``Path``.
@@ -109,7 +112,7 @@ def save_graph(graph: AttributionGraph, directory: str | Path, decode: Callable[
     tensors = {"adjacency": graph.adjacency.contiguous(), "activations": graph.activations.contiguous()}
     atomic_write_bytes(directory / "adjacency.safetensors", save_safetensors(tensors))
     atomic_write_text(directory / "nodes.json", json.dumps({"nodes": node_records(graph)}, indent=1))
-    frontend = frontend_graph(graph, decode, slug, prompt, node_threshold, edge_threshold)
+    frontend = frontend_graph(graph, decode, slug, prompt, node_threshold, edge_threshold, unpruned)
     atomic_write_text(directory / "graph.json", json.dumps(frontend, indent=1))
     atomic_write_text(directory / "graph.html", graph_html(frontend))
     return directory

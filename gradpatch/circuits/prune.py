@@ -30,7 +30,8 @@ import torch
 from .attribute import AttributionGraph
 from .errors import CircuitError
 
-__all__ = ["PruneResult", "compute_influence", "graph_scores", "logit_weights", "normalize_matrix", "prune_graph"]
+__all__ = ["GraphInfluence", "PruneResult", "compute_influence", "graph_influence", "graph_scores", "logit_weights",
+           "normalize_matrix", "prune_graph"]
 
 
 @dataclass
@@ -46,6 +47,16 @@ class PruneResult:
     node_mask: torch.Tensor
     edge_mask: torch.Tensor
     cumulative_scores: torch.Tensor
+
+
+@dataclass(frozen=True)
+class GraphInfluence:
+    """The unpruned graph's Â ``[n, n]``, w ``[n]`` and influence ``[n]`` (module docstring), which pruning, the scores
+    and reports all start from: computed once by :func:`graph_influence` and handed to each."""
+
+    normalized: torch.Tensor
+    weights: torch.Tensor
+    influence: torch.Tensor
 
 
 def normalize_matrix(matrix: torch.Tensor) -> torch.Tensor:
@@ -77,6 +88,16 @@ def logit_weights(graph: AttributionGraph) -> torch.Tensor:
     return weights
 
 
+def graph_influence(graph: AttributionGraph) -> GraphInfluence:
+    """Â, w and the influence of ``graph``'s unpruned adjacency (module docstring).
+
+    Raises:
+        CircuitError: as :func:`compute_influence`.
+    """
+    normalized, weights = normalize_matrix(graph.adjacency), logit_weights(graph)
+    return GraphInfluence(normalized, weights, compute_influence(normalized, weights))
+
+
 def _threshold(scores: torch.Tensor, fraction: float) -> torch.Tensor:
     """The score above which the highest scores carry ``fraction`` of the total."""
     ordered = torch.sort(scores, descending=True).values
@@ -85,8 +106,10 @@ def _threshold(scores: torch.Tensor, fraction: float) -> torch.Tensor:
     return ordered[index]
 
 
-def prune_graph(graph: AttributionGraph, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> PruneResult:
-    """The nodes and edges kept (module docstring; circuit-tracer's defaults).
+def prune_graph(graph: AttributionGraph, node_threshold: float = 0.8, edge_threshold: float = 0.98,
+                unpruned: GraphInfluence | None = None) -> PruneResult:
+    """The nodes and edges kept (module docstring; circuit-tracer's defaults). ``unpruned``: ``graph``'s
+    :func:`graph_influence`, if already computed.
 
     Raises:
         CircuitError: a threshold outside [0, 1].
@@ -94,8 +117,8 @@ def prune_graph(graph: AttributionGraph, node_threshold: float = 0.8, edge_thres
     for name, value in (("node_threshold", node_threshold), ("edge_threshold", edge_threshold)):
         if not 0.0 <= value <= 1.0:
             raise CircuitError(f"{name}={value}: give a fraction of influence between 0 and 1")
-    weights = logit_weights(graph)
-    influence = compute_influence(normalize_matrix(graph.adjacency), weights)
+    unpruned = unpruned or graph_influence(graph)
+    weights, influence = unpruned.weights, unpruned.influence
     node_mask = influence >= _threshold(influence, node_threshold)
     node_mask[graph.token_start:] = True
     pruned = graph.adjacency.clone()
@@ -118,11 +141,11 @@ def prune_graph(graph: AttributionGraph, node_threshold: float = 0.8, edge_thres
     return PruneResult(node_mask, edge_mask, cumulative)
 
 
-def graph_scores(graph: AttributionGraph) -> tuple[float, float]:
-    """(replacement score, completeness score) of the unpruned graph (module docstring)."""
-    weights = logit_weights(graph)
-    normalized = normalize_matrix(graph.adjacency)
-    influence = compute_influence(normalized, weights)
+def graph_scores(graph: AttributionGraph, unpruned: GraphInfluence | None = None) -> tuple[float, float]:
+    """(replacement score, completeness score) of the unpruned graph (module docstring). ``unpruned``: ``graph``'s
+    :func:`graph_influence`, if already computed."""
+    unpruned = unpruned or graph_influence(graph)
+    normalized, weights, influence = unpruned.normalized, unpruned.weights, unpruned.influence
     errors = slice(graph.error_start, graph.token_start)
     token_influence = influence[graph.token_start:graph.logit_start].sum()
     error_influence = influence[errors].sum()

@@ -103,8 +103,8 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from gradpatch import PatchableGraph
-    from gradpatch.circuits import (ReplacementModel, attribute, graph_scores, intervene, intervene_direct,
-                                    limit_features, load_transcoders)
+    from gradpatch.circuits import (ReplacementModel, attribute, graph_influence, graph_scores, intervene,
+                                    intervene_direct, limit_features, load_transcoders)
     from gradpatch.errors import GradpatchError
     from gradpatch.files.loaders import EMBEDDED_MODEL_NAME, default_device, load_model
 
@@ -138,12 +138,13 @@ def _run(args: argparse.Namespace) -> int:
         decode = lambda token: tokenizer.decode([token])  # noqa: E731
         record = intervention_record(result, edits, decode) if result is not None else None
         model_name = Path(args.model).name if args.model else EMBEDDED_MODEL_NAME
+        unpruned = graph_influence(graph)  # once: pruning, the scores and the report's figure start from it
         written = save_circuit(graph, args.out, decode=decode, prompt=args.prompt, slug=model_name,
                                node_threshold=args.node_threshold, edge_threshold=args.edge_threshold,
-                               intervention=record)
+                               unpruned=unpruned, intervention=record)
     except (GradpatchError, FileNotFoundError) as error:
         return usage_error(NAME, error)
-    replacement_score, completeness = graph_scores(graph)
+    replacement_score, completeness = graph_scores(graph, unpruned)
     print(f"{graph.n_features} of {total} active features, {graph.adjacency.shape[0]} nodes; replacement score "
           f"{replacement_score:.3f}, completeness {completeness:.3f}")
     for token, p in zip(graph.logit_tokens.tolist(), graph.logit_probabilities.tolist()):

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from gradpatch.circuits import (AttributionGraph, FeatureEdit, InterventionResult, compute_influence, graph_scores,
-                                logit_weights, node_label, normalize_matrix, save_graph)
+from gradpatch.circuits import (AttributionGraph, FeatureEdit, GraphInfluence, InterventionResult, graph_scores,
+                                node_label, save_graph)
 from gradpatch.files.atomic import atomic_write_text
 
 from .attribution_report import publish_dir
@@ -33,14 +33,14 @@ def intervention_record(result: InterventionResult, edits: Sequence[FeatureEdit]
             "top_before": top(result.top_before), "top_after": top(result.top_after)}
 
 
-def _influence_figure(graph: AttributionGraph, tokens: list[str]) -> Any:
+def _influence_figure(graph: AttributionGraph, unpruned: GraphInfluence, tokens: list[str]) -> Any:
     """Heatmap ``[layers, positions]`` of the feature nodes' summed influence on the logits."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    influence = compute_influence(normalize_matrix(graph.adjacency), logit_weights(graph))[:graph.n_features]
+    influence = unpruned.influence[:graph.n_features]
     rows = {layer: i for i, layer in enumerate(graph.layers)}
     grid = torch.zeros(len(graph.layers), graph.n_pos)
     for (layer, position, _), value in zip(graph.active_features.tolist(), influence.tolist()):
@@ -62,13 +62,13 @@ def _table(header: str, rows: list[str]) -> str:
     return "\n".join([header, "|" + "---|" * columns, *rows])
 
 
-def _tensorboard(logdir: Path, graph: AttributionGraph, frontend: dict[str, Any],
+def _tensorboard(logdir: Path, graph: AttributionGraph, unpruned: GraphInfluence, frontend: dict[str, Any],
                  intervention: dict[str, Any] | None) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     tokens = frontend["metadata"]["prompt_tokens"]
     labels = {node["node_id"]: node_label(node, tokens) for node in frontend["nodes"]}
-    replacement, completeness = graph_scores(graph)
+    replacement, completeness = graph_scores(graph, unpruned)
     writer = SummaryWriter(log_dir=str(logdir))
     try:
         writer.add_scalar("circuit/replacement_score", replacement)
@@ -86,7 +86,7 @@ def _tensorboard(logdir: Path, graph: AttributionGraph, frontend: dict[str, Any]
         links = sorted(frontend["links"], key=lambda link: -abs(link["weight"]))
         writer.add_text("circuit/top_edges", _table("| source | target | weight |", [
             f"| {labels[k['source']]} | {labels[k['target']]} | {k['weight']:.4g} |" for k in links[:30]]))
-        writer.add_figure("circuit/feature_influence", _influence_figure(graph, tokens), close=True)
+        writer.add_figure("circuit/feature_influence", _influence_figure(graph, unpruned, tokens), close=True)
         if intervention is not None:
             writer.add_text("circuit/intervention", "```\n" + json.dumps(intervention, indent=1) + "\n```")
     finally:
@@ -94,10 +94,12 @@ def _tensorboard(logdir: Path, graph: AttributionGraph, frontend: dict[str, Any]
 
 
 def save_circuit(graph: AttributionGraph, out: str | Path, *, decode: Callable[[int], str], prompt: str,
-                 slug: str, node_threshold: float, edge_threshold: float,
+                 slug: str, node_threshold: float, edge_threshold: float, unpruned: GraphInfluence,
                  intervention: dict[str, Any] | None = None) -> list[Path]:
     """Write ``adjacency.safetensors``, ``nodes.json``, ``graph.json``, ``graph.html``, ``interventions.json`` (when
     ``intervention`` is given, :func:`intervention_record`) and ``tensorboard/`` into ``out``, all at once.
+    ``unpruned``: ``graph``'s :func:`gradpatch.circuits.graph_influence` (pruning, the scores and the figure start
+    from it).
 
     Returns:
         The paths written (in ``out``).
@@ -110,11 +112,11 @@ def save_circuit(graph: AttributionGraph, out: str | Path, *, decode: Callable[[
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         save_graph(graph, staging, decode=decode, slug=slug, prompt=prompt, node_threshold=node_threshold,
-                   edge_threshold=edge_threshold)
+                   edge_threshold=edge_threshold, unpruned=unpruned)
         frontend = json.loads((staging / "graph.json").read_text(encoding="utf-8"))
         if intervention is not None:
             atomic_write_text(staging / "interventions.json", json.dumps(intervention, indent=1))
-        _tensorboard(staging / "tensorboard", graph, frontend, intervention)
+        _tensorboard(staging / "tensorboard", graph, unpruned, frontend, intervention)
         names = sorted(entry.name for entry in staging.iterdir())
     except BaseException:
         shutil.rmtree(staging)
