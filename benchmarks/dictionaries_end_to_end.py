@@ -1,7 +1,7 @@
 """End-to-end against local training of a TopK SAE on SmolLM2-135M-Instruct: same node, k, width, initial weights,
 tokens and token order (Braun et al. 2024, arXiv 2405.12241, Table 1: e2e SAEs lose far less CE at equal L0).
 
-Three SAEs at ``--node`` (default ``model.layers_12.output``, the residual stream after layer 12 of 30), ``--latents``
+SAEs at ``--node`` (default ``model.layers_12.output``, the residual stream after layer 12 of 30), ``--latents``
 latents, k = ``--k``, all starting from the same weights (seed 0), each trained by Adam (``--lr``) on the same packed
 chunks of the offline Wikipedia summaries (:func:`recipes.dictionary.read_documents`, ``--chunk`` tokens each,
 ``--batch-size`` chunks per step, one pass over ``--train-tokens``):
@@ -10,7 +10,18 @@ chunks of the offline Wikipedia summaries (:func:`recipes.dictionary.read_docume
   long, so each step trains on exactly that step's tokens (in shuffled row order), as the end-to-end runs do;
 - ``e2e``: :class:`recipes.dictionary.EndToEndDictionaryModule`, KL(original ‖ spliced);
 - ``e2e+ds``: the same plus β_ds (``--ds-coefficient``) times the mean MSE over the downstream residual nodes
-  (:func:`recipes.dictionary.downstream_residual_nodes`: layers 13 .. 28's outputs).
+  (:func:`recipes.dictionary.downstream_residual_nodes`: layers 13 .. 28's outputs);
+- ``local+e2e``: ``local`` for the first 1 − ``--finetune-fraction`` of the steps, then ``e2e`` for the rest (a
+  KL fine-tune of the local SAE within the same token budget).
+
+Every dictionary leaves out the first ``--exclude-first-positions`` positions of each chunk (SmolLM2's attention
+sinks, :class:`gradpatch.dictionaries.DictionaryConfig`) and starts its first step from ``b_dec`` = the mean of that
+step's targets (``--b-dec-init mean``) or 0 (``keep``).
+
+With ``--sparsify-python`` (eai-sparsify 1.3.3's virtualenv), a fourth, ``sparsify-kl``: sparsify's own end-to-end
+training (``loss_fn="kl"``, benchmarks/dictionaries_sparsify_train_side.py) of the same initial SAE on the same chunks
+in the same batches, at the end-to-end learning rate, without a schedule (the model saved as a ``from_pretrained``
+folder for it; sparsify splices every position and sets b_dec to the first batch's mean on its first step).
 
 Each is then spliced alone, without its error term, by :func:`gradpatch.dictionaries.evaluate_dictionary` on the
 next ``--eval-tokens`` tokens of the corpus (held out), in batches of 4 chunks. Prints JSON: per run the metrics
@@ -55,6 +66,67 @@ def random_smollm2_shaped(tokenizer: Any) -> torch.nn.Module:
     return LlamaForCausalLM(config).eval()
 
 
+def train_sparsify_kl(args: argparse.Namespace, model: Any, sae: SparseAutoencoder, train: torch.Tensor,
+                      scratch: str) -> SparseAutoencoder:
+    """sparsify's end-to-end (KL) training of ``sae``'s initial weights on the chunks ``train`` ``[n, chunk]``, in its
+    own virtualenv; the trained SAE read back with :func:`gradpatch.dictionaries.load_sparsify`, with ``sae``'s
+    ``exclude_first_positions`` (so it is spliced as ours are)."""
+    import dataclasses
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from benchmarks.das_country import save_for_peers
+    from gradpatch.dictionaries import load_sparsify
+
+    work = Path(scratch) / "sparsify-kl"
+    save_for_peers(model.cpu(), None, work / "model")
+    model.to(args.device)
+    save_file({"train": train.cpu().contiguous()}, str(work / "ids.safetensors"))
+    save_file({"encoder.weight": sae.W_enc.detach().T.contiguous().cpu(), "encoder.bias": sae.b_enc.detach().cpu(),
+               "W_dec": sae.W_dec.detach().cpu(), "b_dec": sae.b_dec.detach().cpu()},
+              str(work / "init_sparsify.safetensors"))
+    side = Path(__file__).with_name("dictionaries_sparsify_train_side.py")
+    done = subprocess.run([args.sparsify_python, str(side), str(work), "--batch-size", str(args.batch_size), "--lr",
+                           str(args.e2e_lr or args.lr), "--device", args.device, "--loss-fn", "kl"],
+                          capture_output=True, text=True)
+    if done.returncode:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
+        raise SystemExit(f"sparsify's side exited with {done.returncode}")
+    trained = load_sparsify(work / "sparsify" / "run" / "layers.12", node=args.node)
+    trained.config = dataclasses.replace(trained.config, exclude_first_positions=sae.config.exclude_first_positions)
+    return trained.to(args.device)
+
+
+def train_phases(args: argparse.Namespace, pg: Any, sae: SparseAutoencoder, run: str, train: torch.Tensor,
+                 downstream: list[str], scratch: str) -> int:
+    """Train ``sae`` for ``run`` (``local``, ``e2e``, ``e2e+ds``, or ``local+e2e``: local for the first
+    ``1 − --finetune-fraction`` of the steps, then KL) on the chunks ``train`` ``[steps · batch, chunk]`` in order;
+    returns the optimizer steps taken."""
+    phases = {"local": [("local", 1.0)], "e2e": [("e2e", 1.0)], "e2e+ds": [("e2e+ds", 1.0)],
+              "local+e2e": [("local", 1 - args.finetune_fraction), ("e2e", 1.0)]}[run]
+    steps, done = train.shape[0] // args.batch_size, 0
+    for phase, share in phases:
+        b_dec_init = args.b_dec_init if done == 0 else "keep"
+        if phase == "local":  # the buffer holds one batch's rows: each step trains on that step's tokens
+            module: DictionaryModule = DictionaryModule(
+                pg, sae, buffer_rows=args.batch_size * (args.chunk - args.exclude_first_positions), lr=args.lr,
+                ce_every_n_steps=0, density_every_n_steps=0, b_dec_init=b_dec_init)
+        else:
+            module = EndToEndDictionaryModule(pg, sae, lr=args.e2e_lr or args.lr, density_every_n_steps=0,
+                                              downstream_nodes=downstream if phase == "e2e+ds" else (),
+                                              downstream_coefficient=args.ds_coefficient if phase == "e2e+ds" else 0,
+                                              b_dec_init=b_dec_init)
+        trainer = Trainer(max_steps=round(steps * share) - done, max_epochs=1, devices=1, logger=False,
+                          accelerator="gpu" if args.device.startswith("cuda") else "cpu", enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=scratch)
+        trainer.fit(module, DataLoader(train[done * args.batch_size:], batch_size=args.batch_size))
+        done += trainer.global_step
+    return done
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--node", default="model.layers_12.output")
@@ -67,10 +139,24 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, default=2048)
     parser.add_argument("--ds-coefficient", type=float, default=5.0,
                         help="β_ds; Braun et al.'s GPT-2 configs weigh the downstream MSEs 2.5 against the KL's 0.5")
-    parser.add_argument("--runs", default="local,e2e,e2e+ds")
+    parser.add_argument("--e2e-lr", type=float, default=None, help="the end-to-end runs' learning rate (default --lr)")
+    parser.add_argument("--exclude-first-positions", type=int, default=2,
+                        help="positions of each chunk left out of training and splicing (SmolLM2's attention sinks; "
+                             "DictionaryConfig.exclude_first_positions); 0: every position")
+    parser.add_argument("--runs", default="local,e2e,e2e+ds",
+                        help="among local, e2e, e2e+ds and local+e2e (local, then KL for --finetune-fraction)")
+    parser.add_argument("--b-dec-init", choices=["mean", "keep"], default="mean",
+                        help="the modules' b_dec_init: the mean of the first step's targets, or 0 (kept)")
+    parser.add_argument("--finetune-fraction", type=float, default=0.25,
+                        help="local+e2e: the share of the steps trained end to end, after the local ones")
+    parser.add_argument("--sparsify-python", default=None,
+                        help="eai-sparsify's virtualenv Python: adds the run sparsify-kl (module docstring)")
     parser.add_argument("--random-weights", action="store_true")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
+    if args.sparsify_python and (args.node, args.latents, args.k) != ("model.layers_12.output", 2304, 32):
+        parser.error("--sparsify-python trains sparsify's SAE at layers.12 with 2,304 latents and k = 32 (its side "
+                     "script's): leave --node, --latents and --k at their defaults")
     warnings.filterwarnings("ignore")
     model, tokenizer = load_embedded_model()
     if args.random_weights:
@@ -85,33 +171,32 @@ def main() -> None:
     steps = train_chunks // args.batch_size
     report: dict[str, Any] = {}
     scratch = tempfile.mkdtemp(prefix="dictionaries_end_to_end_")
-    for run in args.runs.split(","):
+    runs = [run for run in args.runs.split(",") if run] + (["sparsify-kl"] if args.sparsify_python else [])
+    for run in runs:
         sae = SparseAutoencoder(width, args.latents, "topk", k=args.k, node=args.node,
+                                exclude_first_positions=args.exclude_first_positions,
                                 generator=torch.Generator().manual_seed(0)).to(args.device)
-        if run == "local":
-            module: DictionaryModule = DictionaryModule(pg, sae, buffer_rows=args.batch_size * args.chunk, lr=args.lr,
-                                                        ce_every_n_steps=0, density_every_n_steps=0)
-        else:
-            module = EndToEndDictionaryModule(pg, sae, lr=args.lr, density_every_n_steps=0,
-                                              downstream_nodes=downstream if run == "e2e+ds" else (),
-                                              downstream_coefficient=args.ds_coefficient if run == "e2e+ds" else 0)
-        trainer = Trainer(max_steps=steps, max_epochs=1, accelerator="gpu" if args.device.startswith("cuda") else "cpu",
-                          devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                          enable_model_summary=False, default_root_dir=scratch)
         start = time.perf_counter()
-        trainer.fit(module, DataLoader(chunks[:train_chunks], batch_size=args.batch_size))
+        if run == "sparsify-kl":
+            trained, done = train_sparsify_kl(args, model, sae, chunks[:steps * args.batch_size], scratch), steps
+        else:
+            trained, done = sae, train_phases(args, pg, sae, run, chunks[:steps * args.batch_size], downstream,
+                                              scratch)
         seconds = time.perf_counter() - start
         batches = list(chunks[train_chunks:].split(4))
-        metrics = evaluate_dictionary(pg, sae.eval(), batches).to_dict()
+        metrics = evaluate_dictionary(pg, trained.eval(), batches).to_dict()
         metrics["ce_increase"] = metrics["ce_loss_spliced"] - metrics["ce_loss_original"]
-        report[run] = {**metrics, "train_seconds": round(seconds, 1), "steps": trainer.global_step,
-                       "trained_tokens": trainer.global_step * args.batch_size * args.chunk}
+        report[run] = {**metrics, "train_seconds": round(seconds, 1), "steps": done,
+                       "trained_tokens": done * args.batch_size * args.chunk}
         print(json.dumps({run: report[run]}), flush=True)
     shutil.rmtree(scratch)
     ratios = {f"{run}_over_local": report[run]["ce_increase"] / report["local"]["ce_increase"]
               for run in report if run != "local" and "local" in report}
     print(json.dumps({"model": "random SmolLM2-135M-shaped" if args.random_weights else "SmolLM2-135M-Instruct",
                       "device": args.device, "node": args.node, "latents": args.latents, "k": args.k, "lr": args.lr,
+                      "e2e_lr": args.e2e_lr or args.lr, "finetune_fraction": args.finetune_fraction,
+                      "b_dec_init": args.b_dec_init,
+                      "exclude_first_positions": args.exclude_first_positions,
                       "chunk": args.chunk, "batch_size": args.batch_size, "train_tokens": train_chunks * args.chunk,
                       "eval_tokens": eval_chunks * args.chunk, "ds_coefficient": args.ds_coefficient,
                       "downstream_nodes": [downstream[0], downstream[-1], len(downstream)], "runs": report,

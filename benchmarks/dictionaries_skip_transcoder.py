@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="chunks of 128 tokens per step")
     parser.add_argument("--train-tokens", type=int, default=409600)
     parser.add_argument("--eval-tokens", type=int, default=4096)
+    parser.add_argument("--b-dec-init", choices=["mean", "keep"], default="mean",
+                        help="DictionaryModule's b_dec_init (the docs' table: keep, the only behaviour then)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     model, tokenizer = load_embedded_model()
@@ -71,7 +73,8 @@ def main() -> None:
         dictionary = kind(width, args.latents, activation="topk", k=args.k, input_node=read, output_node=write,
                           generator=torch.Generator().manual_seed(0))
         fill = 8  # batches in the buffer: the first update comes with the 8th batch
-        module = DictionaryModule(pg, dictionary, buffer_rows=fill * args.batch_size * CHUNK, lr=args.lr)
+        module = DictionaryModule(pg, dictionary, buffer_rows=fill * args.batch_size * CHUNK, lr=args.lr,
+                                  b_dec_init=args.b_dec_init)
         trainer = Trainer(max_steps=train_chunks // args.batch_size, max_epochs=1, accelerator="cpu", logger=False,
                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                           default_root_dir=scratch)  # where DictionaryModule writes the dictionary at the end

@@ -139,7 +139,7 @@ def train_ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     pg = graph_of(model)
     sae = load_dictionary(work / "init")
     module = DictionaryModule(pg, sae, buffer_rows=args.batch_size * args.chunk, lr=sparsify_lr(sae.d_sae),
-                              seed=args.seed)
+                              seed=args.seed, b_dec_init="keep")  # b_dec set in prepare, as sparsify sets it
     trainer = Trainer(max_epochs=1, accelerator="gpu" if args.device == "cuda" else "cpu", devices=1,
                       default_root_dir=str(work / "ours"), enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False)

@@ -10,6 +10,8 @@ step, no shuffling, as its trainer reads a dataset), with
   sides run the same optimizer;
 - ``--schedule constant``: sparsify's warmup + linear decay schedule removed (ours has none); ``sparsify``: kept,
   with ``--warmup`` steps;
+- ``--loss-fn``: ``fvu`` (local, the default) or sparsify's end-to-end ``kl`` (the model then loaded with
+  ``AutoModelForCausalLM``, as its command line does; benchmarks/dictionaries_end_to_end.py's ``--sparsify-python``);
 - AuxK α = 1/32 over latents dead for 10M tokens (sparsify's default α is 0; ours is 1/32), no wandb, one save at
   the end to ``WORK/sparsify/run/layers.12``.
 
@@ -36,7 +38,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from sparsify import SaeConfig, TrainConfig, Trainer  # noqa: E402
-from transformers import AutoModel  # noqa: E402
+from transformers import AutoModel, AutoModelForCausalLM  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peak_rss import peak_mib, reset_peak, resident_mib  # noqa: E402
@@ -53,14 +55,17 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--schedule", choices=["constant", "sparsify"], default="constant")
     parser.add_argument("--warmup", type=int, default=1000)
+    parser.add_argument("--loss-fn", choices=["fvu", "kl"], default="fvu")
     args = parser.parse_args()
     train = load_file(str(args.work / "ids.safetensors"))["train"]
     dataset = [{"input_ids": row} for row in train]
-    model = AutoModel.from_pretrained(str(args.work / "model"), dtype=getattr(torch, args.dtype)).to(args.device)
+    kind = AutoModel if args.loss_fn == "fvu" else AutoModelForCausalLM
+    model = kind.from_pretrained(str(args.work / "model"), dtype=getattr(torch, args.dtype)).to(args.device)
     config = TrainConfig(SaeConfig(expansion_factor=4, k=32), batch_size=args.batch_size, lr=args.lr,
                          lr_warmup_steps=args.warmup, optimizer="adam", auxk_alpha=1 / 32,
                          dead_feature_threshold=10_000_000, hookpoints=[HOOKPOINT], log_to_wandb=False,
-                         save_dir=str(args.work / "sparsify"), run_name="run", save_every=10 ** 9)
+                         save_dir=str(args.work / "sparsify"), run_name="run", save_every=10 ** 9,
+                         loss_fn=args.loss_fn)
     trainer = Trainer(config, dataset, model)  # type: ignore[arg-type]
     with torch.no_grad():
         trainer.saes[HOOKPOINT].load_state_dict(load_file(str(args.work / "init_sparsify.safetensors")))

@@ -100,6 +100,12 @@ class Tokens:
             if low >= high:
                 return None
             local = slice(low, high)
+        elif isinstance(select, slice) and select.step in (None, 1):  # a view, not a gathered copy
+            positions = range(*select.indices(stop))
+            low, high = max(positions.start, start) - start, min(positions.stop, stop) - start
+            if low >= high:
+                return None
+            local = slice(low, high)
         else:
             positions = range(*select.indices(stop)) if isinstance(select, slice) else (
                 [select] if isinstance(select, int) else list(select))

@@ -356,7 +356,7 @@ def test_trace_smollm2_eiffel_tower(smollm2: tuple[nn.Module, Any], tmp_path: Pa
     torch.set_num_threads(2)
     ids = tok("The Eiffel Tower is located in the city of", return_tensors="pt").input_ids
     spg = PatchableGraph(model, ids.expand(2, -1), use_cache=False)
-    res = causal_trace(spg, tok, PROMPT, SUBJECT, kinds=["hidden"])  # mlp/attn: a third of the time each
+    res = causal_trace(spg, tok, PROMPT, SUBJECT, kinds=["hidden"], samples=3)  # mlp/attn, 10 samples: 7× the time
     assert res.answer == " Paris"
     assert res.corrupted_prob < 0.5 * res.clean_prob
     recovered = (max(float(t.scores.max()) for t in res.kinds.values()) - res.corrupted_prob) / (

@@ -84,7 +84,21 @@ def test_eval_writes_metrics_json_over_the_token_budget(trained: dict[str, Path]
         / (metrics["ce_loss_zero_ablation"] - metrics["ce_loss_original"]))
 
 
-@pytest.mark.parametrize("case", ["missing", "format", "node", "width", "corpus", "empty"])
+def test_eval_leaves_out_the_first_positions_it_is_told(trained: dict[str, Path], tmp_path: Path) -> None:
+    def metrics(*extra: str) -> dict:
+        out = tmp_path / f"eval{len(extra)}"
+        assert cli.main(["dictionary", "eval", "--dictionary", str(trained["root"] / "dictionary"), "--model",
+                         str(trained["model"]), "--corpus", str(trained["corpus"]), "--tokens", "60",
+                         "--max-length", "12", "--out", str(out), *extra]) == 0
+        return json.loads((out / "metrics.json").read_text())
+
+    every, later = metrics(), metrics("--exclude-first-positions", "2")
+    documents, _ = tokenize_documents(tiny_tokenizer(), read_documents(trained["corpus"]), 60, 12)
+    assert every["n_tokens"] == sum(map(len, documents)) and later["n_tokens"] == every["n_tokens"] - 2 * len(documents)
+    assert later["ce_loss_original"] == every["ce_loss_original"] and later["fvu"] != every["fvu"]
+
+
+@pytest.mark.parametrize("case", ["missing", "format", "node", "width", "corpus", "empty", "positions"])
 def test_eval_refuses_bad_input_with_status_2_and_writes_nothing(trained: dict[str, Path], tmp_path: Path,
                                                                  case: str, capsys: pytest.CaptureFixture) -> None:
     dictionary, extra = trained["root"] / "dictionary", []
@@ -100,6 +114,8 @@ def test_eval_refuses_bad_input_with_status_2_and_writes_nothing(trained: dict[s
     elif case == "corpus":
         (tmp_path / "texts.csv").write_text("the city\n")
         extra = ["--corpus", str(tmp_path / "texts.csv")]
+    elif case == "positions":
+        extra = ["--exclude-first-positions", "-1"]
     else:
         (tmp_path / "texts.txt").write_text("city\n\nRome\n")  # one token per document
         extra = ["--corpus", str(tmp_path / "texts.txt")]
@@ -107,7 +123,8 @@ def test_eval_refuses_bad_input_with_status_2_and_writes_nothing(trained: dict[s
     assert cli.main(["dictionary", "eval", "--dictionary", str(dictionary), "--model", str(trained["model"]),
                      "--out", str(out), *extra]) == 2
     expected = {"missing": "is not a folder", "format": "cfg.json", "node": "model.layers_7.output",
-                "width": "width is 32", "corpus": ".txt file", "empty": "gave no document of 2 tokens"}[case]
+                "width": "width is 32", "corpus": ".txt file", "empty": "gave no document of 2 tokens",
+                "positions": "exclude_first_positions must be an int >= 0"}[case]
     assert expected in capsys.readouterr().err
     assert not out.exists()
 

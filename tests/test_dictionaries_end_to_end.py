@@ -140,7 +140,7 @@ def test_several_dictionaries_in_one_local_run_train_as_they_would_alone(llama_g
 
 def test_several_dictionaries_train_end_to_end_spliced_together(llama_graph, tmp_path: Path) -> None:
     saes = [_sae("model.layers_0.output"), _sae("model.layers_1.output", seed=1)]
-    module = EndToEndDictionaryModule(llama_graph, saes, lr=1e-2)
+    module = EndToEndDictionaryModule(llama_graph, saes, lr=1e-2, b_dec_init="keep")  # from b_dec = 0: a larger KL
     _trainer(tmp_path, CSVLogger(tmp_path), max_steps=30, log_every_n_steps=1).fit(
         module, DataLoader(CHUNKS[:40].repeat(3, 1), batch_size=4))
     kl = list(_logged(tmp_path, "kl").values())

@@ -20,7 +20,7 @@ from .losses import auxk_loss, jumprelu_l0, l1_penalty, normalized_mse, remove_p
 from .modules import DictionaryConfig, SkipTranscoder, SparseAutoencoder, SparseDictionary, Transcoder
 from .saelens_format import export_saelens, load_saelens
 from .sparsify_format import load_sparsify
-from .splice import DictionaryPatch, Splice, TranscoderInput, splice
+from .splice import DictionaryPatch, Splice, TranscoderInput, splice, trained_positions
 from .storage import load_dictionary, save_dictionary
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "remove_parallel_gradient",
     "save_dictionary",
     "splice",
+    "trained_positions",
     "step",
     "topk",
     "unit_norm_rows",

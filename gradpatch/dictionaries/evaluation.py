@@ -12,6 +12,10 @@ all tokens (positions where the attention mask is 1):
   definition (NaN when zero ablation does not change the loss);
 - ``kl``: mean over all tokens of KL(p_original ‖ p_spliced) (the last position included, as SAELens averages it);
 - ``n_tokens``: the tokens counted in the activation metrics.
+
+A dictionary whose config has ``exclude_first_positions`` n > 0 is spliced, and the node zero-ablated, at positions
+n.. only (:func:`~gradpatch.dictionaries.trained_positions`; the first n keep the model's values), and its activation
+metrics count those positions only; the CE losses and the KL still average over every position.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch.nn.functional as F
 
 from ..patches import ProbePatch, ZeroPatch
 from .modules import SparseDictionary
-from .splice import Splice, splice
+from .splice import Splice, splice, trained_positions
 
 __all__ = ["DictionaryMetrics", "evaluate_dictionary"]
 
@@ -109,7 +113,8 @@ def evaluate_dictionary(pg: Any, dictionary: SparseDictionary, batches: Iterable
     Raises:
         DictionaryConfigError, NodePathError, DictionaryShapeError: as :func:`~gradpatch.dictionaries.splice`.
     """
-    spliced = splice(pg, dictionary, node, output_node=output_node, error_term=False)
+    spliced = splice(pg, dictionary, node, output_node=output_node, error_term=False,
+                     slice=trained_positions(dictionary))
     sums = _Sums(dictionary.d_out, dictionary.d_sae)
     training = dictionary.training
     dictionary.eval()  # BatchTopK: per-token latents with its threshold, no update of it
@@ -128,16 +133,20 @@ def _add_batch(pg: Any, spliced: Splice, inputs: dict[str, Any], sums: _Sums) ->
     mask = inputs.get("attention_mask", torch.ones_like(ids)).bool()
     scored = mask[:, :-1] & mask[:, 1:]
     probes = {spliced.input_node: ProbePatch(), spliced.output_node: ProbePatch()}  # one probe when they coincide
+    first = spliced.patch.dictionary.config.exclude_first_positions
     with torch.no_grad():
         with pg.patch(probes):
             original = pg(**inputs, use_cache=False).logits
         with pg.patch(spliced):
             logits = pg(**inputs, use_cache=False).logits
-        with pg.patch({spliced.output_node: ZeroPatch()}):
+        with pg.patch({spliced.output_node: ZeroPatch(slice=spliced.patch.slice)}):
             zero = pg(**inputs, use_cache=False).logits
-        x, y = probes[spliced.input_node].activation[mask], probes[spliced.output_node].activation[mask]
-        latents = spliced.latents[mask]  # the spliced pass read the unchanged input node
-        sums.add_activations(y, spliced.patch.dictionary.output(x, latents), latents)
+        counted = mask[:, first:]
+        if counted.any():  # else a batch no longer than the excluded positions: nothing spliced, no latents
+            x = probes[spliced.input_node].activation[:, first:][counted]
+            y = probes[spliced.output_node].activation[:, first:][counted]
+            latents = spliced.latents[counted]  # the spliced pass read the unchanged input node
+            sums.add_activations(y, spliced.patch.dictionary.output(x, latents), latents)
         for name, value in (("original", original), ("spliced", logits), ("zero", zero)):
             sums.losses[name] += float(_next_token_losses(value, ids, scored))
         log_p, log_q = F.log_softmax(original.float(), -1), F.log_softmax(logits.float(), -1)

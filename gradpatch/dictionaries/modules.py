@@ -54,6 +54,13 @@ class DictionaryConfig:
         input_node: the NodePath read, if known.
         output_node: the NodePath written (an SAE's is its ``input_node``), if known.
         model_fingerprint: :func:`gradpatch.model_fingerprint` of the model it was trained on, if known.
+        exclude_first_positions: the first positions of every sequence that training leaves out and
+            :func:`~gradpatch.dictionaries.evaluate_dictionary` leaves as the model computes them (not spliced, not
+            scored in FVU): attention sinks. SmolLM2 has no BOS and its residual stream at position 0 (sometimes 1 too)
+            has a norm ~150× the other tokens' (89 % of the variance after layer 12 on packed chunks), which a
+            dictionary trained on every position spends itself on; SAELens leaves out special tokens and circuit-tracer
+            position 0 for the same reason. :func:`~gradpatch.dictionaries.trained_positions` gives the matching
+            splice ``slice``. 0 (default): every position.
     """
 
     kind: Kind
@@ -67,6 +74,7 @@ class DictionaryConfig:
     input_node: str | None = None
     output_node: str | None = None
     model_fingerprint: str | None = None
+    exclude_first_positions: int = 0
 
     def __post_init__(self) -> None:
         if self.d_out is None:
@@ -91,6 +99,9 @@ class DictionaryConfig:
         elif self.k is not None:
             raise DictionaryConfigError(f"k={self.k} applies to topk and batchtopk only, not {self.activation}; "
                                         f"leave k=None")
+        if not isinstance(self.exclude_first_positions, int) or self.exclude_first_positions < 0:
+            raise DictionaryConfigError(f"exclude_first_positions must be an int >= 0, got "
+                                        f"{self.exclude_first_positions!r}")
         if not self.bandwidth > 0:
             raise DictionaryConfigError(f"bandwidth must be > 0, got {self.bandwidth!r}")
         if self.kind == "sae" and self.d_out != self.d_in:
@@ -247,6 +258,7 @@ class SparseAutoencoder(SparseDictionary):
         node: the NodePath it reads and reconstructs, if known.
         apply_b_dec_to_input: subtract ``b_dec`` before encoding (Gao et al.'s b_pre).
         bandwidth: JumpReLU's ε.
+        exclude_first_positions: positions left out of training and evaluation (:class:`DictionaryConfig`).
         generator: random generator of the initial weights.
 
     Raises:
@@ -255,9 +267,10 @@ class SparseAutoencoder(SparseDictionary):
 
     def __init__(self, d_in: int, d_sae: int, activation: str = "topk", k: int | None = None, *,
                  node: str | None = None, apply_b_dec_to_input: bool = True, bandwidth: float = 0.001,
-                 generator: torch.Generator | None = None) -> None:
+                 exclude_first_positions: int = 0, generator: torch.Generator | None = None) -> None:
         super().__init__(DictionaryConfig("sae", activation, d_in, d_sae, k=k, bandwidth=bandwidth,
-                                          apply_b_dec_to_input=apply_b_dec_to_input, input_node=node), generator)
+                                          apply_b_dec_to_input=apply_b_dec_to_input, input_node=node,
+                                          exclude_first_positions=exclude_first_positions), generator)
 
 
 class Transcoder(SparseDictionary):
@@ -265,7 +278,7 @@ class Transcoder(SparseDictionary):
 
     Args:
         d_in, d_sae, d_out: widths (``d_out`` defaults to ``d_in``).
-        activation, k, bandwidth, generator: as :class:`SparseAutoencoder`.
+        activation, k, bandwidth, exclude_first_positions, generator: as :class:`SparseAutoencoder`.
         input_node, output_node: the NodePaths read and predicted, if known (e.g. an MLP's input and output).
 
     Raises:
@@ -276,9 +289,11 @@ class Transcoder(SparseDictionary):
 
     def __init__(self, d_in: int, d_sae: int, d_out: int | None = None, activation: str = "topk",
                  k: int | None = None, *, input_node: str | None = None, output_node: str | None = None,
-                 bandwidth: float = 0.001, generator: torch.Generator | None = None) -> None:
+                 bandwidth: float = 0.001, exclude_first_positions: int = 0,
+                 generator: torch.Generator | None = None) -> None:
         super().__init__(DictionaryConfig(self.kind, activation, d_in, d_sae, d_out, k=k, bandwidth=bandwidth,
-                                          input_node=input_node, output_node=output_node), generator)
+                                          input_node=input_node, output_node=output_node,
+                                          exclude_first_positions=exclude_first_positions), generator)
 
 
 class SkipTranscoder(Transcoder):

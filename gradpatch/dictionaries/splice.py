@@ -28,10 +28,11 @@ from typing import Any
 import torch
 
 from ..patches import Patch, Slice
+from ..positions import Tokens
 from .errors import DictionaryConfigError, DictionaryShapeError
 from .modules import SparseDictionary
 
-__all__ = ["DictionaryPatch", "Splice", "TranscoderInput", "splice"]
+__all__ = ["DictionaryPatch", "Splice", "TranscoderInput", "splice", "trained_positions"]
 
 
 @dataclass(kw_only=True, eq=False)
@@ -182,6 +183,21 @@ class Splice:
             patches[self.input_node] = [self.reader]
         patches.setdefault(self.output_node, []).append(self.patch)
         return patches
+
+
+def trained_positions(dictionary: SparseDictionary) -> Tokens | None:
+    """The ``slice`` that splices ``dictionary`` only where it was trained: ``Tokens(slice(n, None))`` (absolute
+    positions n.., resolved in each forward pass, so also in ``pg.generate`` with a KV cache) for a config's
+    ``exclude_first_positions`` n > 0, ``None`` (every position) for 0. The training modules and
+    :func:`~gradpatch.dictionaries.evaluate_dictionary` splice with it; give it to :func:`splice` as ``slice=``.
+
+    Example::
+
+        with pg.patch(splice(pg, sae, slice=trained_positions(sae))):
+            logits = pg(ids).logits     # positions < n keep the model's values; latents [batch, seq − n, m]
+    """
+    n = dictionary.config.exclude_first_positions
+    return Tokens(slice(n, None)) if n else None
 
 
 def splice(pg: Any, dictionary: SparseDictionary, node: str | None = None, *, output_node: str | None = None,

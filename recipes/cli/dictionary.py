@@ -10,7 +10,8 @@ Writes ``OUT/metrics.json`` (:func:`recipes.dictionary.metrics.write_dictionary_
 L0, dead fraction, the original, spliced and zero-ablated CE losses, CE loss recovered, KL, tokens) over the first
 ``--tokens`` tokens of the corpus: a ``.txt`` file is one document per line, a ``.jsonl`` file its ``text`` field,
 the default the offline English Wikipedia summaries; each document tokenized as the tokenizer does by default and
-truncated to ``--max-length``. The dictionary is spliced without its error term. Bad input (a missing folder, a
+truncated to ``--max-length``. The dictionary is spliced without its error term, after the first
+``--exclude-first-positions`` positions of each document (default: its config's ``exclude_first_positions``). Bad input (a missing folder, a
 folder of another format, a NodePath the graph lacks, a width that does not fit the node, a dictionary saved for
 another model) exits with status 2 and writes nothing.
 """
@@ -18,6 +19,7 @@ another model) exits with status 2 and writes nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,17 @@ def _load(args: argparse.Namespace, model: Any) -> Any:
     return load_dictionary(args.dictionary, model=model)
 
 
+def _with_excluded_positions(dictionary: Any, count: int | None) -> Any:
+    """``dictionary`` with its config's ``exclude_first_positions`` set to ``count`` (unchanged for ``None``).
+
+    Raises:
+        DictionaryConfigError: a negative ``count``.
+    """
+    if count is not None:
+        dictionary.config = dataclasses.replace(dictionary.config, exclude_first_positions=count)
+    return dictionary
+
+
 def _run_eval(args: argparse.Namespace) -> int:
     """Run ``gradpatch dictionary eval`` (see the module docstring); returns the exit status."""
     import torch
@@ -59,7 +72,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     try:
         device = args.device or default_device()
         model, tokenizer = load_model(args.model, device=device)
-        dictionary = _load(args, model)
+        dictionary = _with_excluded_positions(_load(args, model), args.exclude_first_positions)
         documents, _ = tokenize_documents(tokenizer, read_documents(args.corpus), args.tokens, args.max_length)
         if not documents:
             return usage_error(_EVAL, f"the corpus {args.corpus or '(the Wikipedia summaries)'} gave no document of "
@@ -102,5 +115,8 @@ def register(subparsers: Any) -> None:
     e.add_argument("--tokens", type=int, default=4096, metavar="N", help="tokens scored (default %(default)s)")
     e.add_argument("--max-length", type=int, default=128, metavar="L",
                    help="tokens per document at most (default %(default)s)")
+    e.add_argument("--exclude-first-positions", type=int, default=None, metavar="N",
+                   help="leave the first N positions of every document unspliced and unscored (attention sinks; "
+                        "default: the dictionary's own setting, 0 for SAELens's and sparsify's files)")
     e.add_argument("--out", required=True, metavar="DIR", help="folder of metrics.json")
     e.set_defaults(func=_run_eval)

@@ -31,13 +31,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from editors.passes import node_activations
 from gradpatch import CustomPatch, ProbePatch
 from gradpatch.dictionaries import SparseDictionary, normalized_mse
 from gradpatch.errors import NodePathError
 
 from ..errors import RecipeConfigError
 from ..training.frozen import FrozenGraphModule, OptimizerName
-from .module import DictionaryModule
+from .module import BDecInit, DictionaryModule
 from .spliced import next_token_ce, splice_all
 
 __all__ = ["EndToEndDictionaryModule", "downstream_residual_nodes"]
@@ -72,7 +73,7 @@ class EndToEndDictionaryModule(DictionaryModule):
 
     Args:
         pg, dictionary, lr, optimizer, sparsity_coefficient, dead_after_tokens, unit_norm_decoder,
-            density_every_n_steps: as :class:`~recipes.dictionary.DictionaryModule`.
+            density_every_n_steps, b_dec_init: as :class:`~recipes.dictionary.DictionaryModule`.
         downstream_nodes: D, the NodePaths whose activations ``[batch, seq, d]`` are compared (e2e+ds); ``()``
             for plain e2e. :func:`downstream_residual_nodes` gives Braun et al.'s choice.
         downstream_coefficient: β_ds, the total weight of the downstream MSEs (split evenly over D).
@@ -87,11 +88,11 @@ class EndToEndDictionaryModule(DictionaryModule):
                  optimizer: OptimizerName = "adam", sparsity_coefficient: float = 1e-3,
                  dead_after_tokens: int = 10_000_000, unit_norm_decoder: bool = True,
                  downstream_nodes: Sequence[str] = (), downstream_coefficient: float = 0.0,
-                 density_every_n_steps: int = 50) -> None:
+                 density_every_n_steps: int = 50, b_dec_init: BDecInit = "mean") -> None:
         super().__init__(pg, dictionary, buffer_rows=1, lr=lr, optimizer=optimizer,
                          sparsity_coefficient=sparsity_coefficient, dead_after_tokens=dead_after_tokens,
                          unit_norm_decoder=unit_norm_decoder, density_every_n_steps=density_every_n_steps,
-                         ce_every_n_steps=0)
+                         ce_every_n_steps=0, b_dec_init=b_dec_init)
         if downstream_coefficient < 0 or (downstream_coefficient > 0 and not downstream_nodes):
             raise RecipeConfigError(f"downstream_coefficient (β_ds = {downstream_coefficient}) must be >= 0, and "
                                     f"> 0 only with downstream_nodes (e.g. downstream_residual_nodes(pg, node))")
@@ -101,8 +102,13 @@ class EndToEndDictionaryModule(DictionaryModule):
         self.downstream_coefficient = float(downstream_coefficient)
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        """One optimizer step on a batch of token ids ``[batch, seq]``."""
+        """One optimizer step on a batch of token ids ``[batch, seq]`` (the first sets the decoder biases to the
+        mean of its targets' trained positions, with ``b_dec_init="mean"``)."""
         ids = batch["input_ids"] if isinstance(batch, dict) else batch
+        if bool(self.b_dec_pending):
+            values = dict(zip(self.nodes, node_activations(self.graph, self.nodes, ids)))
+            first = self.exclude_first_positions
+            self.initialize_b_dec(lambda index: values[self.nodes_of(index)[1]][:, first:].flatten(0, -2))
         return FrozenGraphModule.training_step(self, ids, batch_idx)
 
     def loss_terms(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -141,10 +147,11 @@ class EndToEndDictionaryModule(DictionaryModule):
         ``[n, m]``."""
         dictionary = self.dictionaries[index]
         read, write = self.nodes_of(index)
-        x = probes[read].activation.reshape(-1, dictionary.d_in).to(dictionary.W_enc.dtype)
+        first = self.exclude_first_positions  # the spliced positions only, those of z
+        x = probes[read].activation[:, first:].reshape(-1, dictionary.d_in).to(dictionary.W_enc.dtype)
         with torch.no_grad():
-            terms = {"fvu": normalized_mse(dictionary.output(x, z),
-                                           probes[write].activation.reshape(-1, dictionary.d_out).to(x.dtype))}
+            target = probes[write].activation[:, first:].reshape(-1, dictionary.d_out).to(x.dtype)
+            terms = {"fvu": normalized_mse(dictionary.output(x, z), target)}
         self.track_firing(index, z)
         if dictionary.config.activation in ("relu", "jumprelu"):  # activations without side effects: z again, with grad
             h = dictionary.pre_activations(x)

@@ -39,7 +39,7 @@ from ..errors import RecipeConfigError
 from ..training.frozen import DtypeName, EMBEDDED_MODEL_LABEL, OptimizerName
 from .corpus import packed_chunks, read_documents, tokenize_documents
 from .end_to_end import EndToEndDictionaryModule, downstream_residual_nodes
-from .module import AUXK_COEFFICIENT, DictionaryModule
+from .module import AUXK_COEFFICIENT, BDecInit, DictionaryModule
 
 __all__ = ["DictionaryDataModule", "DictionaryFitModule", "DictionarySpec", "EndToEndDictionaryFitModule",
            "build_dictionaries", "build_dictionary", "load_graph"]
@@ -57,6 +57,8 @@ class DictionarySpec:
         k: active latents per token (TopK, BatchTopK).
         expansion_factor: latents per input dimension, unless ``d_sae`` is given.
         d_sae: the number of latents.
+        exclude_first_positions: the first positions of every sequence left out of training and evaluation
+            (:class:`gradpatch.dictionaries.DictionaryConfig`; 2 for SmolLM2's attention sinks).
     """
 
     node: str
@@ -66,6 +68,7 @@ class DictionarySpec:
     k: int | None = 32
     expansion_factor: int = 4
     d_sae: int | None = None
+    exclude_first_positions: int = 0
 
 
 def build_dictionary(pg: Any, spec: DictionarySpec, seed: int = 0) -> SparseDictionary:
@@ -88,10 +91,11 @@ def build_dictionary(pg: Any, spec: DictionarySpec, seed: int = 0) -> SparseDict
     k = spec.k if spec.activation in ("topk", "batchtopk") else None
     generator = torch.Generator().manual_seed(seed)
     if spec.kind == "sae":
-        return SparseAutoencoder(widths[0], d_sae, spec.activation, k, node=spec.node, generator=generator)
+        return SparseAutoencoder(widths[0], d_sae, spec.activation, k, node=spec.node,
+                                 exclude_first_positions=spec.exclude_first_positions, generator=generator)
     kind = SkipTranscoder if spec.kind == "skip_transcoder" else Transcoder
     return kind(widths[0], d_sae, widths[-1], spec.activation, k, input_node=spec.node, output_node=spec.output_node,
-                generator=generator)
+                exclude_first_positions=spec.exclude_first_positions, generator=generator)
 
 
 def load_graph(model_path: str | None, dtype: DtypeName) -> tuple[Any, Any]:
@@ -118,8 +122,8 @@ class DictionaryFitModule(DictionaryModule):
         model_path: a ``save_pretrained`` directory or ``.gguf`` file; ``None`` for the embedded SmolLM2-135M-Instruct.
         dtype: the model's dtype (the dictionary trains in float32).
         buffer_rows, lr, optimizer, sparsity_coefficient, auxk_coefficient, dead_after_tokens, unit_norm_decoder,
-            seed, density_every_n_steps, ce_every_n_steps: as :class:`DictionaryModule` (``seed`` also seeds the
-            initial weights).
+            seed, density_every_n_steps, ce_every_n_steps, b_dec_init: as :class:`DictionaryModule` (``seed`` also
+            seeds the initial weights).
 
     Raises:
         RecipeConfigError, NodePathError, DictionaryConfigError: as :func:`build_dictionary` and
@@ -131,13 +135,13 @@ class DictionaryFitModule(DictionaryModule):
                  optimizer: OptimizerName = "adam", sparsity_coefficient: float = 1e-3,
                  auxk_coefficient: float = AUXK_COEFFICIENT, dead_after_tokens: int = 10_000_000,
                  unit_norm_decoder: bool = True, seed: int = 0, density_every_n_steps: int = 50,
-                 ce_every_n_steps: int = 50) -> None:
+                 ce_every_n_steps: int = 50, b_dec_init: BDecInit = "mean") -> None:
         pg, tokenizer = load_graph(model_path, dtype)
         super().__init__(pg, build_dictionaries(pg, dictionary, seed), buffer_rows=buffer_rows, lr=lr,
                          optimizer=optimizer, sparsity_coefficient=sparsity_coefficient,
                          auxk_coefficient=auxk_coefficient, dead_after_tokens=dead_after_tokens,
                          unit_norm_decoder=unit_norm_decoder, seed=seed, density_every_n_steps=density_every_n_steps,
-                         ce_every_n_steps=ce_every_n_steps)
+                         ce_every_n_steps=ce_every_n_steps, b_dec_init=b_dec_init)
         self.tokenizer = tokenizer
         self.model_label = model_path or EMBEDDED_MODEL_LABEL
 
@@ -149,7 +153,7 @@ class EndToEndDictionaryFitModule(EndToEndDictionaryModule):
     Args:
         dictionary, model_path, dtype, seed: as :class:`DictionaryFitModule`.
         lr, optimizer, sparsity_coefficient, dead_after_tokens, unit_norm_decoder, density_every_n_steps,
-            downstream_coefficient: as :class:`~recipes.dictionary.EndToEndDictionaryModule`.
+            downstream_coefficient, b_dec_init: as :class:`~recipes.dictionary.EndToEndDictionaryModule`.
         downstream_nodes: the NodePaths of the e2e+ds terms, or ``"residual"`` for Braun et al.'s choice after the last
             listed dictionary's written node (:func:`~recipes.dictionary.downstream_residual_nodes`); ``None``:
             none (plain e2e).
@@ -164,7 +168,7 @@ class EndToEndDictionaryFitModule(EndToEndDictionaryModule):
                  sparsity_coefficient: float = 1e-3, dead_after_tokens: int = 10_000_000,
                  unit_norm_decoder: bool = True, seed: int = 0, density_every_n_steps: int = 50,
                  downstream_nodes: list[str] | Literal["residual"] | None = None,
-                 downstream_coefficient: float = 0.0) -> None:
+                 downstream_coefficient: float = 0.0, b_dec_init: BDecInit = "mean") -> None:
         pg, tokenizer = load_graph(model_path, dtype)
         dictionaries = build_dictionaries(pg, dictionary, seed)
         if downstream_nodes == "residual":
@@ -173,7 +177,7 @@ class EndToEndDictionaryFitModule(EndToEndDictionaryModule):
         super().__init__(pg, dictionaries, lr=lr, optimizer=optimizer, sparsity_coefficient=sparsity_coefficient,
                          dead_after_tokens=dead_after_tokens, unit_norm_decoder=unit_norm_decoder,
                          downstream_nodes=downstream_nodes or (), downstream_coefficient=downstream_coefficient,
-                         density_every_n_steps=density_every_n_steps)
+                         density_every_n_steps=density_every_n_steps, b_dec_init=b_dec_init)
         self.tokenizer = tokenizer
         self.model_label = model_path or EMBEDDED_MODEL_LABEL
 

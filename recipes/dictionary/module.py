@@ -7,7 +7,8 @@ by side in the buffer, their losses summed). Each training batch is token ids ``
 
 1. reads the dictionary's input node (and a transcoder's output node) in one forward pass of the frozen graph that
    stops after the deepest node read (:func:`editors.passes.node_activations`), without gradients;
-2. pushes those ``batch · seq`` rows into a bounded shuffle buffer
+2. pushes those ``batch · seq`` rows (less the first ``exclude_first_positions`` of each sequence, the
+   dictionaries' config's) into a bounded shuffle buffer
    (:class:`~recipes.dictionary.buffer.ActivationBuffer`) and, once it holds ``buffer_rows``, trains on as many rows
    drawn from it at random (steps before that only fill it);
 3. minimises the local loss of the dictionary's kind (:mod:`gradpatch.dictionaries.losses`):
@@ -33,9 +34,9 @@ is given one).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -51,10 +52,12 @@ from ..training.frozen import FrozenGraphModule, OptimizerName
 from .buffer import ActivationBuffer
 from .spliced import spliced_ce_increase
 
-__all__ = ["AUXK_COEFFICIENT", "DictionaryModule"]
+__all__ = ["AUXK_COEFFICIENT", "BDecInit", "DictionaryModule"]
 
 #: α of the AuxK term (Gao et al. 2024, appendix A.2).
 AUXK_COEFFICIENT = 1 / 32
+#: How training sets the decoder bias before its first step: ``"mean"`` of the first step's targets, or ``"keep"``.
+BDecInit = Literal["mean", "keep"]
 
 
 class DictionaryModule(FrozenGraphModule):
@@ -81,19 +84,28 @@ class DictionaryModule(FrozenGraphModule):
         density_every_n_steps: optimizer steps per feature-density histogram (0: none).
         ce_every_n_steps: optimizer steps per logged ``ce_increase`` (0: none), measured on that step's batch of
             token ids after the update: CE with the dictionaries spliced without error terms − the model's CE.
+        b_dec_init: ``"mean"`` (default): before the first optimizer step, each dictionary's ``b_dec`` is set to the
+            mean of that step's targets (``[d_out]``; averaged over the DDP ranks), as sparsify does and SAELens's
+            ``b_dec_init_method="mean"``: the reconstruction then starts at the activations' mean instead of 0 (on
+            SmolLM2 at 65,536 tokens it left 0.3 % of the latents dead instead of 25 % and cut the CE increase from
+            0.87 to 0.69, docs/dictionaries.md); ``"keep"``: leave ``b_dec`` as the dictionary has it. Kept in
+            checkpoints: a resumed run does not set it again.
 
     Raises:
         RecipeConfigError: no dictionary, a dictionary whose config names no input node (or no output node for a
-            transcoder), two writing the same node, a non-positive ``buffer_rows`` or ``dead_after_tokens``, a
-            negative ``density_every_n_steps`` or ``ce_every_n_steps``.
+            transcoder), two writing the same node or leaving out different first positions, a non-positive ``buffer_rows`` or ``dead_after_tokens``, a
+            negative ``density_every_n_steps`` or ``ce_every_n_steps``, a ``b_dec_init`` other than ``"mean"`` or
+            ``"keep"``.
     """
 
     def __init__(self, pg: Any, dictionary: SparseDictionary | Sequence[SparseDictionary], buffer_rows: int = 65536,
                  lr: float = 2e-4, optimizer: OptimizerName = "adam", sparsity_coefficient: float = 1e-3,
                  auxk_coefficient: float = AUXK_COEFFICIENT, dead_after_tokens: int = 10_000_000,
                  unit_norm_decoder: bool = True, seed: int = 0, density_every_n_steps: int = 50,
-                 ce_every_n_steps: int = 50) -> None:
+                 ce_every_n_steps: int = 50, b_dec_init: BDecInit = "mean") -> None:
         super().__init__(lr=lr, optimizer=optimizer)
+        if b_dec_init not in ("mean", "keep"):
+            raise RecipeConfigError(f"b_dec_init must be 'mean' or 'keep', got {b_dec_init!r}")
         dictionaries = [dictionary] if isinstance(dictionary, SparseDictionary) else list(dictionary)
         written = [_nodes(d)[-1] for d in dictionaries]
         if not dictionaries or len(set(written)) < len(written):
@@ -103,8 +115,14 @@ class DictionaryModule(FrozenGraphModule):
             raise RecipeConfigError(f"buffer_rows ({buffer_rows}) and dead_after_tokens ({dead_after_tokens}) must be "
                                     f"positive, density_every_n_steps ({density_every_n_steps}) and ce_every_n_steps "
                                     f"({ce_every_n_steps}) >= 0")
+        excluded = {d.config.exclude_first_positions for d in dictionaries}
+        if len(excluded) > 1:
+            raise RecipeConfigError(f"the dictionaries of one run must leave out the same first positions (their rows "
+                                    f"are the same tokens), got exclude_first_positions {sorted(excluded)}")
         self.attach_graph(pg)
         self.dictionaries = nn.ModuleList(dictionaries)
+        #: The first positions of every sequence left out (the dictionaries' ``exclude_first_positions``).
+        self.exclude_first_positions: int = excluded.pop()
         #: Every node read, in order; a dictionary's input and target are columns of their concatenation.
         self.nodes: list[str] = list(dict.fromkeys(node for d in dictionaries for node in _nodes(d)))
         self.sparsity_coefficient = float(sparsity_coefficient)
@@ -119,6 +137,8 @@ class DictionaryModule(FrozenGraphModule):
         for d in dictionaries:
             self.offsets.append(self.offsets[-1] + d.d_sae)
         self.register_buffer("tokens_since_fired", torch.zeros(self.offsets[-1], dtype=torch.long))
+        #: Whether the first optimizer step still sets the decoder biases (``b_dec_init="mean"``; in checkpoints).
+        self.register_buffer("b_dec_pending", torch.tensor(b_dec_init == "mean"))
         #: Tokens each latent fired on, and tokens seen, since the last density histogram.
         self.register_buffer("window_fired", torch.zeros(self.offsets[-1]), persistent=False)
         self.window_tokens = 0
@@ -147,12 +167,27 @@ class DictionaryModule(FrozenGraphModule):
         """Stream one batch of token ids into the buffer; train on as many buffered rows once it is full (``None``,
         no optimizer step, while it fills)."""
         ids = batch["input_ids"] if isinstance(batch, dict) else batch
+        first = self.exclude_first_positions
         activations = node_activations(self.graph, self.nodes, ids)
-        rows = torch.cat([a.reshape(-1, a.shape[-1]).float() for a in activations], dim=-1)
+        rows = torch.cat([a[:, first:].reshape(-1, a.shape[-1]).float() for a in activations], dim=-1)
         self.buffer.push(rows)
         if not self.buffer.ready(rows.shape[0]):
             return None
-        return super().training_step(self.buffer.pop(rows.shape[0]), batch_idx)
+        drawn = self.buffer.pop(rows.shape[0])
+        self.initialize_b_dec(lambda index: self.columns(drawn, self.nodes_of(index)[1]))
+        return super().training_step(drawn, batch_idx)
+
+    def initialize_b_dec(self, targets: Callable[[int], torch.Tensor]) -> None:
+        """Before the first optimizer step with ``b_dec_init="mean"``: set dictionary ``index``'s ``b_dec`` to the
+        mean of ``targets(index)`` ``[n, d_out]``, averaged over the DDP ranks (each rank's batch has as many
+        rows); nothing afterwards."""
+        if not bool(self.b_dec_pending):
+            return
+        with torch.no_grad():
+            for index, dictionary in enumerate(self.dictionaries):
+                mean = self.trainer.strategy.reduce(targets(index).double().mean(0), reduce_op="mean")
+                dictionary.b_dec.copy_(mean.to(dictionary.b_dec))
+            self.b_dec_pending.fill_(False)
 
     def nodes_of(self, index: int) -> tuple[str, str]:
         """Dictionary ``index``'s (input node, target node); the same node twice for an SAE."""

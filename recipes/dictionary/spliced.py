@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gradpatch.dictionaries import Splice, SparseDictionary, splice
+from gradpatch.dictionaries import Splice, SparseDictionary, splice, trained_positions
 
 __all__ = ["next_token_ce", "splice_all", "spliced_ce_increase"]
 
@@ -27,14 +27,15 @@ def next_token_ce(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def splice_all(pg: Any, dictionaries: Sequence[SparseDictionary], error_term: bool = False) -> Iterator[list[Splice]]:
-    """Splice every dictionary at its config's nodes (:func:`gradpatch.dictionaries.splice`, nested patch blocks)
-    for the ``with`` block; yields the splices (their ``latents`` after a forward pass).
+    """Splice every dictionary at its config's nodes and trained positions (:func:`gradpatch.dictionaries.splice`
+    with :func:`~gradpatch.dictionaries.trained_positions`, nested patch blocks) for the ``with`` block; yields the
+    splices (their ``latents`` ``[batch, seq − exclude_first_positions, m]`` after a forward pass).
 
     Raises:
         NodePathError, DictionaryShapeError: as :func:`gradpatch.dictionaries.splice` and ``pg.patch``.
     """
-    splices = [splice(pg, d, str(d.config.input_node), output_node=d.config.output_node, error_term=error_term)
-               for d in dictionaries]
+    splices = [splice(pg, d, str(d.config.input_node), output_node=d.config.output_node, error_term=error_term,
+                      slice=trained_positions(d)) for d in dictionaries]
     with ExitStack() as stack:
         for spliced in splices:
             stack.enter_context(pg.patch(spliced))
