@@ -11,9 +11,10 @@ L0, dead fraction, the original, spliced and zero-ablated CE losses, CE loss rec
 ``--tokens`` tokens of the corpus: a ``.txt`` file is one document per line, a ``.jsonl`` file its ``text`` field,
 the default the offline English Wikipedia summaries; each document tokenized as the tokenizer does by default and
 truncated to ``--max-length``. The dictionary is spliced without its error term, after the first
-``--exclude-first-positions`` positions of each document (default: its config's ``exclude_first_positions``). Bad input (a missing folder, a
-folder of another format, a NodePath the graph lacks, a width that does not fit the node, a dictionary saved for
-another model) exits with status 2 and writes nothing.
+``--exclude-first-positions`` positions of each document (default: its config's ``exclude_first_positions``). Bad
+input (a missing folder, a folder of another format, a NodePath the graph lacks, a width that does not fit the node,
+a dictionary saved for another model, a negative ``--exclude-first-positions``) exits with status 2 and writes
+nothing.
 """
 
 from __future__ import annotations

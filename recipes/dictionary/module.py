@@ -93,9 +93,9 @@ class DictionaryModule(FrozenGraphModule):
 
     Raises:
         RecipeConfigError: no dictionary, a dictionary whose config names no input node (or no output node for a
-            transcoder), two writing the same node or leaving out different first positions, a non-positive ``buffer_rows`` or ``dead_after_tokens``, a
-            negative ``density_every_n_steps`` or ``ce_every_n_steps``, a ``b_dec_init`` other than ``"mean"`` or
-            ``"keep"``.
+            transcoder), two writing the same node or leaving out different first positions, a non-positive
+            ``buffer_rows`` or ``dead_after_tokens``, a negative ``density_every_n_steps`` or ``ce_every_n_steps``, a
+            ``b_dec_init`` other than ``"mean"`` or ``"keep"``.
     """
 
     def __init__(self, pg: Any, dictionary: SparseDictionary | Sequence[SparseDictionary], buffer_rows: int = 65536,
