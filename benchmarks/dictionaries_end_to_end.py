@@ -72,29 +72,21 @@ def train_sparsify_kl(args: argparse.Namespace, model: Any, sae: SparseAutoencod
     own virtualenv; the trained SAE read back with :func:`gradpatch.dictionaries.load_sparsify`, with ``sae``'s
     ``exclude_first_positions`` (so it is spliced as ours are)."""
     import dataclasses
-    import subprocess
-    import sys
     from pathlib import Path
 
     from safetensors.torch import save_file
 
     from benchmarks.das_country import save_for_peers
+    from benchmarks.dictionaries_sparsify_train import SIDE, run_json, save_sparsify_init
     from gradpatch.dictionaries import load_sparsify
 
     work = Path(scratch) / "sparsify-kl"
     save_for_peers(model.cpu(), None, work / "model")
     model.to(args.device)
     save_file({"train": train.cpu().contiguous()}, str(work / "ids.safetensors"))
-    save_file({"encoder.weight": sae.W_enc.detach().T.contiguous().cpu(), "encoder.bias": sae.b_enc.detach().cpu(),
-               "W_dec": sae.W_dec.detach().cpu(), "b_dec": sae.b_dec.detach().cpu()},
-              str(work / "init_sparsify.safetensors"))
-    side = Path(__file__).with_name("dictionaries_sparsify_train_side.py")
-    done = subprocess.run([args.sparsify_python, str(side), str(work), "--batch-size", str(args.batch_size), "--lr",
-                           str(args.e2e_lr or args.lr), "--device", args.device, "--loss-fn", "kl"],
-                          capture_output=True, text=True)
-    if done.returncode:
-        sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
-        raise SystemExit(f"sparsify's side exited with {done.returncode}")
+    save_sparsify_init(sae, work)
+    run_json([args.sparsify_python, str(SIDE), str(work), "--batch-size", str(args.batch_size), "--lr",
+              str(args.e2e_lr or args.lr), "--device", args.device, "--loss-fn", "kl"])
     trained = load_sparsify(work / "sparsify" / "run" / "layers.12", node=args.node)
     trained.config = dataclasses.replace(trained.config, exclude_first_positions=sae.config.exclude_first_positions)
     return trained.to(args.device)

@@ -80,6 +80,14 @@ def graph_of(model: Any) -> Any:
         return PatchableGraph(model, example, use_cache=False).eval()
 
 
+def save_sparsify_init(sae: Any, work: Path) -> None:
+    """``sae``'s weights in sparsify's parameter names, ``work/init_sparsify.safetensors`` (what the side script loads
+    into its ``SparseCoder`` before training)."""
+    save_file({"encoder.weight": sae.W_enc.detach().T.contiguous().cpu(), "encoder.bias": sae.b_enc.detach().cpu(),
+               "W_dec": sae.W_dec.detach().cpu().contiguous(), "b_dec": sae.b_dec.detach().cpu().contiguous()},
+              str(work / "init_sparsify.safetensors"))
+
+
 def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Step 1 (module docstring): ``work/model``, ``work/ids.safetensors``, ``work/init`` and
     ``work/init_sparsify.safetensors``; returns what was prepared."""
@@ -113,9 +121,7 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     with torch.no_grad():
         sae.b_dec.copy_(first.reshape(-1, d_in).float().mean(0))
     save_dictionary(sae, work / "init")
-    save_file({"encoder.weight": sae.W_enc.detach().T.contiguous(), "encoder.bias": sae.b_enc.detach().clone(),
-               "W_dec": sae.W_dec.detach().clone(), "b_dec": sae.b_dec.detach().clone()},
-              str(work / "init_sparsify.safetensors"))
+    save_sparsify_init(sae, work)
     return {"source": source, "train_tokens": n_train * args.chunk, "eval_tokens": n_eval * args.chunk,
             "d_in": d_in, "d_sae": EXPANSION * d_in}
 
