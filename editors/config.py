@@ -45,17 +45,19 @@ class ROMEConfig:
             :class:`~editors.errors.EditNotConvergedError` and the weights stay as they were.
         keys_per_context: solve for every context's key (``uᵀ k_j = 1`` for each of the context prompts,
             :func:`editors.solve.rank_one.update_direction`) instead of their average (eq. 3); still a rank-one update.
-            Off by default: on the 44 cases it won two paraphrases with the subject at position 0 and lost 0.057 of
-            neighbourhood score (docs/rome.md, "Keys per context"). MEMIT and AlphaEdit (each fact's context keys as
-            columns with its residual): higher efficacy and paraphrase scores, but 0.033 (MEMIT, 300 development facts)
-            and 0.044 (AlphaEdit, 10 × 100) less neighbourhood score (docs/memit.md, "Keys per context").
-        subject_first_key: with ``keys_per_context``, also solve for the key of the subject at the start of the text
-            (the subject alone, so a one-token subject sits at position 0, where the context prefixes never put it).
-            It is averaged into ``k*`` too; a prompt that begins with the subject has this key already (behind the
-            empty prefix), and it is not added twice. On the 44 cases it won paraphrases that begin with a one-token
-            subject; at layers 2 and 0 the edit then meets the paraphrase target, at layer 3 it does not; but on 50
-            development facts and on other entities that share the subject's last token the default did better
-            (docs/rome.md, "The subject at the start of the text"). Off by default.
+            On by default for ROME since the prompt-form suite (with ``subject_first_key``; chosen on the development
+            suite, where it won every subject-first prompt the averaged key lost for one neighbourhood prompt:
+            docs/rome.md, "The subject-first key, chosen on the development suite"). MEMIT and AlphaEdit (each
+            fact's context keys as columns with its residual) keep it off: higher efficacy and paraphrase scores, but
+            0.033 (MEMIT, 300 development facts) and 0.044 (AlphaEdit, 10 × 100) less neighbourhood score
+            (docs/memit.md, "Keys per context").
+        subject_first_key: also solve for the key of the subject at the start of the text (the subject alone, after
+            the start token if any: the key of every prompt that begins with the subject, which no context prefix
+            gives unless the rewrite prompt itself begins with it). ROME: ``uᵀ k = 1`` for it too (beside every
+            context's key, or beside ``k*``), and it is averaged into ``k*``; a prompt that begins with the subject
+            has this key already (behind the empty prefix) and it is not added twice. MEMIT and AlphaEdit: one more
+            column of ``K`` per fact with the fact's residual (``λ`` still from the context keys). On by default for
+            ROME (above).
         start_token: a token put before every text the editor reads and scores (keys, values, statistics, context
             prefixes, and the evaluation through :attr:`Editor.tokenizer <editors.editor.Editor.tokenizer>`), so that
             no subject sits at position 0, the attention sink (:mod:`editors.passes.start_token`). ``"auto"``
@@ -73,7 +75,7 @@ class ROMEConfig:
             search adds ``δ`` at the subject whatever this says.
 
     Raises:
-        ValueError: ``subject_first_key`` without ``keys_per_context``; ``start_token`` an empty string.
+        ValueError: ``start_token`` an empty string.
     """
 
     steps: int = 25
@@ -92,17 +94,14 @@ class ROMEConfig:
     use_cache: bool = True
     progress: bool = True
     allow_unconverged: bool = False
-    keys_per_context: bool = False
-    subject_first_key: bool = False
+    keys_per_context: bool = True
+    subject_first_key: bool = True
     start_token: str | None = "auto"
     value_through_update: bool = True
 
     def __post_init__(self) -> None:
         if self.start_token == "":
             raise ValueError("start_token is an empty string: give a token of the vocabulary, 'auto', or None for none")
-        if self.subject_first_key and not self.keys_per_context:
-            raise ValueError("subject_first_key=True adds a key for the rank-one solve over the contexts' keys: "
-                             "set keys_per_context=True as well (--keys-per-context)")
 
     def to_json(self) -> dict[str, Any]:
         """The hyperparameters as a JSON-able dict."""
@@ -137,11 +136,13 @@ class MEMITConfig(ROMEConfig):
             the papers' objective. At 0.5, AlphaEdit's neighbourhood score on 3 sequential batches of 100 development
             facts rose from 0.892 to 0.956 for 0.020 of efficacy, on 10 batches of 100 evaluation facts from 0.777 to
             0.925 for 0.081 of efficacy (docs/memit.md, "Keeping the true answer's logit").
-        start_token: as ROME's, but ``None`` by default: MEMIT's and AlphaEdit's settings and test scores
-            (docs/memit.md) were measured on texts without one; with ``"auto"`` MEMIT scored within 0.005 of them on
-            100 development facts, and on the prompt-form suites' first 30 facts it carried the edit to more
-            subject-first prompts (development 17 / 20 against 15 / 20, test 21 / 23 against 17 / 23) at the same
-            neighbourhood score (docs/memit.md, "Prompt forms and the start token").
+        start_token: as ROME's (``"auto"``). MEMIT's earlier figures (docs/memit.md) were measured on texts without one
+            (``None``); with ``"auto"`` it scored within 0.005 of them on 100 development facts and carried the edit to
+            more subject-first prompts (docs/memit.md, "Prompt forms and the start token").
+        keys_per_context: as ROME's, but off by default (see ROME's).
+        subject_first_key: on by default (with ``"auto"``, chosen on the 100 development facts of the prompt-form
+            suite: subject-first prompts 0.814 → 0.943 for 0.020 of neighbourhood score; docs/memit.md, "The
+            subject-first key").
     """
 
     value_prefixes: int | None = 6
@@ -151,7 +152,9 @@ class MEMITConfig(ROMEConfig):
     max_tokens: int = DEFAULT_MAX_TOKENS
     value_dtype: str | None = None
     true_logit_weight: float = 0.0
-    start_token: str | None = None
+    keys_per_context: bool = False
+    subject_first_key: bool = True
+    start_token: str | None = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -4,12 +4,15 @@ Pipeline for one fact ``(subject, prompt, target_new)``, every text read after t
 (``config.start_token``, :mod:`editors.passes.start_token`: ``<|endoftext|>`` on SmolLM2 and GPT-2, nothing on a
 tokenizer that adds a BOS token itself), so that no subject sits at position 0:
 
-1. ``k*`` — the layer input at the subject's last token, averaged over context prefixes (eq. 3);
+1. ``k*`` — the layer input at the subject's last token, averaged over context prefixes (eq. 3) and, by default
+   (``subject_first_key``), the key where a text begins with the subject;
 2. ``C = E[k kᵀ]`` — the layer input's second moment over a corpus (cached on disk);
 3. ``v* = W k* + b + δ`` — ``δ`` optimised through an AddPatch at the layer output (eq. 4);
 4. ``W' = W + (v* - W k*)(C⁻¹k*)ᵀ / ((C⁻¹k*)ᵀ k*)`` — the closed-form rank-one update (eq. 2), with the same
    averaged ``k*`` in both factors (mixing the averaged key with the bare prompt's key causes the
-   model-collapsing edits described in "Rebuilding ROME", Gupta et al. 2024).
+   model-collapsing edits described in "Rebuilding ROME", Gupta et al. 2024). By default (``keys_per_context``)
+   ``u`` solves ``uᵀk_j = 1`` for every context's key and the subject-first key instead, still rank one
+   (:func:`editors.solve.rank_one.update_direction`), so each of those prompts gains the whole ``δ``.
 
 Usage::
 
@@ -43,7 +46,7 @@ from .layers import LinearLayer, resolve_layer
 from .requests import EditRequest
 from .solve.rank_one import update_direction
 from .statistics.corpus import Corpus
-from .statistics.keys import ContextPrefixes, context_activations
+from .statistics.keys import context_activations, subject_first_activations
 from .statistics.second_moment import SecondMoment
 from .value.rewrite import rewrite_check
 from .value.search import StepCallback, ValueObjective, ValueResult, ValueRunner, optimize_value
@@ -133,15 +136,20 @@ class ROME(Editor):
                                        templates)[0][0]  # [P, d_in]: the subject's key behind each context prefix
         # the subject alone: its key where a text begins with it, [1, d_in]; a prompt that begins with the subject
         # already has that key behind the empty prefix: adding it again would count it twice in k*
-        if c.subject_first_key and not (request.prompt.startswith("{}") and "" in templates.prefixes):
-            first = context_activations(self.pg, self.tokenizer, [layer.input_node], [("{}", request.subject)],
-                                        ContextPrefixes(prefixes=("",)))[0][0]
-            contexts = torch.cat([contexts, first])
+        first = None
+        if c.subject_first_key:
+            if request.prompt.startswith("{}") and "" in templates.prefixes:
+                first = contexts[templates.prefixes.index("")].unsqueeze(0)
+            else:
+                first = subject_first_activations(self.pg, self.tokenizer, [layer.input_node], [request.subject])[0][0]
+                contexts = torch.cat([contexts, first])
         key = contexts.mean(dim=0)  # k* (eq. 3), [d_in]
+        # the keys u must give the whole residual: every context's, or k* (and the subject-first key beside it)
+        solved = contexts if c.keys_per_context else key if first is None else torch.cat([key.unsqueeze(0), first])
         t1 = time.perf_counter()
         try:  # u (eq. 2) depends on the keys alone: solved before the value search, so bad keys fail fast
             with torch.no_grad():
-                u = update_direction(contexts if c.keys_per_context else key, stats.matrix)
+                u = update_direction(solved, stats.matrix)
         except StatisticsError as exc:
             raise StatisticsError(f"{layer.path}, subject {request.subject!r}: {exc}") from None
         t_update = time.perf_counter()

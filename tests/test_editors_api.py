@@ -58,9 +58,8 @@ def test_config_for_checks_settings_before_any_model():
 
 def test_editor_for_builds_each_method_on_the_shared_base(graph):
     pg, tok = graph
-    # ROME without its start token reads the texts as MEMIT does, so the two share their statistics
-    rome = editor_for("rome", pg, tok, NODES[:1], config_for("rome", **SETTINGS, start_token=None),
-                      corpus=list(TOY_SENTENCES))
+    # ROME and MEMIT read the texts after the same start token by default, so the two share their statistics
+    rome = editor_for("rome", pg, tok, NODES[:1], config_for("rome", **SETTINGS), corpus=list(TOY_SENTENCES))
     memit = editor_for("memit", pg, tok, NODES, config_for("memit", **SETTINGS), corpus=list(TOY_SENTENCES))
     alpha = editor_for("alphaedit", pg, tok, NODES)
     assert type(rome) is ROME and type(memit) is MEMIT and type(alpha) is AlphaEdit

@@ -125,10 +125,11 @@ def test_neighborhood_prompts_about_subjects_edited_in_the_group_are_left_out():
     ("memit", ["--batch-size", "3", "--nodes", "transformer.h_0.mlp.c_proj,transformer.h_1.mlp.c_proj",
                "--value-dtype", "bfloat16", "--true-logit-weight", "0.5"]),
     ("alphaedit", ["--batch-size", "2", "--sequential", "2", "--nodes", "transformer.h_0.mlp.c_proj",
-                   "--nullspace-threshold", "0.5", "--preserve", "PRESERVE", "--preserve-weight", "2"]),
-    ("memit", ["--batch-size", "2", "--nodes", NODE, "--mom2-update-weight", "7"]),
+                   "--nullspace-threshold", "0.5", "--preserve", "PRESERVE", "--preserve-weight", "2",
+                   "--subject-first-key"]),
+    ("memit", ["--batch-size", "2", "--nodes", NODE, "--mom2-update-weight", "7", "--no-subject-first-key"]),
     ("rome", ["--batch-size", "2", "--sequential", "2", "--node", NODE]),
-    ("rome", ["--node", NODE, "--keys-per-context", "--subject-first-key"]),
+    ("rome", ["--node", NODE, "--no-keys-per-context", "--no-subject-first-key"]),
     ("rome", ["--node", NODE, "--value-at-subject"]),
 ])
 def test_eval_edit_command(method, extra, tmp_path):
@@ -169,9 +170,11 @@ def test_eval_edit_command(method, extra, tmp_path):
     expected = {"file": str(preserve), "n_facts": 2, "weight": 2.0} if "--preserve" in extra else None
     assert metrics["preserved"] == expected
     settings = metrics["settings"]
-    assert settings["keys"].startswith("per context" if "--keys-per-context" in extra else "averaged")
+    per_context = ("--no-keys-per-context" not in extra) if method == "rome" else ("--keys-per-context" in extra)
+    first = ("--subject-first-key" in extra) if method == "alphaedit" else ("--no-subject-first-key" not in extra)
+    assert settings["keys"].startswith("per context" if per_context else "averaged")  # the methods' defaults
+    assert metrics["config"]["subject_first_key"] is first and settings["keys"].endswith("start of the text") is first
     if method == "rome":
-        assert metrics["config"]["subject_first_key"] is ("--subject-first-key" in extra)
         assert metrics["config"]["value_through_update"] is ("--value-at-subject" not in extra)
         assert all(set(row["edit"]["rewrite"]) == {"logp_new", "logp_true", "wins"} for row in metrics["cases"])
         assert "mom2_update_weight" not in settings
@@ -210,10 +213,6 @@ def test_eval_edit_refuses_bad_arguments(tmp_path, capsys):
     assert "Case 0 (record 0)" in capsys.readouterr().err
     assert main(["eval-edit", "--method", "rome", "--cases", str(cases_file), "--out", out, "--preserve", "p"]) == 2
     assert "--preserve applies to MEMIT and AlphaEdit" in capsys.readouterr().err
-    for method, extra in (("rome", []), ("memit", ["--keys-per-context"])):
-        assert main(["eval-edit", "--method", method, "--cases", str(cases_file), "--out", out,
-                     "--subject-first-key", *extra]) == 2
-        assert "--subject-first-key applies to ROME with --keys-per-context" in capsys.readouterr().err
     for method in ("rome", "memit"):
         assert main(["eval-edit", "--method", method, "--cases", str(cases_file), "--out", out,
                      "--nullspace-threshold", "0.01"]) == 2

@@ -11,7 +11,7 @@ from editors import ROME, Corpus, Edit, EditRequest, ROMEConfig
 from editors.errors import StatisticsError
 from editors.solve.multi_update import alphaedit_factors, memit_factors
 from editors.solve.rank_one import rank_one_update
-from editors.statistics.keys import ContextPrefixes, context_activations
+from editors.statistics.keys import ContextPrefixes, context_activations, subject_first_activations
 from gradpatch import PatchableGraph
 from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
 
@@ -101,8 +101,24 @@ def test_rome_subject_first_key_moves_the_subject_at_the_start_of_the_text():
         assert edit.info["n_key_prompts"] == len(rome.templates()) + first
         edit.restore(pg)
     assert gains[True] < 1e-3 < gains[False]  # only with the flag does that key gain the full residual δ
-    with pytest.raises(ValueError, match="keys_per_context=True"):
-        ROMEConfig(subject_first_key=True)
+
+
+def test_rome_subject_first_key_beside_the_averaged_key():
+    pg, tok = _tiny_graph()
+    config = ROMEConfig(n_samples=32, max_length=64, progress=False, use_cache=False, clamp_factor=500.0,
+                        context_length_params=((5, 4), (10, 4)), keys_per_context=False, subject_first_key=True,
+                        steps=5)
+    rome = ROME(pg, tok, "model.layers_0.mlp.down_proj", config, corpus=Corpus(name="toy", texts=list(TOY_SENTENCES)))
+    request = EditRequest("The river flows into the sea near {}", "the old town", "Rome")
+    node = rome.layer.input_node
+    contexts = context_activations(pg, rome.tokenizer, [node], [(request.prompt, request.subject)],
+                                   rome.templates())[0][0]  # [P, d_in]
+    start = subject_first_activations(pg, rome.tokenizer, [node], [request.subject])[0][0]  # [1, d_in]
+    key = torch.cat([contexts, start]).mean(dim=0)  # k*: the subject-first key averaged in
+    edit, gain, delta = _edit_and_gain(rome, request, torch.stack([key, start[0], contexts[1]]))
+    missed = (gain - delta).norm(dim=-1) / delta.norm()  # [3]: k*, the subject-first key, another context's key
+    assert float(missed[:2].max()) < 1e-4 and float(missed[2]) > 10 * float(missed[:2].max())  # only the two solved
+    edit.restore(pg)
 
 
 def test_rome_subject_first_key_on_a_prompt_that_starts_with_the_subject():

@@ -16,7 +16,7 @@ from editors.errors import ConflictingRequestsError, LayerKindError, StatisticsE
 from editors.memit import MEMIT
 from editors.passes.scoring import mean_target_logprobs
 from editors.solve.multi_update import alphaedit_factors, memit_factors, null_space_projector
-from editors.statistics.keys import context_activations
+from editors.statistics.keys import context_activations, subject_first_activations
 from editors.statistics.second_moment import layer_second_moments
 from gradpatch import PatchableGraph
 from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
@@ -201,7 +201,7 @@ def test_preserved_keys_keep_their_outputs(cls, overrides):
     editor = (AlphaEdit if cls is AlphaEditConfig else MEMIT)(pg, tok, NODES, _config(cls, **overrides),
                                                               corpus=CORPUS)
     keep = [("Because it rains, we stay home in {}", "the old bridge")]  # like the edited facts, not one of them
-    keys = [k[0].mean(dim=0) for k in context_activations(pg, tok, [f"{n}.input" for n in NODES], keep,
+    keys = [k[0].mean(dim=0) for k in context_activations(pg, editor.tokenizer, [f"{n}.input" for n in NODES], keep,
                                                           editor.templates().subset(editor.config.key_prefixes))]
     free = _change_at(editor.compute(REQUESTS), keys)
     editor.preserve(keep, weight=1e6)
@@ -227,3 +227,41 @@ def test_preserve_refuses_bad_input():
     with pytest.raises(SubjectNotFoundError, match="Fact 1 "):
         memit.preserve([("I think the answer is {}", "the bridge"), ("No subject here", "the bridge")])
     assert memit.preserved == [] and memit.n_preserved == 0
+
+
+def test_memit_subject_first_key_is_one_more_column_with_the_facts_residual():
+    pg, tok = _setup()
+    node = NODES[1]
+    memit = MEMIT(pg, tok, [node], _config(), corpus=CORPUS)  # the subject-first key: MEMIT's default
+    batch = memit.compute(REQUESTS)
+    c = memit.config
+    input_node = memit.layers[0].input_node
+    facts = [(r.prompt, r.subject) for r in REQUESTS]
+    averaged = context_activations(pg, memit.tokenizer, [input_node], facts,
+                                   memit.templates().subset(c.key_prefixes))[0].mean(dim=1)  # k* [F, d_in]
+    first = subject_first_activations(pg, memit.tokenizer, [input_node], [r.subject for r in REQUESTS])[0]  # [F, 1, d]
+    residuals = torch.stack([r.delta for r in memit.last_values]).to(torch.float64)  # one layer: all of z - h
+    weight = memit.update_weight(0, averaged)  # λ from k* alone
+    assert batch.info["layers"][0]["mom2_update_weight"] == pytest.approx(weight)
+    u, v = memit_factors(torch.cat([averaged.unsqueeze(1), first], dim=1), residuals,
+                         memit.statistics()[0].matrix, weight)
+    torch.testing.assert_close(batch.edits[0].u, u)
+    torch.testing.assert_close(batch.edits[0].v, v)
+    # the subject-first keys gain more of their fact's residual than under the averaged key alone
+    plain = MEMIT(pg, tok, [node], _config(subject_first_key=False), corpus=CORPUS).compute(REQUESTS).edits[0]
+    along = lambda edit: ((edit.v @ (edit.u.T @ first[:, 0].T.to(torch.float64))).T * residuals).sum(-1)  # noqa: E731
+    assert bool((along(batch.edits[0]) > along(plain)).all())
+
+
+def test_alphaedit_remembers_the_subject_first_keys_it_solved_for():
+    pg, tok = _setup()
+    alpha = AlphaEdit(pg, tok, [NODES[1]], _config(AlphaEditConfig, nullspace_threshold=1.0, subject_first_key=True),
+                      corpus=CORPUS)
+    alpha.edit(REQUESTS[:2])
+    input_node = alpha.layers[0].input_node
+    averaged = context_activations(pg, alpha.tokenizer, [input_node], [(r.prompt, r.subject) for r in REQUESTS[:2]],
+                                   alpha.templates().subset(alpha.config.key_prefixes))[0].mean(dim=1)  # edited model
+    first = subject_first_activations(pg, alpha.tokenizer, [input_node], [r.subject for r in REQUESTS[:2]])[0][:, 0]
+    keys = torch.cat([averaged, first]).to(torch.float64)  # [2F, d_in]
+    torch.testing.assert_close(alpha.previous[0], keys.T @ keys)
+    alpha.restore_all()

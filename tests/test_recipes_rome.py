@@ -98,10 +98,10 @@ def test_rome_command(tmp_path, capsys) -> None:
     corpus.write_text("\n\n".join(list(TOY_SENTENCES) * 4), encoding="utf-8")
     args = ["rome", "--subject", REQUEST.subject, "--prompt", REQUEST.prompt, "--target-new", " Rome",
             "--target-true", "Paris", "--model", str(model_dir), "--node", "model.layers_0.mlp.down_proj",
-            "--device", "cpu", "--corpus", str(corpus), "--n-samples", "32", "--steps", "3",
+            "--device", "cpu", "--corpus", str(corpus), "--n-samples", "32", "--steps", "1",
             "--cache-dir", str(tmp_path / "cache"), "--logdir", str(tmp_path / "runs"),
             "--save", str(tmp_path / "edit"), "--max-new-tokens", "2", "--quiet"]
-    # Three steps under the paper's clamp do not make a random tiny model prefer " Rome": the edit is refused (it loses
+    # One step under the paper's clamp does not make a random tiny model prefer " Rome": the edit is refused (it loses
     # on its own rewrite prompt) unless applied anyway.
     assert main(args) == 1
     assert "loses on its own rewrite prompt" in capsys.readouterr().err

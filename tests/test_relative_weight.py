@@ -87,10 +87,10 @@ def test_memit_resolves_lambda_from_the_edited_keys_on_two_model_shapes(hidden, 
                 EditRequest("I think the answer is {}", "the bridge", "Paris"),
                 EditRequest("Because it rains, we stay home in {}", "Madrid", "Rome")]
     config = MEMITConfig(n_samples=32, max_length=64, progress=False, use_cache=False, clamp_factor=500.0,
-                         context_length_params=((5, 4), (10, 4)), steps=2)
+                         context_length_params=((5, 4), (10, 4)), steps=2, subject_first_key=False)
     memit = MEMIT(pg, tok, [node], config, corpus=Corpus(name="toy", texts=list(TOY_SENTENCES) * 4))
     batch = memit.compute(requests)
-    keys = context_activations(pg, tok, [memit.layers[0].input_node], [(r.prompt, r.subject) for r in requests],
+    keys = context_activations(pg, memit.tokenizer, [memit.layers[0].input_node], [(r.prompt, r.subject) for r in requests],
                                memit.templates().subset(config.key_prefixes), max_tokens=config.max_tokens)[0]
     keys = keys.mean(dim=1).to(torch.float64)  # k* per fact, [F, d_in]
     c = memit.statistics()[0].matrix

@@ -24,6 +24,7 @@ from editors import (
 from editors.errors import EditError, StatisticsError, SubjectNotFoundError
 from editors.evaluation.scores import score_case
 from editors.passes.scoring import mean_target_logprobs
+from editors.statistics.keys import context_activations, subject_first_activations
 from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_gpt2, tiny_llama
 
 # Random tiny models barely move information between positions, so the toy fact ends with its subject: the
@@ -68,11 +69,17 @@ def test_edit_writes_the_fact_and_restores(kind: str, tmp_path) -> None:
     forward = lambda ids: pg(ids, use_cache=False)  # noqa: E731
     tok = rome.tokenizer  # the texts as the editor reads them (after its start token)
     before = mean_target_logprobs(forward, tok, [request.text] * 2, [request.target_new, request.target_true])
+    # every context's key and the subject-first key (the defaults solve for each), [P + 1, d_in]
+    keys = torch.cat([context_activations(pg, tok, [layer.input_node], [(request.prompt, request.subject)],
+                                          rome.templates())[0][0],
+                      subject_first_activations(pg, tok, [layer.input_node], [request.subject])[0][0]])
+    values = layer.forward_value(keys).detach()
     edit = rome.edit(request)
-    # The update stores k* -> v* exactly (up to float32 rounding of the weight).
-    key = compute_key(pg, tok, layer, request.prompt, request.subject, rome.templates())
-    v_star = rome.last_value.v_star
-    assert torch.allclose(layer.forward_value(key), v_star, atol=1e-3 * float(v_star.norm()) + 1e-4)
+    # The update stores k* -> v* exactly (up to float32 rounding of the weight), and every solved key gains δ.
+    v_star, delta = rome.last_value.v_star, rome.last_value.delta
+    assert torch.allclose(layer.forward_value(keys.mean(dim=0)), v_star, atol=1e-3 * float(v_star.norm()) + 1e-4)
+    torch.testing.assert_close(layer.forward_value(keys).detach() - values, delta.expand_as(values), rtol=0,
+                               atol=1e-3 * float(delta.norm()) + 1e-4)
     after = mean_target_logprobs(forward, tok, [request.text] * 2, [request.target_new, request.target_true])
     assert after[0] > before[0] + 1.0  # the new target became much more likely
     assert after[0] > after[1]  # efficacy

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from editors import MEMIT, ROME, Corpus, EditRequest, MEMITConfig, ROMEConfig, compute_key
+from editors import MEMIT, ROME, AlphaEdit, AlphaEditConfig, Corpus, EditRequest, MEMITConfig, ROMEConfig, compute_key
 from editors.passes import encode_subject_prompt, resolve_start_token, start_token_tag, with_start_token
 from gradpatch import PatchableGraph
 from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, metaspace_tokenizer, tiny_gpt2
@@ -84,12 +84,14 @@ def test_rome_keys_statistics_and_templates_read_texts_after_the_start_token(tmp
     assert len(list(tmp_path.rglob("context_templates_*.json"))) == 2
 
 
-def test_memit_keeps_texts_as_they_are_by_default(tmp_path) -> None:
+def test_memit_reads_after_the_start_token_and_alphaedit_keeps_texts_as_they_are_by_default(tmp_path) -> None:
     pg, tok = _graph()
-    memit = MEMIT(pg, tok, ["transformer.h_0.mlp.c_proj"], MEMITConfig(**_config(tmp_path)))
-    assert memit.start_token is None and memit.tokenizer is tok
     assert MEMIT(pg, tok, ["transformer.h_0.mlp.c_proj"],
-                 MEMITConfig(**_config(tmp_path, start_token="auto"))).start_token == "<|endoftext|>"
+                 MEMITConfig(**_config(tmp_path))).start_token == "<|endoftext|>"
+    alpha = AlphaEdit(pg, tok, ["transformer.h_0.mlp.c_proj"], AlphaEditConfig(**_config(tmp_path)))
+    assert alpha.start_token is None and alpha.tokenizer is tok
+    assert MEMIT(pg, tok, ["transformer.h_0.mlp.c_proj"], MEMITConfig(**_config(tmp_path, start_token=None))
+                 ).tokenizer is tok
 
 
 def test_eval_edit_scores_with_the_start_token_and_records_it(tmp_path) -> None:

@@ -35,7 +35,7 @@ from ..passes.start_token import start_token_tag
 from ..passes.tokens import EncodedPrompt, encode_subject_prompt, format_with_span
 
 __all__ = ["ContextPrefixes", "compute_key", "context_activations", "generate_context_prefixes",
-           "load_or_generate_prefixes"]
+           "load_or_generate_prefixes", "subject_first_activations"]
 
 STARTERS: tuple[str, ...] = ("The", "Therefore", "Because", "I", "You")
 
@@ -213,6 +213,32 @@ def context_activations(
         for part, activation in zip(behind, activations):
             part.append(activation)
     return [torch.stack(part, dim=1) for part in behind]  # [F, P, d]
+
+
+def subject_first_activations(
+    pg: nn.Module,
+    tokenizer: Any,
+    nodes: Sequence[str],
+    subjects: Sequence[str],
+    patches: Mapping[str, Any] | None = None,
+    max_tokens: int = 8192,
+) -> list[torch.Tensor]:
+    """Activations at the subject's last token where a text begins with the subject: the subject alone, no prefix
+    (after the tokenizer's start token, if it adds one). The model is causal, so this is the key of every prompt that
+    begins with the subject, whatever follows it; the context prefixes never put a subject there.
+
+    Args:
+        pg, tokenizer, nodes, patches, max_tokens: as :func:`context_activations`.
+        subjects: ``F`` subjects.
+
+    Returns:
+        One ``[F, 1, d]`` tensor per node.
+
+    Raises:
+        SubjectNotFoundError: a subject covers no token (named).
+    """
+    return context_activations(pg, tokenizer, nodes, [("{}", subject) for subject in subjects],
+                               ContextPrefixes(prefixes=("",)), patches=patches, max_tokens=max_tokens)
 
 
 def compute_key(

@@ -81,9 +81,6 @@ def evaluate_edits(args: argparse.Namespace) -> dict[str, Any] | int:
     if args.nullspace_threshold is not None and args.method != "alphaedit":
         return usage_error(command, f"--nullspace-threshold is AlphaEdit's; drop it for {args.method} or add "
                                     f"--method alphaedit")
-    if args.subject_first_key and (args.method != "rome" or not args.keys_per_context):
-        return usage_error(command, "--subject-first-key applies to ROME with --keys-per-context; add "
-                                    "--method rome --keys-per-context or drop it")
     if args.value_at_subject and args.method != "rome":
         return usage_error(command, "--value-at-subject applies to ROME (MEMIT's batched search adds δ at the subject "
                                     "already); drop it or add --method rome")
@@ -155,11 +152,11 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """The method's configuration fields the options set (:func:`editors.config_for`); the others keep the
     configuration's defaults."""
     settings: dict[str, Any] = {"n_samples": args.n_samples, "steps": args.steps, "cache_dir": args.cache_dir,
-                                "progress": not args.quiet, "allow_unconverged": True,
-                                "keys_per_context": args.keys_per_context} | start_token_setting(args)
+                                "progress": not args.quiet, "allow_unconverged": True} | start_token_setting(args)
+    settings |= {name: getattr(args, name) for name in ("keys_per_context", "subject_first_key")
+                 if getattr(args, name) is not None}  # given: on or off; not given: the method's default
     if args.method == "rome":
-        return settings | {"subject_first_key": args.subject_first_key,
-                           "value_through_update": not args.value_at_subject}
+        return settings | {"value_through_update": not args.value_at_subject}
     settings |= {"mom2_update_weight": args.mom2_update_weight, "mom2_relative_weight": args.mom2_relative_weight,
                  "value_dtype": args.value_dtype, "true_logit_weight": args.true_logit_weight}
     if args.nullspace_threshold is not None:
@@ -242,11 +239,12 @@ def add_evaluation_options(p: argparse.ArgumentParser) -> None:
                    help="MEMIT's λ at each layer as A times the edited keys' mean kᵀC⁻¹k (the same A carries across "
                         "models; default %(default)s); ignored with --mom2-update-weight")
     p.add_argument("--nullspace-threshold", type=float, default=None, help="AlphaEdit's eigenvalue threshold")
-    p.add_argument("--keys-per-context", action="store_true",
-                   help="solve for every context prompt's key instead of their average (ROME, MEMIT, AlphaEdit)")
-    p.add_argument("--subject-first-key", action="store_true",
-                   help="ROME with --keys-per-context: also solve for the key of the subject at the start of the "
-                        "text (prompts that begin with a one-token subject)")
+    p.add_argument("--keys-per-context", action=argparse.BooleanOptionalAction, default=None,
+                   help="solve for every context prompt's key instead of their average (default: the method's, on "
+                        "for ROME, off for MEMIT and AlphaEdit)")
+    p.add_argument("--subject-first-key", action=argparse.BooleanOptionalAction, default=None,
+                   help="also solve for the key of the subject at the start of the text, where prompts that begin "
+                        "with the subject have it (default: the method's, on for ROME and MEMIT, off for AlphaEdit)")
     p.add_argument("--value-at-subject", action="store_true",
                    help="ROME: search the value with δ added at the subject's last token (the paper's search) instead "
                         "of through the rank-one update the edit writes (the default; docs/rome.md)")

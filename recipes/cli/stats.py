@@ -8,8 +8,8 @@
 
 Writes one cache file per node where the editors look for it (``--out``, default ``~/.cache/gradpatch/stats``;
 same key and format as :func:`editors.layer_second_moments`), so a later ROME/MEMIT/AlphaEdit edit with the same
-model, corpus, ``--docs`` (``n_samples``), ``--max-length`` and start token (``--start-token auto`` for ROME's default)
-reads it instead of computing it. Each rank checkpoints
+model, corpus, ``--docs`` (``n_samples``), ``--max-length`` and start token (``--start-token auto`` for ROME's and
+MEMIT's default) reads it instead of computing it. Each rank checkpoints
 its partial sums every ``--checkpoint-every`` documents; the same command started again after a kill resumes.
 Lightning starts the other ranks (or torchrun / SLURM does: run the same command on every node). See docs/scale.md.
 """
@@ -104,7 +104,7 @@ def register(subparsers: Any) -> None:
                    help="text corpus (.txt, .json, .jsonl; default: the offline English Wikipedia summaries)")
     p.add_argument("--start-token", default="none", metavar="TOKEN",
                    help="token put before every document, as the editor that reads the files does: 'none' (default: "
-                        "MEMIT's and AlphaEdit's), 'auto' (ROME's default: <|endoftext|> if the vocabulary has it, "
+                        "AlphaEdit's), 'auto' (ROME's and MEMIT's default: <|endoftext|> if the vocabulary has it, "
                         "else the BOS token) or a token; part of the cache key")
     p.add_argument("--batch-size", type=int, default=16, help="documents per forward pass per rank (default 16)")
     p.add_argument("--accelerator", default="cpu", choices=("cpu", "gpu", "auto"), help="(default %(default)s)")
