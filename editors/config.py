@@ -56,7 +56,8 @@ class ROMEConfig:
             gives unless the rewrite prompt itself begins with it). ROME: ``uᵀ k = 1`` for it too (beside every
             context's key, or beside ``k*``), and it is averaged into ``k*``; a prompt that begins with the subject
             has this key already (behind the empty prefix) and it is not added twice. MEMIT and AlphaEdit: one more
-            column of ``K`` per fact with the fact's residual (``λ`` still from the context keys). On by default for
+            column of ``K`` per fact with the fact's residual (``λ`` still from the context keys; with
+            ``keys_per_context`` a prompt that begins with the subject has that column twice). On by default for
             ROME (above).
         start_token: a token put before every text the editor reads and scores (keys, values, statistics, context
             prefixes, and the evaluation through :attr:`Editor.tokenizer <editors.editor.Editor.tokenizer>`), so that

@@ -53,6 +53,11 @@ def test_ce_increase_is_the_spliced_models_cross_entropy_minus_the_models(llama_
             spliced = _ce(llama_graph(ids, use_cache=False).logits, ids)
     assert spliced > original + 0.01
     assert spliced_ce_increase(llama_graph, [sae], ids) == pytest.approx(float(spliced - original), rel=1e-5)
+    # a pass per chunk of rows (bounded logits memory), an uneven last chunk included: the same batch mean, to float32
+    # rounding of the two CEs (~4.6 each; their difference ~0.01)
+    for rows_per_pass in (1, 3, 4):
+        assert spliced_ce_increase(llama_graph, [sae], ids, rows_per_pass=rows_per_pass) == pytest.approx(
+            float(spliced - original), abs=2e-6)
 
 
 def test_local_training_logs_the_ce_increase_every_n_steps(llama_graph, tmp_path: Path) -> None:

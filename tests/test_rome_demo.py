@@ -20,7 +20,7 @@ def test_demo_with_two_cases(tmp_path, capsys) -> None:
 
     out = tmp_path / "demo"
     # A small statistics sample in a private cache keeps the test short and the user's cache untouched.
-    status = main(["--out", str(out), "--n-cases", "2", "--trace-samples", "2", "--n-samples", "150",
+    status = main(["--out", str(out), "--n-cases", "2", "--trace-samples", "1", "--n-samples", "150",
                    "--cache-dir", str(tmp_path / "cache"), "--device", "cpu", "--quiet"])
     printed = capsys.readouterr().out
     assert status == 0  # the edit succeeded: the rewrite prompt now continues with " Rome"
