@@ -121,8 +121,8 @@ class AlphaEdit(MEMIT):
         """
         batch = super().edit(requests, callback=callback)
         facts = [(r.prompt, r.subject) for r in batch.requests]
-        self.previous = added(self.previous, self._key_moments(facts, per_context=self.config.keys_per_context,
-                                                               subject_first=self.config.subject_first_key))
+        self.previous = added(self.previous, self._key_moments(facts, self.config.keys_per_context,
+                                                               self.config.subject_first_key))
         self.applied.append(batch)
         return batch
 

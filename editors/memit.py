@@ -15,9 +15,8 @@ and Algorithm 1 of the paper:
 3. **Update** (eq. 14): ``ΔW = R Kᵀ (λ C + K Kᵀ)⁻¹`` per layer, ``C = E[k kᵀ]`` from the statistics cache
    (:mod:`editors.statistics.second_moment`; all layers' statistics in one pass over the corpus), ``λ`` =
    ``mom2_update_weight`` when given, else ``mom2_relative_weight`` times the edited keys' mean ``kᵀC⁻¹k`` at that
-   layer (:meth:`MEMIT.update_weight`; recorded per layer in ``info["layers"]``). With ``keys_per_context`` every
-   context's key is a column of ``K`` with its fact's residual; with ``subject_first_key`` the key where a text begins
-   with the subject is one more (``λ`` still from the other keys).
+   layer (:meth:`MEMIT.update_weight`; recorded per layer in ``info["layers"]``). ``keys_per_context``: a column of
+   ``K`` per context key; ``subject_first_key``: one more, the subject-first key (``λ`` from the others).
 
 The result is a :class:`editors.edits.batch.BatchEdit`: one rank-``F`` edit per layer, applied and restored as one.
 AlphaEdit (:mod:`editors.alphaedit`) is this pipeline with another update (step 3).
@@ -57,7 +56,7 @@ from .passes.tail_pass import tail_pass_for
 from .requests import EditRequest
 from .solve.multi_update import added, memit_factors, relative_update_weight
 from .statistics.corpus import Corpus
-from .statistics.keys import ContextPrefixes, context_activations, subject_first_activations
+from .statistics.keys import ContextPrefixes, context_activations, key_moments, subject_first_activations
 from .statistics.second_moment import SecondMoment
 from .value.batch_objective import BatchValueObjective
 from .value.batch_search import BatchStepCallback, optimize_values
@@ -219,27 +218,14 @@ class MEMIT(Editor):
             raise ValueError("preserve() needs at least one (prompt, subject) pair")
         if not weight > 0:
             raise ValueError(f"The preservation weight must be positive, got {weight!r}")
-        self.preserved = added(self.preserved, [weight * m for m in self._key_moments(facts, per_context=False,
-                                                                                      subject_first=False)])
+        self.preserved = added(self.preserved, [weight * m for m in self._key_moments(facts, False, False)])
         self.n_preserved += len(facts)
 
-    def _key_moments(self, facts: Sequence[tuple[str, str]], per_context: bool, subject_first: bool
-                     ) -> list[torch.Tensor]:
-        """``Σ k kᵀ`` ``[d_in, d_in]`` (float64, CPU) per edited layer over the facts' keys on the model as it is (all
-        layers in one pass): each fact's key averaged over the key prefixes, or every context's (``per_context``),
-        and with ``subject_first`` its key where a text begins with the subject too (the columns an edit solves for).
-        Raises what :func:`editors.statistics.keys.context_activations` raises for a fact that cannot be encoded."""
-        c = self.config
-        nodes = [layer.input_node for layer in self.layers]
-        keys = context_activations(self.pg, self.tokenizer, nodes, list(facts),
-                                   self.templates().subset(c.key_prefixes), max_tokens=c.max_tokens)  # [F, P, d_in]
-        columns = [k if per_context else k.mean(dim=1, keepdim=True) for k in keys]  # [F, P or 1, d_in]
-        if subject_first:
-            firsts = subject_first_activations(self.pg, self.tokenizer, nodes, [subject for _, subject in facts],
-                                               max_tokens=c.max_tokens)  # [F, 1, d_in] per layer
-            columns = [torch.cat([k, f], dim=1) for k, f in zip(columns, firsts)]
-        flat = [k.reshape(-1, k.shape[-1]).to(torch.float64).cpu() for k in columns]  # [F·columns, d_in]
-        return [k.T @ k for k in flat]
+    def _key_moments(self, facts: Sequence[tuple[str, str]], per_context: bool, first: bool) -> list[torch.Tensor]:
+        """:func:`~editors.statistics.keys.key_moments` (``first``: its ``subject_first``) at every edited layer."""
+        return key_moments(self.pg, self.tokenizer, [layer.input_node for layer in self.layers], facts,
+                           self.templates().subset(self.config.key_prefixes), per_context, first,
+                           self.config.max_tokens)
 
     def _preserved(self, index: int) -> torch.Tensor | None:
         """``K_n K_nᵀ`` of layer ``index`` (:meth:`preserve`), or ``None``."""
@@ -357,9 +343,8 @@ class MEMIT(Editor):
 
     def _with_subject_first(self, index: int, keys: torch.Tensor, facts: Sequence[tuple[str, str]], span: range,
                             patches: dict[str, list[Any]]) -> torch.Tensor:
-        """``keys`` (``[F, P, d_in]`` or ``[F, d_in]``) with each fact's key where a text begins with its subject
-        (:func:`~editors.statistics.keys.subject_first_activations`, on the model with the earlier layers' updates
-        ``patches``) as one more column with the fact's residual: ``[F, P + 1, d_in]`` or ``[F, 2, d_in]``."""
+        """``keys`` (``[F, P, d_in]`` or ``[F, d_in]``) and each fact's subject-first key (on the model with the earlier
+        layers' updates ``patches``) as one more column: ``[F, P + 1, d_in]`` or ``[F, 2, d_in]``."""
         node = self.layers[index].input_node
         first = self._gathered(lambda: subject_first_activations(
             self.pg, self.tokenizer, [node], [subject for _, subject in facts[span.start:span.stop]],

@@ -90,7 +90,8 @@ def test_memit_resolves_lambda_from_the_edited_keys_on_two_model_shapes(hidden, 
                          context_length_params=((5, 4), (10, 4)), steps=2, subject_first_key=False)
     memit = MEMIT(pg, tok, [node], config, corpus=Corpus(name="toy", texts=list(TOY_SENTENCES) * 4))
     batch = memit.compute(requests)
-    keys = context_activations(pg, memit.tokenizer, [memit.layers[0].input_node], [(r.prompt, r.subject) for r in requests],
+    facts = [(r.prompt, r.subject) for r in requests]
+    keys = context_activations(pg, memit.tokenizer, [memit.layers[0].input_node], facts,
                                memit.templates().subset(config.key_prefixes), max_tokens=config.max_tokens)[0]
     keys = keys.mean(dim=1).to(torch.float64)  # k* per fact, [F, d_in]
     c = memit.statistics()[0].matrix

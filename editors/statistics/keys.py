@@ -34,7 +34,7 @@ from ..passes.shared_prefix import row_activations
 from ..passes.start_token import start_token_tag
 from ..passes.tokens import EncodedPrompt, encode_subject_prompt, format_with_span
 
-__all__ = ["ContextPrefixes", "compute_key", "context_activations", "generate_context_prefixes",
+__all__ = ["ContextPrefixes", "compute_key", "context_activations", "generate_context_prefixes", "key_moments",
            "load_or_generate_prefixes", "subject_first_activations"]
 
 STARTERS: tuple[str, ...] = ("The", "Therefore", "Because", "I", "You")
@@ -239,6 +239,26 @@ def subject_first_activations(
     """
     return context_activations(pg, tokenizer, nodes, [("{}", subject) for subject in subjects],
                                ContextPrefixes(prefixes=("",)), patches=patches, max_tokens=max_tokens)
+
+
+def key_moments(pg: nn.Module, tokenizer: Any, nodes: Sequence[str], facts: Sequence[tuple[str, str]],
+                templates: ContextPrefixes, per_context: bool, subject_first: bool, max_tokens: int = 8192
+                ) -> list[torch.Tensor]:
+    """``Σ k kᵀ`` ``[d, d]`` (float64, CPU) per node over the facts' keys (all nodes in one pass): each fact's key
+    averaged over ``templates``, or every context's (``per_context``), and with ``subject_first`` its key where a text
+    begins with the subject too (:func:`subject_first_activations`): the columns a MEMIT or AlphaEdit edit solves for.
+
+    Raises:
+        SubjectNotFoundError: a fact cannot be encoded (named).
+    """
+    keys = context_activations(pg, tokenizer, nodes, list(facts), templates, max_tokens=max_tokens)  # [F, P, d]
+    columns = [k if per_context else k.mean(dim=1, keepdim=True) for k in keys]  # [F, P or 1, d]
+    if subject_first:
+        firsts = subject_first_activations(pg, tokenizer, nodes, [subject for _, subject in facts],
+                                           max_tokens=max_tokens)  # [F, 1, d] per node
+        columns = [torch.cat([k, f], dim=1) for k, f in zip(columns, firsts)]
+    flat = [k.reshape(-1, k.shape[-1]).to(torch.float64).cpu() for k in columns]  # [F · columns, d]
+    return [k.T @ k for k in flat]
 
 
 def compute_key(
