@@ -94,15 +94,13 @@ class Tokens:
         select = self.select
         if select == "all":
             local: Any = slice(None)
-        elif select in ("prompt", "generated"):
-            low, high = (0, prompt) if select == "prompt" else (prompt, stop)
+        elif select in ("prompt", "generated") or (isinstance(select, slice) and select.step in (None, 1)):
+            if isinstance(select, slice):  # a contiguous range: indexed as a view, not a gathered copy
+                span = range(*select.indices(stop))
+                low, high = span.start, span.stop
+            else:
+                low, high = (0, prompt) if select == "prompt" else (prompt, stop)
             low, high = max(low, start) - start, min(high, stop) - start
-            if low >= high:
-                return None
-            local = slice(low, high)
-        elif isinstance(select, slice) and select.step in (None, 1):  # a view, not a gathered copy
-            positions = range(*select.indices(stop))
-            low, high = max(positions.start, start) - start, min(positions.stop, stop) - start
             if low >= high:
                 return None
             local = slice(low, high)

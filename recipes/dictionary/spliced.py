@@ -49,10 +49,12 @@ def spliced_ce_increase(pg: Any, dictionaries: Sequence[SparseDictionary], ids: 
     logits exist at once (a whole training batch of 16 × 128 tokens at SmolLM2's 49,152 vocabulary is 403 MB of float32
     logits per pass: it raised the training's peak resident memory by ~1 GB every ``ce_every_n_steps``). Each
     sequence has ``seq − 1`` next tokens, so the mean over the chunks' means is the mean over the batch."""
-    original, spliced = [], []
+    def summed_ce() -> torch.Tensor:  # Σ over the chunks of their mean CE × their sequences
+        return torch.stack([next_token_ce(pg(rows, use_cache=False).logits, rows) * len(rows)
+                            for rows in ids.split(rows_per_pass)]).sum()
+
     with torch.no_grad():
-        for rows in ids.split(rows_per_pass):
-            original.append(next_token_ce(pg(rows, use_cache=False).logits, rows) * rows.shape[0])
-            with splice_all(pg, dictionaries):
-                spliced.append(next_token_ce(pg(rows, use_cache=False).logits, rows) * rows.shape[0])
-    return (torch.stack(spliced).sum() - torch.stack(original).sum()) / ids.shape[0]
+        original = summed_ce()
+        with splice_all(pg, dictionaries):  # the splices built once for every chunk
+            spliced = summed_ce()
+    return (spliced - original) / ids.shape[0]
