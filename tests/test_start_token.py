@@ -84,11 +84,13 @@ def test_rome_keys_statistics_and_templates_read_texts_after_the_start_token(tmp
     assert len(list(tmp_path.rglob("context_templates_*.json"))) == 2
 
 
-def test_memit_reads_after_the_start_token_and_alphaedit_keeps_texts_as_they_are_by_default(tmp_path) -> None:
+def test_memit_and_alphaedit_read_after_the_start_token_by_default(tmp_path) -> None:
     pg, tok = _graph()
     assert MEMIT(pg, tok, ["transformer.h_0.mlp.c_proj"],
                  MEMITConfig(**_config(tmp_path))).start_token == "<|endoftext|>"
     alpha = AlphaEdit(pg, tok, ["transformer.h_0.mlp.c_proj"], AlphaEditConfig(**_config(tmp_path)))
+    assert alpha.start_token == "<|endoftext|>" and alpha.tokenizer is not tok and alpha.config.subject_first_key
+    alpha = AlphaEdit(pg, tok, ["transformer.h_0.mlp.c_proj"], AlphaEditConfig(**_config(tmp_path, start_token=None)))
     assert alpha.start_token is None and alpha.tokenizer is tok
     assert MEMIT(pg, tok, ["transformer.h_0.mlp.c_proj"], MEMITConfig(**_config(tmp_path, start_token=None))
                  ).tokenizer is tok

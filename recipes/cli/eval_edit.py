@@ -244,7 +244,7 @@ def add_evaluation_options(p: argparse.ArgumentParser) -> None:
                         "for ROME, off for MEMIT and AlphaEdit)")
     p.add_argument("--subject-first-key", action=argparse.BooleanOptionalAction, default=None,
                    help="also solve for the key of the subject at the start of the text, where prompts that begin "
-                        "with the subject have it (default: the method's, on for ROME and MEMIT, off for AlphaEdit)")
+                        "with the subject have it (default: the method's, on for ROME, MEMIT and AlphaEdit)")
     p.add_argument("--value-at-subject", action="store_true",
                    help="ROME: search the value with δ added at the subject's last token (the paper's search) instead "
                         "of through the rank-one update the edit writes (the default; docs/rome.md)")

@@ -44,7 +44,7 @@ def add_edit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-token", default=None, metavar="TOKEN",
                    help="token put before every text the editor reads and scores: 'auto' (<|endoftext|> if the "
                         "vocabulary has it, else the BOS token), a token, or 'none' (default: the method's, 'auto' "
-                        "for ROME and MEMIT, none for AlphaEdit)")
+                        "for ROME, MEMIT and AlphaEdit)")
 
 
 def start_token_value(text: str) -> str | None:
