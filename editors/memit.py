@@ -303,9 +303,9 @@ class MEMIT(Editor):
         tail = tail_pass_for(search_pg, self.residual_node) if search_pg is not self.pg else None  # the copy only
         objective = BatchValueObjective(search_pg, self.tokenizer, resolve_layer(search_pg, last.path),
                                         requests[span.start:span.stop], value_templates, v_init[span.start:span.stop],
-                                        kl_factor=c.kl_factor, weight_decay=c.weight_decay,
-                                        clamp_factor=c.clamp_factor, max_tokens=c.max_tokens, tail=tail,
-                                        true_logit_weight=c.true_logit_weight)
+                                        kl_factor=c.kl_factor, kl_in_context=c.kl_in_context, tail=tail,
+                                        weight_decay=c.weight_decay, clamp_factor=c.clamp_factor,
+                                        max_tokens=c.max_tokens, true_logit_weight=c.true_logit_weight)
         shifted = None if callback is None else (  # the callback numbers facts in the whole batch
             lambda step, terms: callback(step, {span.start + fact: value for fact, value in terms.items()}))
         results = self.shards.collect(lambda: optimize_values(

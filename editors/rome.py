@@ -158,6 +158,7 @@ class ROME(Editor):
         objective = ValueObjective(
             self.pg, self.tokenizer, layer, request, templates.subset(c.value_prefixes), v_init,
             kl_factor=c.kl_factor, weight_decay=c.weight_decay, clamp_factor=c.clamp_factor,
+            kl_in_context=c.kl_in_context,
             direction=u.to(device=v_init.device, dtype=v_init.dtype) if c.value_through_update else None,
         )
         result = self.value_runner(objective, steps=c.steps, lr=c.lr, early_stop_loss=c.early_stop_loss,

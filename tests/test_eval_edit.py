@@ -129,8 +129,8 @@ def test_neighborhood_prompts_about_subjects_edited_in_the_group_are_left_out():
                    "--no-subject-first-key", "--start-token", "none"]),
     ("memit", ["--batch-size", "2", "--nodes", NODE, "--mom2-update-weight", "7", "--no-subject-first-key"]),
     ("rome", ["--batch-size", "2", "--sequential", "2", "--node", NODE]),
-    ("rome", ["--node", NODE, "--no-keys-per-context", "--no-subject-first-key"]),
-    ("rome", ["--node", NODE, "--value-at-subject"]),
+    ("rome", ["--node", NODE, "--no-keys-per-context", "--no-subject-first-key", "--no-kl-in-context"]),
+    ("rome", ["--node", NODE, "--value-at-subject", "--skip-cases", "1"]),
 ])
 def test_eval_edit_command(method, extra, tmp_path):
     from recipes.cli import main
@@ -158,7 +158,8 @@ def test_eval_edit_command(method, extra, tmp_path):
     assert {"efficacy_score", "paraphrase_score", "neighborhood_score", "n_cases", "pre", "cases", "batches",
             "seconds_per_batch"} <= set(metrics)
     assert metrics["n_cases"] == 4 and metrics["method"] == method
-    assert [c["case_id"] for c in metrics["cases"]] == [0, 1, 2, 3]
+    skip = int(extra[extra.index("--skip-cases") + 1]) if "--skip-cases" in extra else 0
+    assert [c["case_id"] for c in metrics["cases"]] == [skip, skip + 1, skip + 2, skip + 3]
     assert all(0.0 <= metrics[k] <= 1.0 for k in ("efficacy_score", "paraphrase_score", "neighborhood_score"))
     assert all(row["edit"]["steps"] is not None for row in metrics["cases"])
     assert list(metrics["forms"]) == ["subject_first", "clause"]  # each form's score beside the overall ones
@@ -177,6 +178,7 @@ def test_eval_edit_command(method, extra, tmp_path):
     assert settings["start_token"] == (None if "--start-token" in extra else "<|endoftext|>")  # every method's: auto
     if method == "rome":
         assert metrics["config"]["value_through_update"] is ("--value-at-subject" not in extra)
+        assert metrics["config"]["kl_in_context"] is ("--no-kl-in-context" not in extra)  # ROME's default: on
         assert all(set(row["edit"]["rewrite"]) == {"logp_new", "logp_true", "wins"} for row in metrics["cases"])
         assert "mom2_update_weight" not in settings
     else:
@@ -195,6 +197,8 @@ def test_eval_edit_command(method, extra, tmp_path):
             assert len(set(values)) == len(values) and all(v > 0 for v in values)  # one λ per batch and layer
     elif method == "alphaedit":
         assert "mom2_update_weight" not in settings
+    if method != "rome":
+        assert metrics["config"]["kl_in_context"] is False  # MEMIT's and AlphaEdit's default: the paper's KL prompt
 
 
 def test_eval_edit_refuses_bad_arguments(tmp_path, capsys):
@@ -212,6 +216,8 @@ def test_eval_edit_refuses_bad_arguments(tmp_path, capsys):
                                                                    "prompt": "I think the answer is"}}]))
     assert main(["eval-edit", "--method", "memit", "--cases", str(bad), "--out", out]) == 2
     assert "Case 0 (record 0)" in capsys.readouterr().err
+    assert main(["eval-edit", "--method", "rome", "--cases", str(cases_file), "--out", out, "--skip-cases", "-1"]) == 2
+    assert "--skip-cases must be 0 or more" in capsys.readouterr().err
     assert main(["eval-edit", "--method", "rome", "--cases", str(cases_file), "--out", out, "--preserve", "p"]) == 2
     assert "--preserve applies to MEMIT and AlphaEdit" in capsys.readouterr().err
     for method in ("rome", "memit"):

@@ -46,7 +46,7 @@ from ..passes.tail_pass import TailPass, logits_match
 from ..passes.token_log_probs import token_log_probs
 from ..requests import EditRequest
 from ..statistics.keys import ContextPrefixes
-from .search import KL_PROMPT, ValuePrompts, encode_value_prompts, value_terms
+from .search import KL_PROMPT, ValuePrompts, encode_value_prompts, kl_context_prefix, value_terms
 from .true_answer import TrueAnswerTerm
 
 __all__ = ["BatchValueObjective", "math_attention", "search_attention"]
@@ -81,6 +81,8 @@ class BatchValueObjective:
         v_init: ``[F, d_out]``: ``v₀`` per fact, the norm reference of the weight decay and the clamp.
         kl_factor, weight_decay, clamp_factor: as :class:`editors.value.ValueObjective`.
         kl_prompts: templates of the essence prompts.
+        kl_in_context: read the KL prompts behind the first non-empty prefix of ``templates``
+            (:func:`editors.value.search.kl_context_prefix`); ``False``: at the start of the text (the paper's).
         max_tokens: tokens (rows × padded width) per forward/backward pass; a step runs as several passes when
             the active facts' rows need more (one fact's rows always share a pass).
         prefix_cache: compute each row's tokens before the subject's last one once, as a KV cache
@@ -97,15 +99,16 @@ class BatchValueObjective:
 
     Raises:
         ValueError: ``v_init`` is not ``[F, d_out]``, ``max_tokens`` is not positive, ``true_logit_weight`` is
-            negative, or it is positive and a request has no ``target_true``.
+            negative, or it is positive and a request has no ``target_true``, or ``kl_in_context`` and no non-empty
+            prefix among ``templates``.
         SubjectNotFoundError, TokenizationError: a request cannot be encoded (the message names its subject).
     """
 
     def __init__(self, pg: nn.Module, tokenizer: Any, layer: LinearLayer, requests: Sequence[EditRequest],
                  templates: ContextPrefixes, v_init: torch.Tensor, kl_factor: float = 0.0625,
                  weight_decay: float = 1e-3, clamp_factor: float = 4.0, kl_prompts: tuple[str, ...] = (KL_PROMPT,),
-                 max_tokens: int = DEFAULT_MAX_TOKENS, prefix_cache: bool = True, tail: TailPass | None = None,
-                 true_logit_weight: float = 0.0) -> None:
+                 kl_in_context: bool = False, max_tokens: int = DEFAULT_MAX_TOKENS, prefix_cache: bool = True,
+                 tail: TailPass | None = None, true_logit_weight: float = 0.0) -> None:
         if tuple(v_init.shape) != (len(requests), layer.d_out):
             raise ValueError(f"v_init is {list(v_init.shape)}; expected [{len(requests)}, {layer.d_out}] "
                              f"(one v₀ per request)")
@@ -121,9 +124,10 @@ class BatchValueObjective:
         self.math_attention = math_attention(pg)
         self.pad = pad_token_id(tokenizer)
         self.prompts: list[ValuePrompts] = []
+        kl_prefix = kl_context_prefix(templates, kl_in_context)
         for i, request in enumerate(self.requests):
             try:
-                self.prompts.append(encode_value_prompts(tokenizer, request, templates, kl_prompts))
+                self.prompts.append(encode_value_prompts(tokenizer, request, templates, kl_prompts, kl_prefix))
             except ValueError as error:
                 raise type(error)(f"Request {i} (subject {request.subject!r}): {error}") from None
         self.head_node = output_embedding_input_node(pg)

@@ -47,7 +47,8 @@ from ..statistics.keys import ContextPrefixes
 from .loop import ValueResult, ValueSearch, frozen_parameters, run_search
 
 __all__ = ["StepCallback", "ValueObjective", "ValuePrompts", "ValueResult", "ValueRunner", "encode_value_prompts",
-           "frozen_parameters", "one_fact_search", "optimize_value", "value_step_guard", "value_terms"]
+           "frozen_parameters", "kl_context_prefix", "one_fact_search", "optimize_value", "value_step_guard",
+           "value_terms"]
 
 KL_PROMPT = "{} is a"
 
@@ -76,8 +77,9 @@ class ValuePrompts:
 
 
 def encode_value_prompts(tokenizer: Any, request: EditRequest, templates: ContextPrefixes,
-                         kl_prompts: tuple[str, ...] = (KL_PROMPT,)) -> ValuePrompts:
-    """Tokenize one fact's rewriting prompts (one per context prefix) and KL prompts (eq. 4).
+                         kl_prompts: tuple[str, ...] = (KL_PROMPT,), kl_prefix: str = "") -> ValuePrompts:
+    """Tokenize one fact's rewriting prompts (one per context prefix) and KL prompts (eq. 4), the KL prompts behind
+    ``kl_prefix`` (``""``: the text begins with the subject, the paper's).
 
     Raises:
         SubjectNotFoundError: the subject does not fill the prompt's ``"{}"``.
@@ -89,11 +91,29 @@ def encode_value_prompts(tokenizer: Any, request: EditRequest, templates: Contex
         rewrite.append(encode_prompt_target(tokenizer, text, request.target_new, subject_span=span))
     essence = []
     for template in kl_prompts:
-        text, span = format_with_span(template, request.subject)
+        text, span = format_with_span(template, request.subject, kl_prefix)
         essence.append(encode_subject_prompt(tokenizer, text, span))
     targets = [(b, t - 1, e.ids[t]) for b, e in enumerate(rewrite) for t in range(e.target_start, len(e.ids))]
     return ValuePrompts(rewrite=rewrite, sequences=[e.ids[:-1] for e in rewrite] + [e.ids for e in essence],
                         subject_positions=[e.subject_last for e in rewrite + essence], targets=targets)
+
+
+def kl_context_prefix(templates: ContextPrefixes, in_context: bool) -> str:
+    """The text the KL prompts are read behind: ``""`` (the paper's: the text begins with the subject), or with
+    ``in_context`` the first non-empty context prefix (the same in every subset of the prefixes that keeps more than
+    the empty one, :meth:`ContextPrefixes.subset`).
+
+    Raises:
+        ValueError: ``in_context`` and no non-empty prefix among ``templates``.
+    """
+    if not in_context:
+        return ""
+    nonempty = [prefix for prefix in templates.prefixes if prefix]
+    if not nonempty:
+        raise ValueError("kl_in_context needs a non-empty context prefix among the value search's: give "
+                         "value_prefixes >= 2 and context_length_params a (tokens, count) pair with count >= 1, or set "
+                         "kl_in_context=False")
+    return nonempty[0]
 
 
 def value_terms(per_prompt_lp: torch.Tensor, prompt_fact: torch.Tensor, kl_lp: torch.Tensor,
@@ -147,6 +167,9 @@ class ValueObjective:
         weight_decay: λ_wd (1e-3; the reference code uses 0.5 for GPT-2 XL and 1e-3 for Llama).
         clamp_factor: maximum ``‖δ‖ / ‖v₀‖`` (4).
         kl_prompts: templates of the essence prompts (default ``["{} is a"]``).
+        kl_in_context: read the KL prompts behind the first non-empty prefix of ``templates``
+            (:func:`kl_context_prefix`, :attr:`editors.config.ROMEConfig.kl_in_context`); ``False``: at the start of
+            the text (the paper's).
         direction: ``u`` ``[d_in]`` of the rank-one update the edit will write (eq. 2, ``W' = W + δ uᵀ``): ``δ``
             then enters every forward pass through that update, changing the output at every token of every prompt
             by ``(uᵀ k) δ`` for the token's key ``k``, exactly as the applied edit will. ``None``: ``δ`` is added at
@@ -154,6 +177,10 @@ class ValueObjective:
             prompt's key is far from ``k*`` (a subject right after the start token: ``uᵀ k`` was 0.34 for "Kyoto is
             located in the country of", 0.21 for "Cristiano Ronaldo is a professional", docs/rome.md) the search then
             met its target on a prompt the edit moves by a third of ``δ``.
+
+    Raises:
+        ValueError: ``kl_in_context`` and no non-empty prefix among ``templates``.
+        SubjectNotFoundError, TokenizationError: the request cannot be encoded (:func:`encode_value_prompts`).
     """
 
     def __init__(
@@ -168,6 +195,7 @@ class ValueObjective:
         weight_decay: float = 1e-3,
         clamp_factor: float = 4.0,
         kl_prompts: tuple[str, ...] = (KL_PROMPT,),
+        kl_in_context: bool = False,
         direction: torch.Tensor | None = None,
     ) -> None:
         self.pg, self.layer, self.request = pg, layer, request
@@ -175,7 +203,8 @@ class ValueObjective:
         self.kl_factor, self.weight_decay, self.clamp_factor = kl_factor, weight_decay, clamp_factor
         self.v_init = v_init.detach()
         self.device = model_device(pg)
-        prompts = encode_value_prompts(tokenizer, request, templates, kl_prompts)
+        prompts = encode_value_prompts(tokenizer, request, templates, kl_prompts,
+                                       kl_context_prefix(templates, kl_in_context))
         self.rewrite = prompts.rewrite
         ids, lengths = right_pad(prompts.sequences, pad_token_id(tokenizer))
         self.input_ids = ids.to(self.device)  # [N + n_kl, seq]

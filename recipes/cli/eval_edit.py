@@ -8,10 +8,11 @@ Usage::
         --n-cases 1000 --out alphaedit.json
     gradpatch eval-edit --method rome --cases demos/rome/cases.json --out rome.json
 
-The first ``--n-cases`` cases are cut into batches of ``--batch-size`` facts; ``--sequential K`` batches are applied one
-after another (each computed on the model the earlier ones left) before the group's cases are scored and the weights
-restored (:func:`editors.evaluation.sequential.evaluate_sequential`). ROME edits a batch's facts one by one (rank-one
-edits, the plain-torch value runner); MEMIT and AlphaEdit a batch at once. The JSON has ``eval-rome``'s fields
+The first ``--n-cases`` cases (after the first ``--skip-cases``, left out) are cut into batches of ``--batch-size``
+facts; ``--sequential K`` batches are applied one after another (each computed on the model the earlier ones left)
+before the group's cases are scored and the weights restored
+(:func:`editors.evaluation.sequential.evaluate_sequential`). ROME edits a batch's facts one by one (rank-one edits,
+the plain-torch value runner); MEMIT and AlphaEdit a batch at once. The JSON has ``eval-rome``'s fields
 (``efficacy_score``, ``paraphrase_score``, ``neighborhood_score``, ``n_cases``, ``pre``, ``cases``) plus ``forms``
 (per prompt form of a suite's ``form_prompts``, :mod:`editors.evaluation.forms`: ``score``, ``pre``, ``n``), ``batches``,
 ``seconds_per_batch`` and ``neighborhood_prompts_left_out`` (neighbourhood prompts naming a subject edited in the same
@@ -86,6 +87,8 @@ def evaluate_edits(args: argparse.Namespace) -> dict[str, Any] | int:
                                     "already); drop it or add --method rome")
     if args.true_logit_weight and args.method == "rome":
         return usage_error(command, "--true-logit-weight applies to MEMIT and AlphaEdit; drop it for ROME")
+    if args.skip_cases < 0:
+        return usage_error(command, f"--skip-cases must be 0 or more, got {args.skip_cases}")
     if not args.preserve_weight > 0:
         return usage_error(command, f"--preserve-weight must be positive, got {args.preserve_weight:g}")
     try:
@@ -94,6 +97,7 @@ def evaluate_edits(args: argparse.Namespace) -> dict[str, Any] | int:
         preserved = _preserved_facts(args.preserve) if args.preserve is not None else []
     except (OSError, ValueError) as error:
         return usage_error(command, error)
+    cases = cases[args.skip_cases:]
     if args.n_cases is not None:
         cases = cases[: args.n_cases]
     t0 = time.perf_counter()
@@ -153,7 +157,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     configuration's defaults."""
     settings: dict[str, Any] = {"n_samples": args.n_samples, "steps": args.steps, "cache_dir": args.cache_dir,
                                 "progress": not args.quiet, "allow_unconverged": True} | start_token_setting(args)
-    settings |= {name: getattr(args, name) for name in ("keys_per_context", "subject_first_key")
+    settings |= {name: getattr(args, name) for name in ("keys_per_context", "subject_first_key", "kl_in_context")
                  if getattr(args, name) is not None}  # given: on or off; not given: the method's default
     if args.method == "rome":
         return settings | {"value_through_update": not args.value_at_subject}
@@ -232,6 +236,8 @@ def add_evaluation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequential", type=int, default=1, metavar="K",
                    help="batches applied one after another before scoring (default %(default)s)")
     p.add_argument("--n-cases", type=int, default=None, metavar="N", help="only the first N cases")
+    p.add_argument("--skip-cases", type=int, default=0, metavar="M",
+                   help="leave out the file's first M cases (before --n-cases; default %(default)s)")
     p.add_argument("--mom2-update-weight", type=float, default=None, metavar="λ",
                    help="MEMIT's λ (eq. 14) as an absolute number, e.g. 15000 (the reference code's for GPT-J); "
                         "default: relative to the statistics (--mom2-relative-weight)")
@@ -245,6 +251,10 @@ def add_evaluation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--subject-first-key", action=argparse.BooleanOptionalAction, default=None,
                    help="also solve for the key of the subject at the start of the text, where prompts that begin "
                         "with the subject have it (default: the method's, on for ROME, MEMIT and AlphaEdit)")
+    p.add_argument("--kl-in-context", action=argparse.BooleanOptionalAction, default=None,
+                   help="read the value search's KL prompt (\"{subject} is a\") behind the first non-empty context "
+                        "prefix instead of at the start of the text (default: the method's, on for ROME, off for "
+                        "MEMIT and AlphaEdit)")
     p.add_argument("--value-at-subject", action="store_true",
                    help="ROME: search the value with δ added at the subject's last token (the paper's search) instead "
                         "of through the rank-one update the edit writes (the default; docs/rome.md)")
