@@ -218,6 +218,8 @@ def test_eval_edit_refuses_bad_arguments(tmp_path, capsys):
     assert "Case 0 (record 0)" in capsys.readouterr().err
     assert main(["eval-edit", "--method", "rome", "--cases", str(cases_file), "--out", out, "--skip-cases", "-1"]) == 2
     assert "--skip-cases must be 0 or more" in capsys.readouterr().err
+    assert main(["eval-edit", "--method", "rome", "--cases", str(cases_file), "--out", out, "--skip-cases", "5"]) == 2
+    assert "--skip-cases 5 leaves none of the 5 cases" in capsys.readouterr().err
     assert main(["eval-edit", "--method", "rome", "--cases", str(cases_file), "--out", out, "--preserve", "p"]) == 2
     assert "--preserve applies to MEMIT and AlphaEdit" in capsys.readouterr().err
     for method in ("rome", "memit"):

@@ -97,6 +97,9 @@ def evaluate_edits(args: argparse.Namespace) -> dict[str, Any] | int:
         preserved = _preserved_facts(args.preserve) if args.preserve is not None else []
     except (OSError, ValueError) as error:
         return usage_error(command, error)
+    if args.skip_cases >= len(cases):
+        return usage_error(command, f"--skip-cases {args.skip_cases} leaves none of the {len(cases)} cases of "
+                                    f"{args.cases}; give a smaller number")
     cases = cases[args.skip_cases:]
     if args.n_cases is not None:
         cases = cases[: args.n_cases]
