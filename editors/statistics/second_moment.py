@@ -31,6 +31,7 @@ from torch import nn
 
 from gradpatch import model_fingerprint
 from gradpatch.files.atomic import atomic_write_bytes
+from gradpatch.files.cache import cache_folder
 from gradpatch.model_io import model_device, pad_token_id, right_pad, wrapped_model
 from gradpatch.progress import ProgressBar
 
@@ -48,8 +49,7 @@ __all__ = ["SecondMoment", "SecondMomentSums", "compute_second_moment", "compute
 
 def default_cache_dir() -> Path:
     """``$GRADPATCH_STATS_DIR`` if set, else ``~/.cache/gradpatch/stats``."""
-    env = os.environ.get("GRADPATCH_STATS_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "gradpatch" / "stats"
+    return cache_folder("GRADPATCH_STATS_DIR", "stats")
 
 
 @dataclass

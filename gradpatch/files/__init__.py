@@ -1,6 +1,6 @@
 """Files and loading: atomic writes and checked reads (``atomic.py``), a saved PatchableGraph (``serialization.py``),
 model fingerprints (``fingerprint.py``) and model loaders (``loaders.py``: the embedded SmolLM2, a directory or a
-GGUF file; ``gguf_cache.py``: the embedded model's converted copy on disk).
+GGUF file; ``gguf_cache.py``: the embedded model's converted copy on disk) and the cache folders (``cache.py``).
 
 The door re-exports what the layers above use most.
 """

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .cache import cache_folder
+
 __all__ = ["COMPLETE_RECORD", "converted_gguf_folder", "default_model_cache_dir", "write_converted_gguf"]
 
 COMPLETE_RECORD = "gradpatch_conversion.json"  # written last: a folder without it is not used
@@ -27,8 +29,7 @@ COMPLETE_RECORD = "gradpatch_conversion.json"  # written last: a folder without 
 
 def default_model_cache_dir() -> Path:
     """``$GRADPATCH_MODEL_CACHE`` if set, else ``~/.cache/gradpatch/models``."""
-    env = os.environ.get("GRADPATCH_MODEL_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "gradpatch" / "models"
+    return cache_folder("GRADPATCH_MODEL_CACHE", "models")
 
 
 def converted_gguf_folder(gguf_path: Path, transformers: Any, cache_dir: Path | None = None,
