@@ -111,6 +111,8 @@ class ROMEConfig:
     def __post_init__(self) -> None:
         if self.start_token == "":
             raise ValueError("start_token is an empty string: give a token of the vocabulary, 'auto', or None for none")
+        if not self.early_stop_loss >= 0:
+            raise ValueError(f"early_stop_loss must be 0 (run every step) or positive, got {self.early_stop_loss}")
 
     def to_json(self) -> dict[str, Any]:
         """The hyperparameters as a JSON-able dict."""

@@ -126,7 +126,7 @@ def test_neighborhood_prompts_about_subjects_edited_in_the_group_are_left_out():
                "--value-dtype", "bfloat16", "--true-logit-weight", "0.5"]),
     ("alphaedit", ["--batch-size", "2", "--sequential", "2", "--nodes", "transformer.h_0.mlp.c_proj",
                    "--nullspace-threshold", "0.5", "--preserve", "PRESERVE", "--preserve-weight", "2",
-                   "--no-subject-first-key", "--start-token", "none"]),
+                   "--no-subject-first-key", "--start-token", "none", "--early-stop-loss", "0.2"]),
     ("memit", ["--batch-size", "2", "--nodes", NODE, "--mom2-update-weight", "7", "--no-subject-first-key"]),
     ("rome", ["--batch-size", "2", "--sequential", "2", "--node", NODE]),
     ("rome", ["--node", NODE, "--no-keys-per-context", "--no-subject-first-key", "--no-kl-in-context"]),
@@ -183,6 +183,7 @@ def test_eval_edit_command(method, extra, tmp_path):
         assert "mom2_update_weight" not in settings
     else:
         assert metrics["config"]["true_logit_weight"] == (0.5 if "--true-logit-weight" in extra else 0.0)
+    assert metrics["config"]["early_stop_loss"] == (0.2 if "--early-stop-loss" in extra else 0.05)
     if method == "memit":  # λ as resolved, per edited layer and batch
         weights = settings["mom2_update_weight"]
         nodes = metrics["nodes"]
@@ -242,6 +243,9 @@ def test_eval_edit_refuses_bad_arguments(tmp_path, capsys):
                  "-1"]) == 2
     err = capsys.readouterr().err  # the configuration's check (MEMITConfig), naming the option
     assert "true_logit_weight must be 0 or positive" in err and "--true-logit-weight" in err
+    assert main(["eval-edit", "--method", "alphaedit", "--cases", str(cases_file), "--out", out, "--early-stop-loss",
+                 "-1"]) == 2
+    assert "early_stop_loss must be 0 (run every step) or positive, got -1" in capsys.readouterr().err
     assert main(["eval-edit", "--method", "memit", "--cases", str(cases_file), "--out", out,
                  "--mom2-relative-weight", "0"]) == 2
     assert "mom2_relative_weight must be positive" in capsys.readouterr().err

@@ -160,7 +160,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     configuration's defaults."""
     settings: dict[str, Any] = {"n_samples": args.n_samples, "steps": args.steps, "cache_dir": args.cache_dir,
                                 "progress": not args.quiet, "allow_unconverged": True} | start_token_setting(args)
-    settings |= {name: getattr(args, name) for name in ("keys_per_context", "subject_first_key", "kl_in_context")
+    settings |= {name: getattr(args, name) for name in ("keys_per_context", "subject_first_key", "kl_in_context",
+                                                        "early_stop_loss")
                  if getattr(args, name) is not None}  # given: on or off; not given: the method's default
     if args.method == "rome":
         return settings | {"value_through_update": not args.value_at_subject}
@@ -273,5 +274,7 @@ def add_evaluation_options(p: argparse.ArgumentParser) -> None:
                    help="MEMIT/AlphaEdit: weight of a value-search term that keeps each fact's true-answer logit "
                         "from falling (not in the papers; 0.5 raised AlphaEdit's neighbourhood score on the "
                         "development facts, docs/memit.md; default %(default)s: the papers' objective)")
+    p.add_argument("--early-stop-loss", type=float, default=None, metavar="L",
+                   help="a fact's value search stops once its loss is below L (default: the method's, 0.05)")
     add_edit_options(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
