@@ -126,7 +126,7 @@ def test_neighborhood_prompts_about_subjects_edited_in_the_group_are_left_out():
                "--value-dtype", "bfloat16", "--true-logit-weight", "0.5"]),
     ("alphaedit", ["--batch-size", "2", "--sequential", "2", "--nodes", "transformer.h_0.mlp.c_proj",
                    "--nullspace-threshold", "0.5", "--preserve", "PRESERVE", "--preserve-weight", "2",
-                   "--no-subject-first-key", "--start-token", "none", "--early-stop-loss", "0.2"]),
+                   "--subject-first-key", "--start-token", "none", "--early-stop-loss", "0.2"]),
     ("memit", ["--batch-size", "2", "--nodes", NODE, "--mom2-update-weight", "7", "--no-subject-first-key"]),
     ("rome", ["--batch-size", "2", "--sequential", "2", "--node", NODE]),
     ("rome", ["--node", NODE, "--no-keys-per-context", "--no-subject-first-key", "--no-kl-in-context"]),
@@ -172,7 +172,7 @@ def test_eval_edit_command(method, extra, tmp_path):
     assert metrics["preserved"] == expected
     settings = metrics["settings"]
     per_context = ("--no-keys-per-context" not in extra) if method == "rome" else ("--keys-per-context" in extra)
-    first = "--no-subject-first-key" not in extra
+    first = ("--subject-first-key" in extra) if method == "alphaedit" else ("--no-subject-first-key" not in extra)
     assert settings["keys"].startswith("per context" if per_context else "averaged")  # the methods' defaults
     assert metrics["config"]["subject_first_key"] is first and settings["keys"].endswith("start of the text") is first
     assert settings["start_token"] == (None if "--start-token" in extra else "<|endoftext|>")  # every method's: auto
@@ -183,7 +183,8 @@ def test_eval_edit_command(method, extra, tmp_path):
         assert "mom2_update_weight" not in settings
     else:
         assert metrics["config"]["true_logit_weight"] == (0.5 if "--true-logit-weight" in extra else 0.0)
-    assert metrics["config"]["early_stop_loss"] == (0.2 if "--early-stop-loss" in extra else 0.05)
+    default_stop = 0.15 if method == "alphaedit" else 0.05
+    assert metrics["config"]["early_stop_loss"] == (0.2 if "--early-stop-loss" in extra else default_stop)
     if method == "memit":  # λ as resolved, per edited layer and batch
         weights = settings["mom2_update_weight"]
         nodes = metrics["nodes"]

@@ -89,7 +89,8 @@ def test_memit_and_alphaedit_read_after_the_start_token_by_default(tmp_path) -> 
     assert MEMIT(pg, tok, ["transformer.h_0.mlp.c_proj"],
                  MEMITConfig(**_config(tmp_path))).start_token == "<|endoftext|>"
     alpha = AlphaEdit(pg, tok, ["transformer.h_0.mlp.c_proj"], AlphaEditConfig(**_config(tmp_path)))
-    assert alpha.start_token == "<|endoftext|>" and alpha.tokenizer is not tok and alpha.config.subject_first_key
+    assert alpha.start_token == "<|endoftext|>" and alpha.tokenizer is not tok
+    assert not alpha.config.subject_first_key and alpha.config.early_stop_loss == 0.15  # AlphaEdit's own defaults
     alpha = AlphaEdit(pg, tok, ["transformer.h_0.mlp.c_proj"], AlphaEditConfig(**_config(tmp_path, start_token=None)))
     assert alpha.start_token is None and alpha.tokenizer is tok
     assert MEMIT(pg, tok, ["transformer.h_0.mlp.c_proj"], MEMITConfig(**_config(tmp_path, start_token=None))

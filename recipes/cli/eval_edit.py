@@ -275,6 +275,7 @@ def add_evaluation_options(p: argparse.ArgumentParser) -> None:
                         "from falling (not in the papers; 0.5 raised AlphaEdit's neighbourhood score on the "
                         "development facts, docs/memit.md; default %(default)s: the papers' objective)")
     p.add_argument("--early-stop-loss", type=float, default=None, metavar="L",
-                   help="a fact's value search stops once its loss is below L (default: the method's, 0.05)")
+                   help="a fact's value search stops once its loss is below L (default: the method's, 0.05; "
+                        "AlphaEdit's 0.15)")
     add_edit_options(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
