@@ -20,8 +20,8 @@ import torch
 if TYPE_CHECKING:
     from .attribution.prompts import PromptBatch
 
-__all__ = ["TOY_FACTS", "TOY_SENTENCES", "byte_level_tokenizer", "metaspace_tokenizer", "random_prompt_batch",
-           "tiny_gpt2", "tiny_llama"]
+__all__ = ["FAMILIES", "TOY_FACTS", "TOY_SENTENCES", "byte_level_tokenizer", "metaspace_tokenizer",
+           "random_prompt_batch", "tiny_causal_lm", "tiny_gpt2", "tiny_llama"]
 
 TOY_FACTS: tuple[tuple[str, str, str, str], ...] = (
     ("The Eiffel Tower is located in the city of", "Eiffel Tower", "Paris", "Rome"),
@@ -131,3 +131,52 @@ def random_prompt_batch(rows: int = 3, seq: int = 6, seed: int = 0, vocab_size: 
     g = torch.Generator().manual_seed(seed)
     return PromptBatch(*(torch.randint(3, vocab_size, shape, generator=g)
                          for shape in ((rows, seq), (rows, seq), (rows,), (rows,))))
+
+
+#: Tiny configurations of the causal language-model families of transformers the architecture matrix runs: family name
+#: -> (config class, model class, that family's own config fields). :func:`tiny_causal_lm` adds the common sizes.
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8, "sliding_window": 4}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "sliding_window": 4}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "falcon": ("FalconConfig", "FalconForCausalLM", {}),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", {"rotary_dim": 4}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+}
+
+
+def tiny_causal_lm(family: str, vocab_size: int = 100, seed: int = 0, hidden: int = 32, layers: int = 2,
+                   **config: Any) -> Any:
+    """A randomly initialised causal language model of ``family`` (a key of :data:`FAMILIES`; eval mode, float32):
+    ``hidden`` wide, ``layers`` blocks, 4 query heads over 2 key/value heads (where the family has them), an MLP twice
+    as wide, 64 positions, pad/BOS/EOS token id 0, transformers' own initialisation. Seeds torch's global generator
+    with ``seed`` before drawing the weights.
+
+    Raises:
+        KeyError: ``family`` is not a key of :data:`FAMILIES` (the message lists them).
+    """
+    import transformers
+
+    if family not in FAMILIES:
+        raise KeyError(f"unknown family {family!r}: choose one of {', '.join(FAMILIES)}")
+    config_name, model_name, own = FAMILIES[family]
+    sizes = {"vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+             "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 64, "n_embd": hidden, "n_layer": layers, "n_head": 4, "n_positions": 64,
+             "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
+    model_config = getattr(transformers, config_name)(**{**sizes, **own, **config})
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(model_config).eval()
