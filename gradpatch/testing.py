@@ -154,7 +154,8 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gptj": ("GPTJConfig", "GPTJForCausalLM", {"rotary_dim": 4}),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2}),
     "cohere": ("CohereConfig", "CohereForCausalLM", {}),
-    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"residual_multiplier": 0.5, "embedding_multiplier": 2.0,
+                                                        "logits_scaling": 4.0, "attention_multiplier": 0.2}),
 }
 
 

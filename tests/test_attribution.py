@@ -21,6 +21,7 @@ from gradpatch.attribution import (
     resolve_nodes,
 )
 from gradpatch.errors import NonFiniteError
+from gradpatch.layouts import detect_layout
 from gradpatch.testing import random_prompt_batch
 
 KW = {"use_cache": False}
@@ -145,6 +146,7 @@ def test_bad_nodes_metrics_and_positions_fail_before_any_forward(llama_graph, mo
     def no_forward(*args, **kwargs):
         raise AssertionError("a forward pass ran")
 
+    detect_layout(llama_graph)  # the layout's identities are verified on one forward pass, once per graph
     monkeypatch.setattr(llama_graph, "forward", no_forward)
     with pytest.raises(AttributionError, match="unknown node kind or NodePath 'attn'.*resid, heads, mlp"):
         atp(llama_graph, batch, "attn", forward_kwargs=KW)

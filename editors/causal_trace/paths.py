@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from gradpatch import NodePathError, PatchableGraph
 from gradpatch.errors import LayoutError
-from gradpatch.layouts import GPT2_LAYOUT, LLAMA_LAYOUT, ModelLayout, detect_layout, has_node
+from gradpatch.layouts import GPT2_LAYOUT, LLAMA_LAYOUT, ModelLayout, check_layout, detect_layout, has_node
 from gradpatch.layouts import count_layers as count_blocks
 
 from ..errors import TraceError, TraceLayoutError
 
-__all__ = ["GPT2_PATHS", "LLAMA_PATHS", "ModelPaths", "count_layers", "detect_model_paths", "has_node",
-           "layer_window", "tensor_width"]
+__all__ = ["GPT2_PATHS", "LLAMA_PATHS", "ModelPaths", "checked_paths", "count_layers", "detect_model_paths",
+           "has_node", "layer_window", "tensor_width"]
 
 #: The NodePaths of a model family (:class:`gradpatch.layouts.ModelLayout`): ``embed`` (noise is added there; its
 #: module has the ``weight`` of the default noise scale), ``layer``, and relative to it ``hidden``, ``mlp`` and
@@ -38,6 +38,21 @@ def detect_model_paths(pg: PatchableGraph) -> ModelPaths:
     """
     try:
         return detect_layout(pg)
+    except LayoutError as error:
+        raise TraceLayoutError(f"{error}; for causal tracing {_FIX}") from None
+
+
+def checked_paths(pg: PatchableGraph, paths: ModelPaths) -> ModelPaths:
+    """``paths`` once the states causal tracing corrupts and restores hold on ``pg``: the embeddings, and at every
+    block the residual stream, the attention and the MLP as they add to it (``hidden == block_input + attn + mlp``;
+    :func:`gradpatch.layouts.check_layout`).
+
+    Raises:
+        TraceLayoutError: a NodePath is missing, has another shape or breaks the block identity (the message names
+            it and how to pass a :class:`ModelPaths`).
+    """
+    try:
+        return check_layout(pg, paths, "causal tracing", parts=("embed", "hidden", "attn", "mlp"))
     except LayoutError as error:
         raise TraceLayoutError(f"{error}; for causal tracing {_FIX}") from None
 

@@ -17,7 +17,7 @@ from ..errors import TokenizationError, TraceError
 from ..passes.tokens import encode_prompt_target, prompt_and_span, subject_token_range
 from .config import KINDS, TraceConfig
 from .noise import embedding_matrix_std
-from .paths import ModelPaths, count_layers, detect_model_paths, layer_window, tensor_width
+from .paths import ModelPaths, checked_paths, count_layers, detect_model_paths, layer_window, tensor_width
 from .result import KindTrace, TraceResult
 
 __all__ = ["causal_trace"]
@@ -136,6 +136,7 @@ def causal_trace(
     d_model = tensor_width(pg, paths.embed, "embedding")
     for kind in kinds:
         tensor_width(pg, paths.path(kind, 0), kind)
+    paths = checked_paths(pg, paths)
 
     text, span = prompt_and_span(prompt, subject)
     ids_list, (s0, s1) = subject_token_range(tokenizer, text, span)

@@ -75,6 +75,13 @@ class EdgeGraph:
             layout = detect_layout(pg)
         except LayoutError as error:
             raise AttributionLayoutError(f"edge attribution needs a Llama-style graph: {error}") from None
+        if layout.block_form != "sequential" or layout.post_norms or not layout.attn.startswith(
+                layout.out_projection.rsplit(".", 1)[0] + "."):
+            raise AttributionLayoutError(
+                f"edge attribution needs a Llama-style graph, a sequential block whose attention adds its output "
+                f"projection's output to the residual stream without a norm or multiplier; the {layout.family!r} "
+                f"layout has a {layout.block_form} block{' with post-norms' if layout.post_norms else ''} adding "
+                f"{layout.attn!r}: use node attribution (atp, exact_sweep) on this model")
         needed = {**_block_nodes(layout, None), **_block_nodes(layout, 0)}
         missing = [path for path in needed.values() if not has_node(pg, path)]
         if not needed or missing:

@@ -123,7 +123,10 @@ def attention_nodes(pg: PatchableGraph, family: ModelFamily, layer: int) -> dict
     """
     found = {}
     for part in ("queries", "keys", "values", "pattern_output"):
-        path = family.path(part, layer)
+        try:
+            path = family.path(part, layer)
+        except LayoutError as error:
+            raise AttributionLayoutError(f"the QK fix: {error}") from None
         node = _node(pg, path, "queries", layer, None)
         if not node.heads_first:
             raise AttributionError(f"{path!r} is not a [batch, heads, seq, head_dim] value: the QK fix needs the "
@@ -168,7 +171,11 @@ def resolve_nodes(pg: PatchableGraph, nodes: str | Sequence[str]) -> list[Node]:
             n_layers = count_layers(pg, family)
             for kind in KINDS if name == "all" else (name,):
                 heads = _n_heads(pg) if kind == "heads" else None
-                found.extend(_node(pg, family.path(kind, layer), kind, layer, heads) for layer in range(n_layers))
+                try:
+                    paths = [family.path(kind, layer) for layer in range(n_layers)]
+                except LayoutError as error:
+                    raise AttributionLayoutError(f"node kind {kind!r}: {error}") from None
+                found.extend(_node(pg, path, kind, layer, heads) for layer, path in enumerate(paths))
         elif has_node(pg, name):
             found.append(_node(pg, name, "node", None, None))
         else:

@@ -27,11 +27,12 @@ def _take(candidate: str, used: set[str]) -> str:
 
 def assign_node_names(graph: fx.Graph, names: dict[fx.Node, str]) -> None:
     """Give each node in ``names`` its name; other nodes holding one of those names are renamed first (the call
-    sites of submodules keep the names the model's attributes give them)."""
-    wanted = set(names.values())
+    sites of submodules keep the names the model's attributes give them), and so is a value the model's code calls
+    ``output`` (Gemma's norms): the leaf ``output`` is always the graph's return value."""
+    wanted = set(names.values()) | {"output"}
     used = {node.name for node in graph.nodes} | wanted
     for node in graph.nodes:
-        if node not in names and node.name in wanted:
+        if node not in names and node.op != "output" and node.name in wanted:
             suffix = 1
             while f"{node.name}_{suffix}" in used:
                 suffix += 1
