@@ -33,6 +33,8 @@ PRIVATE_SYMBOLS: dict[str, Callable[[], Any]] = {
     "torch.utils._pytree.tree_unflatten": lambda: _pytree.tree_unflatten,
     "torch.utils._pytree.TreeSpec": lambda: _pytree.TreeSpec,
     "torch._dynamo.exc.Unsupported": lambda: dynamo_unsupported_error(),
+    "torch._dynamo.exc.TorchDynamoException": lambda: dynamo_error(),
+    "torch._grouped_mm": lambda: grouped_mm_kernel(),
 }
 
 #: A pytree's structure (``torch.utils._pytree.TreeSpec``).
@@ -44,6 +46,26 @@ def dynamo_unsupported_error() -> type[Exception]:
     from torch._dynamo import exc
 
     return exc.Unsupported
+
+
+def dynamo_error() -> type[Exception]:
+    """The base class of every error dynamo raises while compiling (``torch._dynamo.exc.TorchDynamoException``):
+    ``Unsupported``, ``TorchRuntimeError`` (an op failed on fake tensors), ``BackendCompilerFailed``, ..."""
+    from torch._dynamo import exc
+
+    return exc.TorchDynamoException
+
+
+def grouped_mm_kernel() -> Callable[..., torch.Tensor]:
+    """``torch._grouped_mm``: the grouped matrix multiply behind transformers' mixture-of-experts layers."""
+    return torch._grouped_mm
+
+
+def grouped_mm_functions() -> tuple[Callable[..., torch.Tensor], ...]:
+    """The functions a traced graph may call for a grouped matrix multiply: ``torch._grouped_mm`` and, where torch
+    has it, ``torch.nn.functional.grouped_mm``; none on a torch without them."""
+    names = [(torch, "_grouped_mm"), (torch.nn.functional, "grouped_mm")]
+    return tuple(getattr(owner, name) for owner, name in names if hasattr(owner, name))
 
 
 def forward_from_graph(graph: fx.Graph) -> Callable[..., Any]:

@@ -13,8 +13,16 @@ whatever patches are active. :meth:`PatchableGraph.compile` arranges that as fol
   values of the same shape run the same code;
 - probes and records are stored by the compiled code as they are in eager mode (dynamo replays the stores after the
   graph), so ``ProbePatch.activation`` holds the compiled call's value;
-- a patch set that dynamo cannot compile (an ``Unsupported`` error, e.g. ``fullgraph=True`` with a ``CustomPatch``
-  whose code breaks the graph) runs eagerly, with a :class:`~gradpatch.errors.CompilationWarning` naming it.
+- a patch set that dynamo cannot compile runs eagerly, with a :class:`~gradpatch.errors.CompilationWarning` naming
+  it and the error: any error dynamo raises (``torch._dynamo.exc.TorchDynamoException``: ``Unsupported``, e.g.
+  ``fullgraph=True`` with a ``CustomPatch`` whose code breaks the graph; ``TorchRuntimeError``, an op that fails on
+  fake tensors; ``BackendCompilerFailed``, ...), on its first call or on a later recompile. The forward is then
+  run eagerly: its result is returned (the same as without ``torch.compile``) and the set stays eager from then on;
+  if the eager forward raises too, its error is the caller's (a patch of the wrong shape, say) and the set is
+  compiled again on its next call.
+
+Mixture-of-experts layers compile as well: extraction swaps ``torch._grouped_mm``, whose fake kernel dynamo rejects
+for dtypes other than bfloat16, for an exact compilable stand-in (:mod:`gradpatch.extraction.compilable_ops`).
 
 Which graphs are active inside a compiled wrapper is decided by each ``CompiledGraphModule``'s ``_gp_forward``
 (see :mod:`gradpatch.extraction.graph_modules`), an instance attribute dynamo guards on.
@@ -29,7 +37,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 from torch import nn
 
-from ._torch_compat import dynamo_unsupported_error
+from ._torch_compat import dynamo_error
 from .errors import CompilationWarning
 from .patches import Patch
 
@@ -69,23 +77,28 @@ class CompiledCalls:
     def run(self, key: Hashable, wrapper: nn.Module, args: tuple, kwargs: dict) -> Any:
         """Run ``wrapper(*args, **kwargs)`` with the compiled code of patch set ``key`` (compiled on first use).
 
+        A dynamo error (``torch._dynamo.exc.TorchDynamoException``) on any call of a set runs that call eagerly; if
+        it succeeds, the set runs eagerly from then on, with a :class:`CompilationWarning` naming the set and the
+        error (once per set).
+
         Raises:
-            whatever the forward raises (a patch's :class:`~gradpatch.errors.PatchShapeError`, say); a patch set
-            dynamo cannot compile is run eagerly instead, with a :class:`CompilationWarning`.
+            whatever the eager forward raises (a patch's :class:`~gradpatch.errors.PatchShapeError`, say), whether
+            dynamo ran it or refused it; never a dynamo error.
         """
         if key not in self._functions:
             self._functions[key] = self._compiled_function(len(self._functions))
-            try:
-                return self._functions[key](wrapper, args, kwargs)  # type: ignore[misc]
-            except dynamo_unsupported_error() as error:
-                self._functions[key] = None
-                warnings.warn(f"gradpatch: torch.compile cannot compile the forward with the patches at "
-                              f"{_describe(key)}, so it runs eagerly (same results, no speed-up): "
-                              f"{str(error).splitlines()[0]}", CompilationWarning, stacklevel=4)
         function = self._functions[key]
         if function is None:
             return wrapper(*args, **kwargs)
-        return function(wrapper, args, kwargs)
+        try:
+            return function(wrapper, args, kwargs)
+        except dynamo_error() as error:
+            output = wrapper(*args, **kwargs)  # raises the forward's own error, if it has one
+            self._functions[key] = None
+            warnings.warn(f"gradpatch: torch.compile cannot compile the forward with the patches at "
+                          f"{_describe(key)}, so it runs eagerly (same results, no speed-up): {_reason(error)}",
+                          CompilationWarning, stacklevel=5)
+            return output
 
     def _compiled_function(self, index: int) -> Callable[..., Any]:
         """A ``torch.compile``\\ d copy of :func:`_run` whose code object is its own: dynamo keeps compiled code per
@@ -98,3 +111,21 @@ class CompiledCalls:
 def _describe(key: Hashable) -> str:
     names = [f"{path} ({kind.__name__})" for path, kind, _ in key]  # type: ignore[union-attr]
     return ", ".join(names) if names else "no node"
+
+
+def _reason(error: BaseException) -> str:
+    """``Type: first line`` of a dynamo error, with dynamo's explanation (which names the failing op's own error,
+    e.g. ``got RuntimeError('Expected inputs of BF16 type ...')``, at its end) and the error it wraps, if any."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    reason = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    explanation = next((line.removeprefix("Explanation:").strip() for line in lines[1:]
+                        if line.startswith("Explanation:")), "")
+    if len(explanation) > 300:  # an op's arguments, then ": got <its error>"
+        _, got, tail = explanation.rpartition(": got ")
+        explanation = f"got {tail}" if got else f"...{explanation[-300:]}"
+    if explanation:
+        reason += f" ({explanation})"
+    cause = error.__cause__
+    if cause is not None and str(cause).strip() and str(cause).strip().splitlines()[0] not in reason:
+        reason += f" [{type(cause).__name__}: {str(cause).strip().splitlines()[0]}]"
+    return reason

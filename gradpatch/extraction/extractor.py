@@ -17,6 +17,7 @@ from typing import Any
 from torch import fx, nn
 
 from .attributes import attribute_value, patchable_attributes
+from .compilable_ops import compilable_target
 from .dispatch import Dispatch, accelerate_hook, run_hooked
 from ..errors import CompilationWarning, ExtractionError
 from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, UnusedModule
@@ -245,6 +246,8 @@ def _compiled_wrapper(traced: nn.Module, root: nn.Module, graph: fx.Graph,
         elif node.op == "call_module":
             node.target = targets[node]
             mapping[node.target] = _wrapper_at(calls, node)
+        elif node.op == "call_function":  # eager-only kernels (torch._grouped_mm) made compilable
+            node.target = compilable_target(node.target)
     wrapper = CompiledGraphModule(mapping, graph, class_name)
     modules = assemble(traced, structured, lambda child, site: UnusedModule(), safe_names=True)
     for base, wrappers in flat.items():
