@@ -13,9 +13,10 @@ See docs/circuits.md.
 """
 
 from .attribute import AttributionGraph, attribute, salient_logits
-from .errors import CircuitError, FrozenNodesNotFoundError, MemoryBoundError, NoPathError
+from .complete import Completeness, check_completeness, completeness, default_tolerance
+from .errors import CircuitError, FrozenNodesNotFoundError, IncompleteGraphError, MemoryBoundError, NoPathError
 from .files import frontend_graph, node_records, save_graph
-from .freeze import FrozenLayerNorm, FrozenNodes, find_frozen_nodes
+from .freeze import FrozenLayerNorm, FrozenNodes, LinearisedOp, find_frozen_nodes
 from .html import graph_html, node_label
 from .intervene import EDIT_KINDS, FeatureEdit, InterventionResult, intervene, intervene_direct, top_logits
 from .paths import check_paths
@@ -28,15 +29,18 @@ from .transcoders import LLAMA_MLP_INPUT, LLAMA_MLP_OUTPUT, load_transcoders
 __all__ = [
     "AttributionGraph",
     "CircuitError",
+    "Completeness",
     "EDIT_KINDS",
     "FeatureEdit",
     "FrozenLayerNorm",
     "FrozenNodes",
     "FrozenNodesNotFoundError",
     "GraphInfluence",
+    "IncompleteGraphError",
     "InterventionResult",
     "LLAMA_MLP_INPUT",
     "LLAMA_MLP_OUTPUT",
+    "LinearisedOp",
     "MemoryBoundError",
     "NoPathError",
     "PruneResult",
@@ -44,8 +48,11 @@ __all__ = [
     "ReplacementRun",
     "SplicedLayer",
     "attribute",
+    "check_completeness",
     "check_paths",
+    "completeness",
     "compute_influence",
+    "default_tolerance",
     "find_frozen_nodes",
     "frontend_graph",
     "graph_html",

@@ -27,71 +27,26 @@ so every target is the sum of its sources' contributions plus a constant (biases
 The gradients g come from one forward pass of the replacement model over ``batch`` copies of the prompt, kept for
 one backward pass per ``batch`` targets (:mod:`gradpatch.circuits.backward`, circuit-tracer's method); the batch
 fits ``max_memory_bytes`` where given (:func:`memory_per_row`). Adjacency: ``[n, n]``, rows = targets, columns =
-sources, on the CPU (each batch's rows moved there as they are made).
+sources, on the CPU (each batch's rows moved there as they are made). A graph whose rows do not sum to their targets
+(edges + bias) is refused (:func:`~gradpatch.circuits.complete.check_completeness`), never returned.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .backward import RetainedForward, Target, measure_saved_bytes
+from .complete import check_completeness
 from .errors import CircuitError, MemoryBoundError
+from .graph import AttributionGraph
 from .replacement import ReplacementModel
 
 __all__ = ["FEATURE_CHUNK", "AttributionGraph", "attribute", "memory_per_row", "plan_batch_size", "salient_logits"]
 
 #: Feature sources whose gradients are gathered at once when the edges are contracted.
 FEATURE_CHUNK = 1024
-
-
-@dataclass
-class AttributionGraph:
-    """An unpruned attribution graph.
-
-    Attributes:
-        input_tokens: the prompt's ids ``[seq]``.
-        layers: the spliced layers, ascending (error nodes come in this order).
-        active_features: (layer, position, feature) of each feature node ``[n_features, 3]``.
-        activations: a of each feature node ``[n_features]``.
-        logit_tokens: the logit nodes' token ids ``[n_logits]``.
-        logit_probabilities: their probabilities ``[n_logits]``.
-        adjacency: ``[n, n]``, rows = targets, columns = sources, n = n_features + len(layers)·seq + seq + n_logits.
-        nodes: NodePath of each node (a feature's and error's: the MLP output it writes; a token's: the
-            embeddings; a logit's: the logits).
-        zero_first_position: position 0's activations and errors were taken as 0 (module docstring).
-    """
-
-    input_tokens: torch.Tensor
-    layers: list[int]
-    active_features: torch.Tensor
-    activations: torch.Tensor
-    logit_tokens: torch.Tensor
-    logit_probabilities: torch.Tensor
-    adjacency: torch.Tensor
-    nodes: list[str] = field(default_factory=list)
-    zero_first_position: bool = False
-
-    @property
-    def n_features(self) -> int:
-        return int(self.active_features.shape[0])
-
-    @property
-    def n_pos(self) -> int:
-        return int(self.input_tokens.shape[0])
-
-    @property
-    def error_start(self) -> int:
-        return self.n_features
-
-    @property
-    def token_start(self) -> int:
-        return self.n_features + len(self.layers) * self.n_pos
-
-    @property
-    def logit_start(self) -> int:
-        return self.token_start + self.n_pos
 
 
 def salient_logits(logits: torch.Tensor, max_n_logits: int = 10,
@@ -198,7 +153,7 @@ def memory_per_row(model: ReplacementModel, n_nodes: int) -> tuple[int, int]:
 
 def attribute(model: ReplacementModel, *, max_n_logits: int = 10, desired_logit_prob: float = 0.95,
               batch_size: int = 16, max_memory_bytes: int | None = None,
-              zero_first_position: bool = True) -> AttributionGraph:
+              zero_first_position: bool = True, completeness_tolerance: float | None = None) -> AttributionGraph:
     """The unpruned attribution graph of ``model``'s prompt (module docstring): one forward pass of ``batch``
     copies of the prompt, then one backward pass per ``batch`` targets.
 
@@ -211,6 +166,9 @@ def attribute(model: ReplacementModel, *, max_n_logits: int = 10, desired_logit_
         zero_first_position: circuit-tracer's convention (module docstring): no feature node at position 0, the
             error nodes at position 0 without edges, their contributions in the biases. ``False``: position 0's
             features and errors are nodes like any other position's.
+        completeness_tolerance: the largest error of a logit row, relative to its Σ|terms|
+            (:func:`~gradpatch.circuits.complete.check_completeness`); ``None``: its ``default_tolerance`` of the
+            model's dtype (1e-4 in float32).
 
     Returns:
         An :class:`AttributionGraph` (adjacency ``[n, n]`` in float32 on the CPU, rows moved there as they are made).
@@ -218,6 +176,8 @@ def attribute(model: ReplacementModel, *, max_n_logits: int = 10, desired_logit_
     Raises:
         CircuitError: ``batch_size`` below 1.
         MemoryBoundError: ``max_memory_bytes`` too small for one row.
+        IncompleteGraphError: a target row whose edges and bias do not sum to its value within
+            ``completeness_tolerance`` (a nonlinearity neither frozen nor linearised); the message names the node.
     """
     if batch_size < 1:
         raise CircuitError(f"batch_size={batch_size}: give at least 1 target per backward pass")
@@ -249,4 +209,6 @@ def attribute(model: ReplacementModel, *, max_n_logits: int = 10, desired_logit_
         rows = _edges(model, graph, sources, {layer: g[:len(chunk)] for layer, g in gradients.items()},
                       embed_gradient[:len(chunk)])
         graph.adjacency[target_rows[start:start + len(chunk)]] = rows.cpu()
+    del forward  # its kept autograd graph, before the check's forward pass
+    check_completeness(model, graph, completeness_tolerance)
     return graph

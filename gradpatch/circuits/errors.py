@@ -23,3 +23,9 @@ class NoPathError(CircuitError):
 class MemoryBoundError(CircuitError):
     """A memory bound (``max_memory_bytes``) too small for one row of an attribution graph's backward passes; the
     message gives the bytes needed."""
+
+
+class IncompleteGraphError(CircuitError):
+    """An attribution graph whose target rows do not sum to the targets' values (its edges plus its bias): the
+    replacement model is not affine from the sources to that target, because a nonlinearity on the way is neither
+    frozen nor linearised; the message names the node and the error."""

@@ -11,16 +11,25 @@ scales 1/√(mean(x²) + ε) ``[batch, seq, 1]``. The graph is searched for the 
   instead, which fixes A exactly (SDPA(q₀, k₀, v) = A(q₀, k₀) v is linear in v);
 - normalisation scales: an ``rsqrt`` op (RMSNorm's 1/√(mean(x²) + ε), Llama-family models), or a ``layer_norm``
   op (GPT-2), which computes its scale inside one op: its output is replaced by the affine function of its input
-  that the frozen scale gives, y⁰ + ((x − x̄) − (x⁰ − x̄⁰)) / σ⁰ · w (:class:`FrozenLayerNorm`; ⁰ = on the prompt).
+  that the frozen scale gives, y⁰ + ((x − x̄) − (x⁰ − x̄⁰)) / σ⁰ · w (:class:`FrozenLayerNorm`; ⁰ = on the prompt);
+- elementwise nonlinearities after the last of those nodes, on the way to the logits: an op y = f(z) of one tensor
+  whose name is one of :data:`ELEMENTWISE` (Gemma 2's final logit soft-capping, cap · tanh(z / cap)) is linearised
+  at the prompt, y⁰ + f′(z⁰) ⊙ (z − z⁰) (:class:`LinearisedOp`): its slope f′(z⁰) is a per-element scale frozen
+  like the norm scales (for the soft-capping, 1 − tanh²(z⁰/cap) per logit). Nonlinearities before the last frozen
+  node need no rule: Gemma 2's attention-logit soft-capping comes before its softmax, inside the frozen pattern, and
+  the MLPs' activations are replaced by the transcoders. Linear ops (Cohere's ``logit_scale`` product, Granite's
+  division by ``logits_scaling``) stay as they are.
 
 Freezing a node is a patch that replaces its value by the detached value recorded on the prompt (a stop-gradient
 at that node): gradients then flow through v and through x · scale alone. A graph with none of the expected nodes
-gets :class:`~gradpatch.circuits.errors.FrozenNodesNotFoundError` naming what was looked for.
+gets :class:`~gradpatch.circuits.errors.FrozenNodesNotFoundError` naming what was looked for. A nonlinearity that no
+rule here covers leaves the graph incomplete, which :func:`~gradpatch.circuits.complete.check_completeness` refuses.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,12 +38,16 @@ import torch
 from ..patchable_graph import PatchableGraph
 from .errors import FrozenNodesNotFoundError
 
-__all__ = ["FrozenLayerNorm", "FrozenNodes", "find_frozen_nodes"]
+__all__ = ["ELEMENTWISE", "FrozenLayerNorm", "FrozenNodes", "LinearisedOp", "find_frozen_nodes"]
 
 _SOFTMAX = ("call_function:softmax", "call_method:softmax")
 _RSQRT = ("call_function:rsqrt", "call_method:rsqrt")
 _SDPA = "scaled_dot_product_attention"
 _LAYER_NORM = "call_function:layer_norm"
+#: Names of the elementwise nonlinear ops linearised after the last frozen node (``torch.<name>``, ``Tensor.<name>``
+#: or ``torch.nn.functional.<name>``).
+ELEMENTWISE = frozenset({"tanh", "sigmoid", "exp", "log", "softplus", "gelu", "silu", "relu", "erf", "sqrt", "pow"})
+_ELEMENTWISE_OPS = frozenset(f"{kind}:{name}" for kind in ("call_function", "call_method") for name in ELEMENTWISE)
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,33 @@ class FrozenLayerNorm:
 
 
 @dataclass(frozen=True)
+class LinearisedOp:
+    """An elementwise op y = f(z) linearised at the prompt (module docstring).
+
+    Attributes:
+        input: the NodePath of z (the op's first argument) ``[batch, seq, ...]``.
+        output: the NodePath of the op, y ``[batch, seq, ...]``, the same shape.
+        function: f, the op with its other (constant) arguments bound.
+    """
+
+    input: str
+    output: str
+    function: Callable[[torch.Tensor], torch.Tensor]
+
+    def slope(self, z0: torch.Tensor) -> torch.Tensor:
+        """f′(z⁰), the same shape as z⁰ (f is elementwise, so the gradient of Σ f(z) at z⁰ is its derivative)."""
+        with torch.enable_grad():
+            z = z0.detach().requires_grad_()
+            (slope,) = torch.autograd.grad(self.function(z).sum(), z)
+        return slope
+
+    @staticmethod
+    def linearised(z: torch.Tensor, z0: torch.Tensor, y0: torch.Tensor, slope: torch.Tensor) -> torch.Tensor:
+        """y⁰ + f′(z⁰) ⊙ (z − z⁰): affine in z, equal to y⁰ at z = z⁰."""
+        return y0 + slope * (z - z0)
+
+
+@dataclass(frozen=True)
 class FrozenNodes:
     """The nodes frozen on the prompt.
 
@@ -74,11 +114,13 @@ class FrozenNodes:
         attention: softmax outputs ``[batch, heads, seq, seq]``, or the query and key arguments of SDPA calls.
         norms: RMSNorm scales (``rsqrt``) ``[batch, seq, 1]``.
         layer_norms: ``layer_norm`` ops with their scale frozen.
+        linearised: elementwise nonlinearities after the last frozen node, linearised at the prompt.
     """
 
     attention: tuple[str, ...]
     norms: tuple[str, ...]
     layer_norms: tuple[FrozenLayerNorm, ...] = ()
+    linearised: tuple[LinearisedOp, ...] = ()
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -134,20 +176,46 @@ def _layer_norm(pg: PatchableGraph, path: str) -> FrozenLayerNorm:
                            tuple(range(-len(shape), 0)), 1e-5 if eps is None else float(eps))
 
 
+def _linearised(pg: PatchableGraph, path: str) -> LinearisedOp:
+    """The :class:`LinearisedOp` of the elementwise op at ``path``: f(z) = op(z, *constants) for a function,
+    z.op(*constants) for a method.
+
+    Raises:
+        FrozenNodesNotFoundError: the op takes a second tensor of the graph (it is not a function of one input), or
+            its input is not a node.
+    """
+    call = _call(pg, path)
+    z, constants = call.args[0], call.args[1:]
+    if any(hasattr(arg, "op") for arg in (*constants, *call.kwargs.values())):
+        raise FrozenNodesNotFoundError(f"the {call.target} op at '{path}' (after the last frozen node) takes more than "
+                                       f"one tensor of the graph, so it cannot be linearised as an elementwise op; "
+                                       f"freeze it by hand")
+    function = functools.partial(_apply, call.op == "call_method", call.target, constants, dict(call.kwargs))
+    return LinearisedOp(_argument_path(pg, path, z), path, function)
+
+
+def _apply(method: bool, target: Any, constants: tuple[Any, ...], kwargs: dict[str, Any],
+           z: torch.Tensor) -> torch.Tensor:
+    """The op of a torch.fx node on ``z``: ``z.target(*constants, **kwargs)`` for a method (``target`` its name),
+    else ``target(z, *constants, **kwargs)``."""
+    return getattr(z, target)(*constants, **kwargs) if method else target(z, *constants, **kwargs)
+
+
 def find_frozen_nodes(pg: PatchableGraph) -> FrozenNodes:
-    """The attention and normalisation nodes of ``pg`` to freeze (module docstring).
+    """The attention and normalisation nodes of ``pg`` to freeze, and the elementwise nonlinearities after the last
+    of them to linearise (module docstring; the graph's nodes are in the order they run).
 
     Raises:
         FrozenNodesNotFoundError: no attention-probability node (softmax ``[batch, heads, q, k]`` or SDPA call) or no
-            normalisation scale (``rsqrt`` or ``layer_norm``), or an op's argument that is not a node; the message
-            names what was looked for.
+            normalisation scale (``rsqrt`` or ``layer_norm``), an op's argument that is not a node, or a nonlinearity
+            after the last frozen node that takes two tensors; the message names what was looked for.
     """
     attention: list[str] = []
     norms: list[str] = []
     layer_norms: list[FrozenLayerNorm] = []
-    for path in pg.node_paths():
-        if "|" in path:
-            continue
+    paths = [path for path in pg.node_paths() if "|" not in path]
+    last = -1
+    for index, path in enumerate(paths):
         node = pg.node(path)
         op = node._gp_op
         shape = node.tensor_shape
@@ -161,6 +229,9 @@ def find_frozen_nodes(pg: PatchableGraph) -> FrozenNodes:
             norms.append(path)
         elif op == _LAYER_NORM:
             layer_norms.append(_layer_norm(pg, path))
+        else:
+            continue
+        last = index
     missing = []
     if not attention:
         missing.append("attention probabilities (a softmax with value [batch, heads, query, key], or a "
@@ -170,4 +241,6 @@ def find_frozen_nodes(pg: PatchableGraph) -> FrozenNodes:
     if missing:
         raise FrozenNodesNotFoundError(f"the local replacement model freezes {' and '.join(missing)}, but the graph "
                                        f"has none; print pg.graph to see its ops")
-    return FrozenNodes(tuple(attention), tuple(norms), tuple(layer_norms))
+    linearised = tuple(_linearised(pg, path) for path in paths[last + 1:]
+                       if pg.node(path)._gp_op in _ELEMENTWISE_OPS)
+    return FrozenNodes(tuple(attention), tuple(norms), tuple(layer_norms), linearised)

@@ -6,7 +6,8 @@ the prompt the forward pass is the model's. At each spliced layer ℓ the MLP ou
     y_ℓ = Σ_f a_ℓf W_dec[f] + b_dec + x_ℓ W_skipᵀ + e_ℓ,      e_ℓ = y_ℓ − output(x_ℓ, a_ℓ)   (the error term)
 
 with x_ℓ the transcoder's input and a_ℓ = σ(x_ℓ W_enc + b_enc) its latents. The replacement model replays the prompt
-with every attention pattern and normalisation scale frozen (:mod:`gradpatch.circuits.freeze`) and every MLP output
+with every attention pattern and normalisation scale frozen, and every elementwise nonlinearity after them (such as
+Gemma 2's final logit soft-capping) linearised at the prompt (:mod:`gradpatch.circuits.freeze`), and every MLP output
 replaced by c_ℓ + x_ℓ W_skipᵀ + δ_ℓ, where c_ℓ = Σ_f a_ℓf W_dec[f] + b_dec + e_ℓ is recorded (features and errors are
 injected, so no gradient passes through a transcoder's encoder) and δ_ℓ ``[batch, seq, d_model]`` is an added
 perturbation (zero, or a parameter whose gradient is ∂target/∂y_ℓ). The token embeddings take an added δ_E likewise.
@@ -30,7 +31,7 @@ from ..layouts import detect_layout
 from ..patchable_graph import PatchableGraph
 from ..patches import AddPatch, CustomPatch, Patch, ProbePatch, ReplacePatch
 from .errors import CircuitError
-from .freeze import FrozenLayerNorm, FrozenNodes, find_frozen_nodes
+from .freeze import FrozenLayerNorm, FrozenNodes, LinearisedOp, find_frozen_nodes
 from .paths import check_paths
 
 __all__ = ["ReplacementModel", "ReplacementRun", "SplicedLayer"]
@@ -112,6 +113,7 @@ class ReplacementModel:
         self.layers: dict[int, SplicedLayer] = {}
         self.frozen_values: dict[str, torch.Tensor] = {}
         self.layer_norm_values: list[tuple[FrozenLayerNorm, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.linearised_values: list[tuple[LinearisedOp, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.embeddings = torch.empty(0)
         self.logits = torch.empty(0)
         self._record(dict(sorted(transcoders.items())))
@@ -120,8 +122,9 @@ class ReplacementModel:
         """One forward pass of the prompt with the transcoders spliced (error terms kept): x, a, e, c per layer,
         the frozen values, the embeddings and the logits."""
         patch_map: dict[str, list[Patch]] = {}
-        norm_paths = [path for norm in self.frozen.layer_norms for path in (norm.input, norm.output)]
-        probes = {path: ProbePatch() for path in (*self.frozen.paths, *norm_paths, self.embed)}
+        op_paths = [path for op in (*self.frozen.layer_norms, *self.frozen.linearised)
+                      for path in (op.input, op.output)]
+        probes = {path: ProbePatch() for path in (*self.frozen.paths, *op_paths, self.embed)}
         splices: dict[int, Any] = {}
         inputs: dict[int, ProbePatch] = {}
         outputs: dict[int, ProbePatch] = {}
@@ -141,6 +144,9 @@ class ReplacementModel:
         for norm in self.frozen.layer_norms:  # (norm, x⁰, y⁰, σ⁰)
             x0 = probes[norm.input].activation
             self.layer_norm_values.append((norm, x0, probes[norm.output].activation, norm.scale(x0)))
+        for op in self.frozen.linearised:  # (op, z⁰, y⁰, f′(z⁰))
+            z0 = probes[op.input].activation
+            self.linearised_values.append((op, z0, probes[op.output].activation, op.slope(z0)))
         with torch.no_grad():
             for layer, transcoder in transcoders.items():
                 x, a = inputs[layer].activation, splices[layer].latents
@@ -176,6 +182,11 @@ class ReplacementModel:
             patch_map.setdefault(norm.input, []).append(reader)
             frozen = CustomPatch(custom_op=self._layer_norm_op(norm, reader, x0, y0, sigma0), requires_clone=False)
             patch_map.setdefault(norm.output, []).append(frozen)
+        for op, z0, y0, slope in self.linearised_values:
+            reader = TranscoderInput(width=z0.shape[-1])
+            patch_map.setdefault(op.input, []).append(reader)
+            tangent = CustomPatch(custom_op=self._linearised_op(reader, z0, y0, slope), requires_clone=False)
+            patch_map.setdefault(op.output, []).append(tangent)
         readers: dict[int, TranscoderInput] = {}
         for layer, spliced in self.layers.items():
             readers[layer] = TranscoderInput(width=spliced.transcoder.d_in)
@@ -197,6 +208,18 @@ class ReplacementModel:
         def frozen(original: torch.Tensor) -> torch.Tensor:
             return norm.frozen(reader.held, x0, y0, sigma0).to(original.dtype)
         return frozen
+
+    @staticmethod
+    def _linearised_op(reader: TranscoderInput, z0: torch.Tensor, y0: torch.Tensor, slope: torch.Tensor) -> Any:
+        """An elementwise op's replacement by its tangent at the prompt, y⁰ + f′(z⁰) ⊙ (z − z⁰) with z read live by
+        ``reader`` (:meth:`LinearisedOp.linearised`). Where the unembedding runs on the last positions alone
+        (:mod:`gradpatch.circuits.backward`), z ``[batch, k, ...]`` is compared with the last k positions of the
+        recorded ``[1, seq, ...]``."""
+        def tangent(original: torch.Tensor) -> torch.Tensor:
+            k = original.shape[1]
+            z_0, y_0, slope_0 = (t[:, t.shape[1] - k:] for t in (z0, y0, slope))
+            return LinearisedOp.linearised(reader.held, z_0, y_0, slope_0).to(original.dtype)
+        return tangent
 
     @staticmethod
     def _output_op(spliced: SplicedLayer, reader: TranscoderInput, delta: torch.Tensor | None) -> Any:

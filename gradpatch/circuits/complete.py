@@ -1,0 +1,127 @@
+"""The completeness check of an attribution graph: each target is the sum of its incoming edges plus its bias.
+
+In the local replacement model every target (a feature's pre-activation h_ℓpf, a logit's logit_t − mean_v logit_v)
+is an affine function of the sources' contributions, so the attributions are complete (Ameisen et al. 2025,
+"Circuit Tracing", section 2.2: the local replacement model reproduces the model's output exactly and is linear in
+the sources once attention patterns and normalisation scales are frozen; circuit-tracer's attributions are exact in
+the same sense):
+
+    target = Σ_s A[target, s] + bias(target),
+
+where bias(target) is what is held fixed: the target's value with every source removed (δ_ℓ = −(c_ℓ − b_dec) at
+the positions that have nodes, δ_E = −E; :mod:`gradpatch.circuits.attribute`). A nonlinearity that is neither frozen
+nor linearised (:mod:`gradpatch.circuits.freeze`) breaks the equality; :func:`check_completeness` measures it with
+one more forward pass of the replacement model and refuses a graph whose error exceeds ``tolerance`` · (Σ_s |A[t, s]|
++ |bias(t)|) in a logit row (float rounding between large terms stays well within 1e-4 in float32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import IncompleteGraphError
+from .graph import AttributionGraph
+from .replacement import ReplacementModel
+
+__all__ = ["Completeness", "check_completeness", "completeness", "default_tolerance"]
+
+
+@dataclass(frozen=True)
+class Completeness:
+    """Each target row's completeness terms (float32, on the CPU).
+
+    Attributes:
+        rows: the target rows of the adjacency, features then logits ``[n_targets]``.
+        values: the targets' values on the prompt ``[n_targets]``.
+        edges: Σ_s A[t, s] ``[n_targets]``.
+        biases: bias(t), the target with every source removed ``[n_targets]``.
+        scales: Σ_s |A[t, s]| + |bias(t)|, the size of the terms summed ``[n_targets]``.
+    """
+
+    rows: torch.Tensor
+    values: torch.Tensor
+    edges: torch.Tensor
+    biases: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def errors(self) -> torch.Tensor:
+        """|value − Σ edges − bias| / scale per target ``[n_targets]`` (0 where every term is 0)."""
+        return (self.values - self.edges - self.biases).abs() / self.scales.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def completeness(model: ReplacementModel, graph: AttributionGraph) -> Completeness:
+    """The :class:`Completeness` of every target row of ``graph`` (features, then logits), built on ``model``: one
+    forward pass of the replacement model with every source removed gives the biases; the values are the recorded
+    pre-activations and logits (the replacement model replays them bit for bit).
+
+    Returns:
+        A :class:`Completeness`, tensors ``[n_features + n_logits]``.
+    """
+    first = int(graph.zero_first_position)
+    deltas = {}
+    for layer, spliced in model.layers.items():
+        delta = -(spliced.constant - spliced.transcoder.b_dec.detach().to(spliced.constant.dtype))
+        delta[:, :first] = 0
+        deltas[layer] = delta
+    values = torch.zeros(graph.n_features + len(graph.logit_tokens))
+    biases = torch.zeros_like(values)
+    with torch.no_grad():
+        removed = model.run(1, deltas, -model.embeddings)
+        for layer in graph.layers:
+            spliced = model.layers[layer]
+            chosen = (graph.active_features[:, 0] == layer).nonzero().squeeze(-1)
+            where = (0, *graph.active_features[chosen, 1:].to(spliced.inputs.device).T)
+            values[chosen] = spliced.transcoder.pre_activations(spliced.inputs)[where].float().cpu()
+            biases[chosen] = removed.pre_activations[layer][where].float().cpu()
+        tokens = graph.logit_tokens.to(model.logits.device)
+        for target, logits in ((values, model.logits), (biases, removed.logits)):
+            last = logits[0, -1].float()
+            target[graph.n_features:] = (last[tokens] - last.mean()).cpu()
+    rows = torch.cat([torch.arange(graph.n_features), torch.arange(graph.logit_start, graph.adjacency.shape[0])])
+    adjacency = graph.adjacency[rows]
+    return Completeness(rows, values, adjacency.sum(1), biases, adjacency.abs().sum(1) + biases.abs())
+
+
+def check_completeness(model: ReplacementModel, graph: AttributionGraph, tolerance: float | None = None) -> None:
+    """Refuse ``graph`` unless every logit row is complete: |value − Σ_s A[t, s] − bias| ≤ ``tolerance`` ·
+    (Σ_s |A[t, s]| + |bias|) (module docstring). The logits depend on every frozen or linearised node, so a
+    nonlinearity left live anywhere shows in their rows. Feature rows are not checked: a pre-activation
+    h = x W_enc + b_enc near 0 is itself a difference of larger terms, whose rounding the criterion does not scale
+    with (measured: 8.7e-4 of Σ|terms| on a random GPT-NeoX's layer-0 features, whose one source is their token,
+    where the logit rows' error is 3e-7); :func:`completeness` gives them.
+
+    Args:
+        model: the replacement model ``graph`` was built on.
+        graph: the unpruned graph, every logit row computed.
+        tolerance: relative to Σ|terms|; ``None``: :func:`default_tolerance` of the model's dtype.
+
+    Raises:
+        IncompleteGraphError: a logit row above the tolerance; the message names the worst one's token, its error
+            and the terms.
+    """
+    found = completeness(model, graph)
+    tolerance = default_tolerance(model.embeddings.dtype) if tolerance is None else tolerance
+    errors = found.errors[graph.n_features:]
+    if not len(errors) or float(errors.max()) <= tolerance:
+        return
+    worst = int(errors.argmax())
+    index = graph.n_features + worst
+    raise IncompleteGraphError(
+        f"the attribution graph is not complete: logit node {int(found.rows[index])} (token "
+        f"{int(graph.logit_tokens[worst])} at the last position) has value {float(found.values[index]):.6g}, but its "
+        f"edges sum to {float(found.edges[index]):.6g} and its bias is {float(found.biases[index]):.6g}: an error of "
+        f"{float(errors[worst]):.3g} of Σ|terms| = {float(found.scales[index]):.6g}, above the tolerance {tolerance:g} "
+        f"({int((errors > tolerance).sum())} of {len(errors)} logit rows). A nonlinearity between the sources and the "
+        f"logits is neither frozen nor linearised (find_frozen_nodes(pg) lists what is): freeze it by hand")
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    """The completeness tolerance (relative to Σ|terms|) for a model computing in ``dtype``: max(1e-4, 4 ε(dtype)),
+    i.e. 1e-4 in float32 and float64, 3.1e-2 in bfloat16, 3.9e-3 in float16. Measured on the tiny random Llama,
+    Gemma 2 and GPT-2 (2 layers, 64 wide) on the CPU, the logit rows' largest error is 4e-7 in float32, 4e-3 in
+    bfloat16 and 6e-4 in float16 (about ε/2). Half-precision tolerances cannot tell an error this small from a
+    live nonlinearity's (a soft-capping left live: 1e-2 in float32); run in float32 for an exact check."""
+    return max(1e-4, 4 * torch.finfo(dtype).eps)
