@@ -66,6 +66,8 @@ _EXPORTS: dict[str, str] = {
     "evaluate_cases": "evaluation.sequential",
     "score_case": "evaluation.scores",
     "evaluate_sequential": "evaluation.sequential",
+    "ExpertLayer": "layers",
+    "top_expert": "layers",
     "LinearLayer": "layers",
     "editable_graph": "layers",
     "resolve_layer": "layers",

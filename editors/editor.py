@@ -33,7 +33,7 @@ def as_second_moment(statistic: SecondMoment | torch.Tensor, layer: LinearLayer)
     token count, fingerprint or corpus)."""
     if isinstance(statistic, SecondMoment):
         return statistic
-    return SecondMoment(matrix=statistic.to(torch.float64), n_tokens=0, n_samples=0, input_node=layer.input_node,
+    return SecondMoment(matrix=statistic.to(torch.float64), n_tokens=0, n_samples=0, input_node=layer.statistics_node,
                         fingerprint="", corpus=None)
 
 

@@ -18,6 +18,10 @@ and Algorithm 1 of the paper:
    layer (:meth:`MEMIT.update_weight`; recorded per layer in ``info["layers"]``). ``keys_per_context``: a column of
    ``K`` per context key; ``subject_first_key``: one more, the subject-first key (``λ`` from the others).
 
+A node may be one expert of an MoE block, ``model.layers_3.mlp.experts.down_proj[e]`` (named: one solve per layer;
+:mod:`editors.layers.experts`): its keys are computed from the block input, and since its change reaches the block output times
+its router weight, each fact's share is divided by that weight (:func:`editors.memit_setup.layer_residuals`).
+
 The result is a :class:`editors.edits.batch.BatchEdit`: one rank-``F`` edit per layer, applied and restored as one.
 AlphaEdit (:mod:`editors.alphaedit`) is this pipeline with another update (step 3).
 
@@ -31,7 +35,6 @@ Usage::
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradpatch import CustomPatch, model_fingerprint
+from gradpatch import model_fingerprint
 from gradpatch.model_io import model_device, model_dtype, wrapped_model
 
 from .config import MEMITConfig
@@ -49,9 +52,10 @@ from .editor import Editor, value_record
 from .edits.batch import BatchEdit
 from .edits.edit import Edit
 from .edits.patches import updated_weight_patches
-from .errors import ConflictingRequestsError, EditError, LayerKindError
+from .errors import EditError
 from .evaluation.sequential import BatchApplier, batch_applier
-from .layers import LinearLayer, resolve_layer
+from .layers import resolve_layer
+from .memit_setup import check_experts, check_requests, forward_order, layer_residuals, residual_node_of
 from .passes.tail_pass import tail_pass_for
 from .requests import EditRequest
 from .solve.multi_update import added, memit_factors, relative_update_weight
@@ -63,57 +67,7 @@ from .value.batch_search import BatchStepCallback, optimize_values
 from .value.loop import ValueResult
 from .value.search_copy import SearchCopy, search_dtype
 
-__all__ = ["DEFAULT_SMOLLM2_NODES", "MEMIT", "MEMITConfig", "check_requests"]
-
-
-def check_requests(requests: Sequence[EditRequest]) -> list[EditRequest]:
-    """The requests of one batch, checked: at least one, and no subject asked for two different targets.
-
-    Raises:
-        ValueError: no request.
-        ConflictingRequestsError: two requests give one subject different ``target_new`` (both are named).
-    """
-    requests = list(requests)
-    if not requests:
-        raise ValueError("No request to edit: give at least one EditRequest")
-    first: dict[str, int] = {}
-    for i, request in enumerate(requests):
-        j = first.setdefault(request.subject, i)
-        if requests[j].target_new != request.target_new:
-            raise ConflictingRequestsError(
-                f"Requests {j} and {i} give subject {request.subject!r} two targets ({requests[j].target_new!r} and "
-                f"{request.target_new!r}); keep one of them in this batch (edit the other in a later batch)")
-    return requests
-
-
-def forward_order(pg: nn.Module, tokenizer: Any, layers: Sequence[LinearLayer]) -> list[LinearLayer]:
-    """``layers`` sorted in the order a forward pass reaches their inputs (one pass on a short text)."""
-    seen: list[str] = []
-
-    def note(node: str) -> CustomPatch:
-        return CustomPatch(custom_op=lambda x: seen.append(node) or x)
-
-    ids = torch.tensor([list(tokenizer("The capital of France is")["input_ids"])] * 2, device=model_device(pg))
-    with torch.no_grad(), pg.patch({layer.input_node: note(layer.input_node) for layer in layers}):
-        pg(ids, use_cache=False)
-    order = {node: i for i, node in reversed(list(enumerate(seen)))}
-    return sorted(layers, key=lambda layer: order.get(layer.input_node, len(order)))
-
-
-def residual_node_of(layer: LinearLayer) -> str:
-    """The residual stream after the block holding ``layer``: the ``.output`` of the nearest enclosing module whose
-    name is a numbered element of a list (``model.layers_6`` for ``model.layers_6.mlp.down_proj``,
-    ``transformer.h_5`` for ``transformer.h_5.mlp.c_proj``).
-
-    Raises:
-        LayerKindError: no enclosing module has such a name (pass ``residual_node=`` explicitly).
-    """
-    parts = layer.path.split(".")
-    for end in range(len(parts) - 1, 0, -1):
-        if re.fullmatch(r".+_\d+", parts[end - 1]):
-            return ".".join(parts[:end]) + ".output"
-    raise LayerKindError(f"Cannot tell which block {layer.path!r} belongs to; pass residual_node=, the NodePath of "
-                         f"the residual stream after it (e.g. 'model.layers_6.output')")
+__all__ = ["DEFAULT_SMOLLM2_NODES", "MEMIT", "MEMITConfig", "check_requests", "residual_node_of"]
 
 
 class MEMIT(Editor):
@@ -138,7 +92,8 @@ class MEMIT(Editor):
             search of its share, and every rank gets the same edit.
 
     Raises:
-        KeyError, LayerKindError: a NodePath is not a linear layer of the graph (the message names it).
+        KeyError, LayerKindError: a NodePath is not a linear layer of the graph (the message names it), or is a fused
+            MoE experts weight without an expert index.
         ValueError: no node, a node given twice, statistics of another count, layers of different output widths, or
             a ``config.value_dtype`` that is not a floating-point dtype name.
     """
@@ -154,6 +109,7 @@ class MEMIT(Editor):
         if len(set(nodes)) != len(nodes):
             raise ValueError(f"A NodePath is given twice in {list(nodes)}; give each layer once")
         given = [resolve_layer(pg, node) for node in nodes]
+        check_experts(given)
         layers = forward_order(pg, tokenizer, given)
         widths = {layer.path: layer.d_out for layer in layers}
         if len(set(widths.values())) != 1:
@@ -223,7 +179,7 @@ class MEMIT(Editor):
 
     def _key_moments(self, facts: Sequence[tuple[str, str]], per_context: bool, first: bool) -> list[torch.Tensor]:
         """:func:`~editors.statistics.keys.key_moments` (``first``: its ``subject_first``) at every edited layer."""
-        return key_moments(self.pg, self.tokenizer, [layer.input_node for layer in self.layers], facts,
+        return key_moments(self.pg, self.tokenizer, self.layers, facts,
                            self.templates().subset(self.config.key_prefixes), per_context, first,
                            self.config.max_tokens)
 
@@ -292,7 +248,8 @@ class MEMIT(Editor):
         first, at_last, h_start = self._gathered(lambda: context_activations(
             self.pg, self.tokenizer, [layers[0].input_node, last.input_node, self.residual_node],
             facts[span.start:span.stop], key_templates, max_tokens=c.max_tokens), len(facts))  # [F, P, d_in], ...
-        at_last, h_start = at_last.mean(dim=1), h_start.mean(dim=1)
+        with torch.no_grad():  # k* at the last layer (an MoE expert computes its keys from the block input)
+            at_last, h_start = last.keys_of(at_last).mean(dim=1), h_start.mean(dim=1)
         if h_start.shape[-1] != last.d_out:
             raise EditError(f"The residual node {self.residual_node} is {h_start.shape[-1]} wide but {last.path} "
                             f"writes {last.d_out}; pass residual_node= (the stream the layer's output is added to)")
@@ -324,12 +281,15 @@ class MEMIT(Editor):
                     self.pg, self.tokenizer, [layer.input_node, self.residual_node], facts[span.start:span.stop],
                     key_templates, patches=patches, max_tokens=c.max_tokens), len(facts))
                 h_now = h_now.mean(dim=1)
+            hidden = keys  # the layer's input [F, P, d]: its keys (an expert's: from the block input, and its routing)
+            with torch.no_grad():
+                keys = layer.keys_of(hidden)
             keys = keys if c.keys_per_context else keys.mean(dim=1)  # [F, P, d_in] or k* per fact [F, d_in]
             left = deltas - (h_now - h_start).to(torch.float64)  # z - h^L now, [F, d_out]
             weight = self.update_weight(j, keys)  # λ from the context keys: the subject-first column leaves it
             if c.subject_first_key:
                 keys = self._with_subject_first(j, keys, facts, span, patches)  # [F, P + 1, d_in] or [F, 2, d_in]
-            u, v = self._layer_update(j, keys, left / (len(layers) - j), weight)
+            u, v = self._layer_update(j, keys, layer_residuals(layer, hidden, left / (len(layers) - j)), weight)
             edits.append(Edit(node=layer.path, u=u, v=v))
             for node, items in updated_weight_patches(layer, u, v).items():
                 patches.setdefault(node, []).extend(items)
@@ -345,10 +305,12 @@ class MEMIT(Editor):
                             patches: dict[str, list[Any]]) -> torch.Tensor:
         """``keys`` (``[F, P, d_in]`` or ``[F, d_in]``) and each fact's subject-first key (on the model with the earlier
         layers' updates ``patches``) as one more column: ``[F, P + 1, d_in]`` or ``[F, 2, d_in]``."""
-        node = self.layers[index].input_node
+        layer = self.layers[index]
         first = self._gathered(lambda: subject_first_activations(
-            self.pg, self.tokenizer, [node], [subject for _, subject in facts[span.start:span.stop]],
-            patches=patches, max_tokens=self.config.max_tokens), len(facts))[0]  # [F, 1, d_in]
+            self.pg, self.tokenizer, [layer.input_node], [subject for _, subject in facts[span.start:span.stop]],
+            patches=patches, max_tokens=self.config.max_tokens), len(facts))[0]  # [F, 1, d]
+        with torch.no_grad():
+            first = layer.keys_of(first)  # [F, 1, d_in]
         columns = keys if keys.dim() == 3 else keys.unsqueeze(1)
         return torch.cat([columns, first.to(columns.dtype)], dim=1)
 

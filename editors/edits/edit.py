@@ -40,7 +40,7 @@ from ..errors import EditError, EditFingerprintError, EditLoadError, EditNotConv
 from ..layers import LinearLayer, resolve_layer
 from ..requests import EditRequest
 from .files import factor_shapes, read_edit_files, write_edit_files
-from .patches import low_rank_patches
+from .patches import layer_patches
 
 __all__ = ["Edit", "apply_edits", "load_edits", "read_edit_folder", "restore_edits", "save_edits"]
 
@@ -100,8 +100,7 @@ class Edit:
         Raises:
             EditLoadError: the factors do not fit the layer.
         """
-        layer = self.layer(target)
-        return low_rank_patches(layer.input_node, layer.output_node, self.u, self.v)
+        return layer_patches(self.layer(target), self.u, self.v)
 
     def layer(self, target: nn.Module) -> LinearLayer:
         """The edited layer in ``target`` (a PatchableGraph or the model), checked against the factor shapes.
@@ -235,7 +234,7 @@ class Edit:
         if self._original is None or self._applied_to is None:
             raise EditError(f"The edit of {self.node} is not applied; nothing to restore")
         weight = self._applied_to
-        if target is not None and resolve_layer(target, self.node).weight is not weight:
+        if target is not None and not same_tensor(resolve_layer(target, self.node).weight, weight):
             raise EditError(f"This edit was applied to another model's {self.node}; restore it on that model")
         if not force and not torch.equal(weight, self._written):
             raise EditError(
@@ -283,8 +282,16 @@ def _live_records(module: nn.Module, weight: torch.Tensor) -> list[Edit]:
     """The edits applied to ``weight`` (of ``module``) and not restored. Records whose edit is no longer in the weight
     — it holds exactly the value from before that edit again (restored by hand, reloaded) — are dropped."""
     records = _APPLIED.get(module, [])
-    records[:] = [e for e in records if e._applied_to is weight and not torch.equal(weight, e._original)]
+    records[:] = [e for e in records if e._applied_to is not None and same_tensor(e._applied_to, weight)
+                  and not torch.equal(weight, e._original)]
     return records
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same memory: the same tensor, or views of one expert's slice of a fused MoE
+    weight (:attr:`editors.layers.experts.ExpertLayer.weight` is a new view at every read)."""
+    return a is b or (a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                      and a.stride() == b.stride())
 
 
 def save_edits(edits: Sequence[Edit], path: str | os.PathLike[str], batch: dict[str, Any] | None = None) -> Path:

@@ -17,9 +17,11 @@ import torch
 
 from gradpatch import Patch, ReplacePatch
 
+from ..layers import ExpertLayer
 from ..layers import LinearLayer
 
-__all__ = ["KeyCapture", "LowRankAdd", "low_rank_patches", "updated_weight_patches"]
+__all__ = ["ExpertLowRankAdd", "KeyCapture", "LowRankAdd", "layer_patches", "low_rank_patches",
+           "updated_weight_patches"]
 
 
 @dataclass(kw_only=True)
@@ -66,6 +68,52 @@ class LowRankAdd(Patch):
         return original + change.to(original.dtype)
 
 
+@dataclass(kw_only=True)
+class ExpertLowRankAdd(Patch):
+    """Adds ``w_e(x) · V (Uᵀ k_e(x))`` to an MoE block's output: what ``down_proj[e] + V Uᵀ`` changes there, ``x`` the
+    block input captured by ``capture`` in the same forward pass, ``k_e(x)`` expert ``e``'s keys and ``w_e(x)`` its
+    router weight (0 at the tokens not routed to it; :mod:`editors.layers.experts`).
+
+    Attributes:
+        capture: the :class:`KeyCapture` at the block's input node.
+        layer: the expert.
+        u: ``[d_in]`` or ``[d_in, r]``; v: ``[d_out]`` or ``[d_out, r]``.
+    """
+
+    capture: KeyCapture
+    layer: ExpertLayer
+    u: torch.Tensor
+    v: torch.Tensor
+    requires_clone: bool = field(default=False, init=False, repr=False)
+
+    def op(self, original: torch.Tensor) -> torch.Tensor:
+        if not self.capture.keys:
+            raise RuntimeError("the expert's patch at the block output ran before its capture at the block input")
+        hidden = self.capture.keys.pop()  # [..., d_model]
+        keys = self.layer.keys_of(hidden).to(torch.float64)  # [..., d_in]
+        routed = self.layer.routing_weight(hidden).to(device=keys.device, dtype=torch.float64)  # [...]
+        scale = keys @ self.u.to(device=keys.device, dtype=torch.float64)  # [...] or [..., r]
+        scale = scale * (routed.unsqueeze(-1) if scale.dim() > routed.dim() else routed)
+        v = self.v.to(device=original.device, dtype=torch.float64)
+        change = scale @ v.T if v.dim() == 2 else scale.unsqueeze(-1) * v
+        return original + change.reshape(original.shape).to(original.dtype)
+
+
+def layer_patches(layer: LinearLayer | ExpertLayer, u: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
+    """The patch map adding what ``W + V Uᵀ`` changes at ``layer``'s output: :func:`low_rank_patches` for a linear
+    layer, the block-output change of :class:`ExpertLowRankAdd` for one expert of an MoE block.
+
+    Args:
+        layer: the edited layer.
+        u: ``[d_in]`` or ``[d_in, r]``; v: ``[d_out]`` or ``[d_out, r]`` (not detached: a value search differentiates
+            through ``v``).
+    """
+    capture = KeyCapture()
+    add = (ExpertLowRankAdd(capture=capture, layer=layer, u=u, v=v) if isinstance(layer, ExpertLayer)
+           else LowRankAdd(capture=capture, u=u, v=v))
+    return {layer.input_node: [capture], layer.output_node: [add]}
+
+
 def low_rank_patches(input_node: str, output_node: str, u: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
     """The patch map ``{input_node: KeyCapture, output_node: LowRankAdd}`` adding ``v uᵀ k`` to the output.
 
@@ -85,7 +133,8 @@ def updated_weight_patches(layer: LinearLayer, u: torch.Tensor, v: torch.Tensor)
     A writable weight gets a :class:`gradpatch.ReplacePatch` of its weight node holding exactly the tensor
     :meth:`editors.Edit.apply` would write (``W`` plus ``ΔW`` computed in float64 and cast to the weight's dtype): no
     cost per token (:func:`low_rank_patches` costs ``(d_in + d_out)·r`` float64 multiply-adds per token, more than the
-    layer itself at MEMIT's rank of 1,000). A quantized or offloaded layer gets :func:`low_rank_patches`.
+    layer itself at MEMIT's rank of 1,000). A quantized or offloaded layer, and one expert of an MoE block (a slice of a
+    fused weight), get :func:`layer_patches`.
 
     Args:
         layer: the edited layer.
@@ -94,7 +143,7 @@ def updated_weight_patches(layer: LinearLayer, u: torch.Tensor, v: torch.Tensor)
     Returns:
         A patch map (NodePath -> list of patches).
     """
-    if layer.not_writable():
-        return low_rank_patches(layer.input_node, layer.output_node, u, v)
+    if layer.not_writable() or isinstance(layer, ExpertLayer):
+        return layer_patches(layer, u, v)
     weight = layer.weight.detach()
     return {f"{layer.path}.weight": [ReplacePatch(value=weight + layer.delta_weight(u, v))]}

@@ -241,23 +241,27 @@ def subject_first_activations(
                                ContextPrefixes(prefixes=("",)), patches=patches, max_tokens=max_tokens)
 
 
-def key_moments(pg: nn.Module, tokenizer: Any, nodes: Sequence[str], facts: Sequence[tuple[str, str]],
+def key_moments(pg: nn.Module, tokenizer: Any, layers: Sequence[LinearLayer], facts: Sequence[tuple[str, str]],
                 templates: ContextPrefixes, per_context: bool, subject_first: bool, max_tokens: int = 8192
                 ) -> list[torch.Tensor]:
-    """``Σ k kᵀ`` ``[d, d]`` (float64, CPU) per node over the facts' keys (all nodes in one pass): each fact's key
+    """``Σ k kᵀ`` ``[d_in, d_in]`` (float64, CPU) per layer over the facts' keys (all layers in one pass; an MoE
+    expert's keys computed from its block's input, :meth:`editors.layers.experts.ExpertLayer.keys_of`): each fact's key
     averaged over ``templates``, or every context's (``per_context``), and with ``subject_first`` its key where a text
     begins with the subject too (:func:`subject_first_activations`): the columns a MEMIT or AlphaEdit edit solves for.
 
     Raises:
         SubjectNotFoundError: a fact cannot be encoded (named).
     """
-    keys = context_activations(pg, tokenizer, nodes, list(facts), templates, max_tokens=max_tokens)  # [F, P, d]
-    columns = [k if per_context else k.mean(dim=1, keepdim=True) for k in keys]  # [F, P or 1, d]
-    if subject_first:
-        firsts = subject_first_activations(pg, tokenizer, nodes, [subject for _, subject in facts],
-                                           max_tokens=max_tokens)  # [F, 1, d] per node
-        columns = [torch.cat([k, f], dim=1) for k, f in zip(columns, firsts)]
-    flat = [k.reshape(-1, k.shape[-1]).to(torch.float64).cpu() for k in columns]  # [F · columns, d]
+    nodes = [layer.input_node for layer in layers]
+    with torch.no_grad():
+        keys = [layer.keys_of(k) for layer, k in zip(layers, context_activations(
+            pg, tokenizer, nodes, list(facts), templates, max_tokens=max_tokens))]  # [F, P, d_in]
+        columns = [k if per_context else k.mean(dim=1, keepdim=True) for k in keys]  # [F, P or 1, d_in]
+        if subject_first:
+            firsts = subject_first_activations(pg, tokenizer, nodes, [subject for _, subject in facts],
+                                               max_tokens=max_tokens)  # [F, 1, d] per node
+            columns = [torch.cat([k, layer.keys_of(f)], dim=1) for layer, k, f in zip(layers, columns, firsts)]
+    flat = [k.reshape(-1, k.shape[-1]).to(torch.float64).cpu() for k in columns]  # [F · columns, d_in]
     return [k.T @ k for k in flat]
 
 

@@ -2,7 +2,8 @@
 
 ROME's update (eq. 2) weighs the change of ``W`` by ``C⁻¹`` so that keys typical of the corpus are disturbed
 least. ``C`` is the uncentred second moment of the layer input over every (non-special) token of the corpus
-documents, accumulated in float64 batch by batch (``C = Σ Kᵀ K / n_tokens`` with ``K`` ``[tokens, d_in]``).
+documents, accumulated in float64 batch by batch (``C = Σ Kᵀ K / n_tokens`` with ``K`` ``[tokens, d_in]``;
+:mod:`editors.statistics.sums`). One expert of an MoE block weighs the tokens routed to it (:mod:`editors.layers.experts`).
 
 Results are cached as safetensors files under ``~/.cache/gradpatch/stats`` (override with ``cache_dir=`` or the
 ``GRADPATCH_STATS_DIR`` environment variable), keyed by a fingerprint of the model (that leaves out the edited
@@ -32,15 +33,15 @@ from torch import nn
 from gradpatch import model_fingerprint
 from gradpatch.files.atomic import atomic_write_bytes
 from gradpatch.files.cache import cache_folder
-from gradpatch.model_io import model_device, pad_token_id, right_pad, wrapped_model
+from gradpatch.model_io import wrapped_model
 from gradpatch.progress import ProgressBar
 
 from ..defaults import DEFAULT_MAX_LENGTH, DEFAULT_N_SAMPLES
 from ..errors import CacheRecomputedWarning, StatisticsError
 from ..layers import LinearLayer, resolve_layer
-from ..passes.capture import node_activations
 from ..passes.start_token import start_token_tag
 from .corpus import Corpus, open_corpus
+from .sums import SecondMomentSums
 
 __all__ = ["SecondMoment", "SecondMomentSums", "compute_second_moment", "compute_second_moments", "default_cache_dir",
            "layer_second_moment", "layer_second_moments", "save_second_moment", "second_moment_cache_file",
@@ -61,7 +62,9 @@ class SecondMoment:
         n_tokens: tokens accumulated.
         n_samples: documents read.
         input_node: NodePath of the layer input, e.g. ``model.layers_4.mlp.down_proj.input`` (an
-            :class:`~editors.edits.Edit`'s ``node`` is the layer itself, ``model.layers_4.mlp.down_proj``).
+            :class:`~editors.edits.Edit`'s ``node`` is the layer itself, ``model.layers_4.mlp.down_proj``); for one
+            expert of an MoE block, its slice's name plus ``.input`` (``model.layers_4.mlp.experts.down_proj[2].input``:
+            the keys it computes, over the tokens routed to it, :mod:`editors.layers.experts`).
         fingerprint: model fingerprint (edited layer left out) the statistics belong to.
         corpus: corpus name (``None`` for an anonymous iterable).
     """
@@ -79,12 +82,16 @@ def statistics_fingerprint(model: nn.Module, skip: tuple[str, ...] = ()) -> str:
 
     Args:
         model: the model (a PatchableGraph is unwrapped).
-        skip: module NodePaths / dotted prefixes whose parameters are left out (the edited layer).
+        skip: module NodePaths / dotted prefixes whose parameters are left out (the edited layer), or parameter
+            NodePaths (a fused MoE experts weight, ``model.layers_3.mlp.experts.down_proj``, or one expert's slice
+            of it, ``...down_proj[2]``: the whole fused parameter is left out).
 
     Returns:
         16 hex digits.
     """
-    return model_fingerprint(wrapped_model(model), skip=tuple(_torch_path(s) + "." for s in skip))
+    prefixes = [_torch_path(re.sub(r"\[-?\d+\]$", "", s)) for s in skip]  # an expert's slice: its fused weight
+    names = {name for name, _ in wrapped_model(model).named_parameters()}
+    return model_fingerprint(wrapped_model(model), skip=tuple(p if p in names else p + "." for p in prefixes))
 
 
 def _torch_path(node_path: str) -> str:
@@ -117,64 +124,6 @@ def save_second_moment(path: Path, moment: SecondMoment, n_samples: int, max_len
                   "n_tokens": str(moment.n_tokens), "max_length": str(max_length)},
     )
     return atomic_write_bytes(path, data)
-
-
-class SecondMomentSums:
-    """Running sums ``Σ k kᵀ`` at several layers' inputs and their token count: the accumulate step of
-    :func:`compute_second_moments`, also held by each rank of a distributed job (``recipes.stats_job``).
-
-    Pad positions and special tokens (BOS/EOS) are left out. Sums live on each layer's device in
-    ``accumulate_dtype``; memory is one ``[d_in, d_in]`` accumulator per layer plus one batch of activations.
-
-    Args:
-        pg: the model's :class:`gradpatch.PatchableGraph`.
-        tokenizer: its tokenizer (pad and special token ids).
-        layers: the layers whose inputs are accumulated.
-        accumulate_dtype: float64 (default) or float32.
-
-    Attributes:
-        totals: ``Σ k kᵀ`` ``[d_in, d_in]`` per layer.
-        n_tokens: tokens added.
-    """
-
-    def __init__(self, pg: nn.Module, tokenizer: Any, layers: Sequence[LinearLayer],
-                 accumulate_dtype: torch.dtype = torch.float64) -> None:
-        self.pg, self.layers, self.accumulate_dtype = pg, list(layers), accumulate_dtype
-        self.pad = pad_token_id(tokenizer)
-        self.special = torch.tensor(sorted(set(getattr(tokenizer, "all_special_ids", []) or [])), dtype=torch.long)
-        self.totals = [torch.zeros(layer.d_in, layer.d_in, dtype=accumulate_dtype, device=layer.device)
-                       for layer in self.layers]
-        self.n_tokens = 0
-
-    def add(self, docs: Sequence[Sequence[int]]) -> bool:
-        """One forward pass over ``docs`` (non-empty token id lists, right-padded into ``[batch, seq]``), stopped
-        after the last layer's input; ``k kᵀ`` of every kept token added in place (no ``[d_in, d_in]`` temporary).
-
-        Returns:
-            Whether every added key was finite (the sums hold NaN or inf otherwise).
-        """
-        ids, lengths = right_pad(docs, self.pad)
-        keep = torch.arange(ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-        if self.special.numel():
-            keep &= ~torch.isin(ids, self.special)
-        inputs = node_activations(self.pg, [layer.input_node for layer in self.layers], ids.to(model_device(self.pg)))
-        finite = True
-        for total, keys in zip(self.totals, inputs):  # keys [batch, seq, d_in]
-            k = keys[keep.to(keys.device)].to(device=total.device, dtype=self.accumulate_dtype)  # [tokens, d_in]
-            finite = finite and bool(torch.isfinite(k).all())
-            total.addmm_(k.T, k)
-        self.n_tokens += int(keep.sum())
-        return finite
-
-    def means(self) -> list[torch.Tensor]:
-        """``C = Σ k kᵀ / n_tokens`` ``[d_in, d_in]`` float64 per layer.
-
-        Raises:
-            StatisticsError: no token was added.
-        """
-        if self.n_tokens == 0:
-            raise StatisticsError("The corpus gave no token; pass a corpus with text (a file, or a list of strings)")
-        return [(total / self.n_tokens).to(torch.float64) for total in self.totals]
 
 
 def compute_second_moments(
@@ -302,7 +251,7 @@ def layer_second_moments(
         KeyError, LayerKindError: a NodePath is not a linear layer of the graph.
         StatisticsError: the corpus yields no token.
     """
-    layers = [node if isinstance(node, LinearLayer) else resolve_layer(pg, node) for node in nodes]
+    layers = [resolve_layer(pg, node) if isinstance(node, str) else node for node in nodes]
     source = open_corpus(corpus)
     results: list[SecondMoment | None] = [None] * len(layers)
     paths: list[Path | None] = [None] * len(layers)
@@ -311,13 +260,13 @@ def layer_second_moments(
         if not use_cache or source.name is None:
             continue
         folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        paths[i] = second_moment_cache_file(folder, fingerprints[i], layer.input_node, source.name, n_samples,
+        paths[i] = second_moment_cache_file(folder, fingerprints[i], layer.statistics_node, source.name, n_samples,
                                             max_length, accumulate_dtype, start=start_token_tag(tokenizer))
         cached = _read_cache(paths[i], layer, fingerprints[i], accumulate_dtype) if paths[i].is_file() else None
         if cached is not None:
             matrix, n_tokens, n_docs = cached
             results[i] = SecondMoment(matrix=matrix.to(layer.device), n_tokens=n_tokens, n_samples=n_docs,
-                                      input_node=layer.input_node, fingerprint=fingerprints[i], corpus=source.name)
+                                      input_node=layer.statistics_node, fingerprint=fingerprints[i], corpus=source.name)
     missing = [i for i, result in enumerate(results) if result is None]
     if missing:
         matrices, n_tokens, n_docs = compute_second_moments(
@@ -326,7 +275,7 @@ def layer_second_moments(
         )
         for i, matrix in zip(missing, matrices):
             layer, path = layers[i], paths[i]
-            moment = SecondMoment(matrix=matrix, n_tokens=n_tokens, n_samples=n_docs, input_node=layer.input_node,
+            moment = SecondMoment(matrix=matrix, n_tokens=n_tokens, n_samples=n_docs, input_node=layer.statistics_node,
                                   fingerprint=fingerprints[i], corpus=source.name)
             if path is not None:
                 # Stored in the accumulation dtype the file name gives (float32 accumulation loses nothing by it).
@@ -373,7 +322,7 @@ def _read_cache(path: Path, layer: LinearLayer, fingerprint: str,
         return _recompute(path, f"unreadable or incomplete ({type(error).__name__}: {error})")
     if matrix is None:
         return _recompute(path, "holds no 'second_moment' tensor")
-    if (meta.get("node"), meta.get("fingerprint")) != (layer.input_node, fingerprint):
+    if (meta.get("node"), meta.get("fingerprint")) != (layer.statistics_node, fingerprint):
         return _recompute(path, f"belongs to {meta.get('node')!r} of model {meta.get('fingerprint')!r}")
     if matrix.shape != (layer.d_in, layer.d_in) or matrix.dtype != dtype:
         return _recompute(path, f"holds a {matrix.dtype} matrix of shape {list(matrix.shape)}, not {dtype} "

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..edits.patches import low_rank_patches
+from ..edits.patches import layer_patches
 from ..layers import LinearLayer
 from ..passes.selected_logits import target_logprobs_at
 from ..requests import EditRequest
@@ -40,7 +40,7 @@ def rewrite_check(pg: nn.Module, tokenizer: Any, layer: LinearLayer, request: Ed
     """
     if not request.target_true:
         return None
-    with pg.patch(low_rank_patches(layer.input_node, layer.output_node, u, v)):
+    with pg.patch(layer_patches(layer, u, v)):
         new, true = target_logprobs_at(pg, tokenizer, [request.text] * 2,
                                        [request.target_new, request.target_true]).tolist()
     return {"logp_new": new, "logp_true": true, "wins": new > true}

@@ -37,7 +37,7 @@ from gradpatch import AddPatch
 from gradpatch.finite import StepGuard
 from gradpatch.model_io import model_device, pad_token_id, right_pad
 
-from ..edits.patches import KeyCapture, LowRankAdd
+from ..edits.patches import layer_patches
 from ..layers import LinearLayer
 from ..passes.selected_logits import logits_at, output_embedding_input_node
 from ..passes.token_log_probs import token_log_probs
@@ -236,10 +236,8 @@ class ValueObjective:
         ``[n_kl, vocab]`` (the output embedding runs there only: :func:`editors.passes.selected_logits.logits_at`)."""
         if self.direction is None:
             patches: dict[str, Any] = {self.layer.output_node: AddPatch(value=delta, slice=self.patch_index)}
-        else:  # through the rank-one update: (uᵀ k) δ at every token, as W + δ uᵀ
-            capture = KeyCapture()
-            patches = {self.layer.input_node: [capture],
-                       self.layer.output_node: [LowRankAdd(capture=capture, u=self.direction, v=delta)]}
+        else:  # through the rank-one update: (uᵀ k) δ at every token, as W + δ uᵀ (an expert: w_e (uᵀ k_e) δ)
+            patches = layer_patches(self.layer, self.direction, delta)
         logits = logits_at(self.pg, self.input_ids, self.read_rows, self.read_cols, patches, head_node=self.head_node)
         targets, kl = logits.split([len(self.target_tokens), len(self.kl_rows)])
         return targets, kl

@@ -26,9 +26,9 @@ from gradpatch.extraction.dispatch import execution_device
 from gradpatch.optional.quantized import is_quantized_parameter
 from gradpatch.model_io import model_device, pad_token_id, right_pad
 
-from .errors import LayerKindError
+from ..errors import LayerKindError
 
-__all__ = ["LinearLayer", "editable_graph", "resolve_layer", "resolve_module"]
+__all__ = ["LinearLayer", "editable_graph", "input_name", "resolve_linear", "resolve_module"]
 
 
 def editable_graph(model: nn.Module, tokenizer: Any) -> PatchableGraph:
@@ -106,6 +106,21 @@ class LinearLayer:
     def output_node(self) -> str:
         """NodePath of the layer output (the values ``W k + b``)."""
         return f"{self.path}.output"
+
+    @property
+    def statistics_node(self) -> str:
+        """The name the layer's second moment is filed under: its input node."""
+        return self.input_node
+
+    def keys_of(self, activations: torch.Tensor) -> torch.Tensor:
+        """The keys ``[..., d_in]`` in activations read at :attr:`input_node`: the activations themselves (an expert of
+        an MoE block computes them: :meth:`editors.layers.experts.ExpertLayer.keys_of`)."""
+        return activations
+
+    def key_weights(self, activations: torch.Tensor) -> None:
+        """Each token's weight in the second moment: ``None``, every token counts once (an expert weighs the tokens
+        routed to it: :meth:`editors.layers.experts.ExpertLayer.key_weights`)."""
+        return None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -211,7 +226,7 @@ class LinearLayer:
         return delta.to(self.weight.dtype)
 
 
-def _input_name(target: nn.Module, path: str, module: nn.Module) -> str:
+def input_name(target: nn.Module, path: str, module: nn.Module) -> str:
     """The name of the layer's input node: on a PatchableGraph, the first input of its node (``input`` for every
     ``nn.Linear``, quantized ones included); on a plain model, the forward's first argument."""
     node = getattr(target, "node", None)
@@ -222,15 +237,12 @@ def _input_name(target: nn.Module, path: str, module: nn.Module) -> str:
     return _first_argument_name(module)
 
 
-def resolve_layer(target: nn.Module, node_path: str) -> LinearLayer:
+def resolve_linear(target: nn.Module, node_path: str) -> LinearLayer:
     """Find the linear layer at ``node_path`` and how its weight is laid out.
 
     Args:
         target: a :class:`gradpatch.PatchableGraph` (or a plain model, for applying saved edits).
         node_path: NodePath of the layer module (a trailing ``.weight`` is accepted and dropped).
-
-    Returns:
-        A :class:`LinearLayer`.
 
     Raises:
         KeyError: unknown NodePath.
@@ -246,8 +258,9 @@ def resolve_layer(target: nn.Module, node_path: str) -> LinearLayer:
     else:
         raise LayerKindError(
             f"NodePath {path!r} is a {type(module).__name__}; ROME edits a linear layer (nn.Linear or GPT-2 Conv1D), "
-            f"e.g. 'model.layers_5.mlp.down_proj' (Llama) or 'transformer.h_5.mlp.c_proj' (GPT-2)"
+            f"e.g. 'model.layers_5.mlp.down_proj' (Llama) or 'transformer.h_5.mlp.c_proj' (GPT-2), or one expert of an "
+            f"MoE block, e.g. 'model.layers_5.mlp.experts.down_proj[0]'"
         )
     if weight.dim() != 2:
         raise LayerKindError(f"{path!r} has a {weight.dim()}-d weight; expected a 2-d linear weight")
-    return LinearLayer(path=path, module=module, transposed=transposed, input_name=_input_name(target, path, module))
+    return LinearLayer(path=path, module=module, transposed=transposed, input_name=input_name(target, path, module))
