@@ -19,8 +19,8 @@ and Algorithm 1 of the paper:
    ``K`` per context key; ``subject_first_key``: one more, the subject-first key (``λ`` from the others).
 
 A node may be one expert of an MoE block, ``model.layers_3.mlp.experts.down_proj[e]`` (named: one solve per layer;
-:mod:`editors.layers.experts`): its keys are computed from the block input, and since its change reaches the block output times
-its router weight, each fact's share is divided by that weight (:func:`editors.memit_setup.layer_residuals`).
+:mod:`editors.layers.experts`): its keys are computed from the block input, and since its change reaches the block
+output times its router weight, each fact's share is divided by that weight (:func:`editors.memit_setup.layer_residuals`).
 
 The result is a :class:`editors.edits.batch.BatchEdit`: one rank-``F`` edit per layer, applied and restored as one.
 AlphaEdit (:mod:`editors.alphaedit`) is this pipeline with another update (step 3).
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradpatch import model_fingerprint
+from gradpatch import PatchableGraph, model_fingerprint
 from gradpatch.model_io import model_device, model_dtype, wrapped_model
 
 from .config import MEMITConfig
@@ -55,7 +55,8 @@ from .edits.patches import updated_weight_patches
 from .errors import EditError
 from .evaluation.sequential import BatchApplier, batch_applier
 from .layers import resolve_layer
-from .memit_setup import check_experts, check_requests, forward_order, layer_residuals, residual_node_of
+from .memit_setup import (check_adds_to_residual, check_experts, check_requests, forward_order, layer_residuals,
+                          residual_node_of)
 from .passes.tail_pass import tail_pass_for
 from .requests import EditRequest
 from .solve.multi_update import added, memit_factors, relative_update_weight
@@ -92,8 +93,9 @@ class MEMIT(Editor):
             search of its share, and every rank gets the same edit.
 
     Raises:
-        KeyError, LayerKindError: a NodePath is not a linear layer of the graph (the message names it), or is a fused
-            MoE experts weight without an expert index.
+        KeyError, LayerKindError: a NodePath is not a linear layer of the graph (the message names it), is a fused
+            MoE experts weight without an expert index, or the model's family (the layout table) puts a post-norm or a
+            multiplier between the layers and the residual stream (unless ``residual_node`` is given).
         ValueError: no node, a node given twice, statistics of another count, layers of different output widths, or
             a ``config.value_dtype`` that is not a floating-point dtype name.
     """
@@ -110,6 +112,8 @@ class MEMIT(Editor):
             raise ValueError(f"A NodePath is given twice in {list(nodes)}; give each layer once")
         given = [resolve_layer(pg, node) for node in nodes]
         check_experts(given)
+        if residual_node is None and isinstance(pg, PatchableGraph):
+            check_adds_to_residual(pg)
         layers = forward_order(pg, tokenizer, given)
         widths = {layer.path: layer.d_out for layer in layers}
         if len(set(widths.values())) != 1:
@@ -122,7 +126,8 @@ class MEMIT(Editor):
             statistics = [by_node[layer.path] for layer in layers]
         super().__init__(pg, tokenizer, layers, config or MEMITConfig(), corpus=corpus, statistics=statistics)
         self.config: MEMITConfig
-        self.residual_node = residual_node or residual_node_of(self.layers[-1])
+        self.residual_node = residual_node or residual_node_of(
+            self.layers[-1], pg if isinstance(pg, PatchableGraph) else None)
         self.shards = shards or FactShards()
         search_dtype(self.config.value_dtype)  # a bad name fails here, not after the statistics
         self._search_copy: SearchCopy | None = None

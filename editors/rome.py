@@ -14,8 +14,8 @@ tokenizer that adds a BOS token itself), so that no subject sits at position 0:
    ``u`` solves ``uᵀk_j = 1`` for every context's key and the subject-first key instead, still rank one
    (:func:`editors.solve.rank_one.update_direction`), so each of those prompts gains the whole ``δ``.
 
-**Mixture of experts** (:mod:`editors.layers.experts`): the node ``model.layers_3.mlp.experts.down_proj[2]`` edits expert 2's
-slice of the fused down-projection (``...down_proj`` alone: the subject's top-1 expert). ``k*`` is that expert's
+**Mixture of experts** (:mod:`editors.layers.experts`): the node ``model.layers_3.mlp.experts.down_proj[2]`` edits
+expert 2's slice of the fused down-projection (``...down_proj`` alone: the subject's top-1 expert). ``k*`` is that expert's
 down-projection input ``act(gate_e x) ⊙ (up_e x)`` computed from the block input ``x`` (routed or not), ``C`` its
 keys' second moment over the tokens routed to it, and the value search runs through the update, whose effect on
 the block output is scaled by the expert's router weight ``w_e`` at each token.
@@ -71,8 +71,8 @@ class ROME(Editor):
         tokenizer: the model's tokenizer.
         node: NodePath of the edited linear layer (``nn.Linear`` or GPT-2 ``Conv1D``), e.g.
             ``"model.layers_3.mlp.down_proj"`` or ``"transformer.h_5.mlp.c_proj"``; or one expert's down-projection of
-            an MoE block, ``"model.layers_3.mlp.experts.down_proj[2]"`` (expert 2; :mod:`editors.layers.experts`), or the fused
-            weight ``"model.layers_3.mlp.experts.down_proj"``: each fact then edits the expert its subject's last token
+            an MoE block, ``"model.layers_3.mlp.experts.down_proj[2]"`` (expert 2; :mod:`editors.layers.experts`), or the
+            fused weight ``"model.layers_3.mlp.experts.down_proj"``: each fact then edits the expert its subject's last token
             routes to most strongly (the largest router weight at this layer, averaged over the key prompts; recorded
             as ``edit.info["expert"]``, with ``info["router_weight"]``, its mean weight ``w_e``).
         config: hyperparameters.

@@ -104,8 +104,8 @@ def test_the_layout_is_detected_and_its_identities_hold(family) -> None:
     # What tracing and attribution patch as "attn" / "mlp" / "hidden" is what the plain model's module there returns.
     probes = {layout.path(part, 1): ProbePatch() for part in ("attn", "mlp", "hidden")}
     seen: dict[str, torch.Tensor] = {}
-    with _hooks(*((_block_module(model, layout, part, 1), _record(seen, part)) for part in ("attn", "mlp", "hidden"))), \
-            torch.no_grad():
+    hooks = [(_block_module(model, layout, part, 1), _record(seen, part)) for part in ("attn", "mlp", "hidden")]
+    with _hooks(*hooks), torch.no_grad():
         model(ids, use_cache=False)
     with torch.no_grad(), pg.patch(probes):
         pg(ids, use_cache=False)

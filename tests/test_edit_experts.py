@@ -1,5 +1,5 @@
-"""Editing one expert of a mixture-of-experts block (editors.layers.experts): ROME and MEMIT write a slice ``[e]`` of the fused
-``experts.down_proj``, leave every other expert and parameter bit-identical, and restore exactly."""
+"""Editing one expert of a mixture-of-experts block (editors.layers.experts): ROME and MEMIT write a slice ``[e]`` of the
+fused ``experts.down_proj``, leave every other expert and parameter bit-identical, and restore exactly."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 ROME's update (eq. 2) weighs the change of ``W`` by ``C⁻¹`` so that keys typical of the corpus are disturbed
 least. ``C`` is the uncentred second moment of the layer input over every (non-special) token of the corpus
 documents, accumulated in float64 batch by batch (``C = Σ Kᵀ K / n_tokens`` with ``K`` ``[tokens, d_in]``;
-:mod:`editors.statistics.sums`). One expert of an MoE block weighs the tokens routed to it (:mod:`editors.layers.experts`).
+:mod:`editors.statistics.sums`). One expert of an MoE block weighs the tokens routed to it
+(:mod:`editors.layers.experts`).
 
 Results are cached as safetensors files under ``~/.cache/gradpatch/stats`` (override with ``cache_dir=`` or the
 ``GRADPATCH_STATS_DIR`` environment variable), keyed by a fingerprint of the model (that leaves out the edited

@@ -2,7 +2,8 @@
 ``Σ a_t k_t k_tᵀ`` of the edited layers' keys over corpus batches, and the weight ``Σ a_t`` they are divided by.
 
 Every token counts once (``a_t = 1``) at a linear layer; an expert of an MoE block weighs the tokens routed to it 1
-and the others :data:`editors.layers.experts.UNROUTED_KEY_WEIGHT` (:meth:`editors.layers.experts.ExpertLayer.key_weights`).
+and the others :data:`editors.layers.experts.UNROUTED_KEY_WEIGHT`
+(:meth:`editors.layers.experts.ExpertLayer.key_weights`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradpatch.capture import node_activations
 from gradpatch.model_io import model_device, pad_token_id, right_pad
 
 from ..errors import StatisticsError
 from ..layers import LinearLayer
-from ..passes.capture import node_activations
 
 __all__ = ["SecondMomentSums"]
 

@@ -48,6 +48,8 @@ class ModelLayout:
         mlp: what the MLP adds to the residual stream ``[batch, seq, d_model]`` (after a post-feedforward norm or a
             residual multiplier where the family has one).
         mlp_input: the MLP's input ``[batch, seq, d_model]`` (after its pre-norm: what a transcoder reads).
+        mlp_out: the MLP's output projection, the layer ROME and MEMIT edit (a linear module, or a mixture of
+            experts' fused ``[n_experts, ...]`` down-projection weight, one of whose experts they edit).
         attn_norm: the module of the norm before the attention, or ``None``.
         projections: the modules of the separate query, key and value projections, or ``None`` where the family
             fuses them (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``).
@@ -80,6 +82,7 @@ class ModelLayout:
     pattern_output: str | None = "self_attn.attn_output"
     mlp: str = "mlp.output"
     mlp_input: str = "mlp.x"
+    mlp_out: str = "mlp.down_proj"
     attn_norm: str | None = "input_layernorm"
     projections: tuple[str, str, str] | None = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     out_projection: str = "self_attn.o_proj"
@@ -127,9 +130,9 @@ class ModelLayout:
         """
         value = getattr(self, part)
         if value is None:
-            raise LayoutError(f"the {self.family!r} layout has no {part!r} ({_ABSENT.get(part, 'this family lacks it')})"
-                              f": {tool} needs it; pass NodePaths instead, or a ModelLayout naming this model's "
-                              f"{part}")
+            why = _ABSENT.get(part, "this family lacks it")
+            raise LayoutError(f"the {self.family!r} layout has no {part!r} ({why}): {tool} needs it; pass NodePaths "
+                              f"instead, or a ModelLayout naming this model's {part}")
         return value
 
     @property
@@ -141,6 +144,12 @@ class ModelLayout:
     def embed_module(self) -> str:
         """The NodePath of the embedding module (``embed`` without its final ``.output``)."""
         return self.embed[: -len(".output")] if self.embed.endswith(".output") else self.embed
+
+    @property
+    def adds_outputs_unchanged(self) -> bool:
+        """Whether the blocks add the attention module's and the MLP module's outputs to the residual stream as they
+        are (no post-norm, no multiplier): a change of an MLP's output is the same change of ``hidden``."""
+        return not self.post_norms and all(part.split("|")[0].endswith(".output") for part in (self.attn, self.mlp))
 
     @property
     def post_norms(self) -> bool:

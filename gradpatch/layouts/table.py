@@ -22,7 +22,7 @@ GRANITE_LAYOUT = replace(LLAMA_LAYOUT, family="granite", attn="mul", mlp="mul_1"
 
 #: Mixtures of experts with Llama's attention (Qwen3-MoE, Mixtral): the router's logits, the chosen experts and the
 #: fused experts of each block's sparse MLP.
-MOE_LAYOUT = replace(LLAMA_LAYOUT, family="moe", mlp_input="mlp.hidden_states",
+MOE_LAYOUT = replace(LLAMA_LAYOUT, family="moe", mlp_input="mlp.hidden_states", mlp_out="mlp.experts.down_proj",
                      router_logits="mlp.gate.router_logits", expert_choice="mlp.gate.router_indices",
                      experts="mlp.experts")
 
@@ -65,7 +65,8 @@ GPT2_LAYOUT = ModelLayout(
     family="gpt2", embed="transformer.wte.output", layer="transformer.h_{}", block_input="hidden_states",
     hidden="output", attn="attn.output|sub_0", heads="attn.c_proj.x", queries="attn.query_states_1",
     keys="attn.key_states_1", values="attn.value_states_1", pattern_output="attn.attn_output", mlp="mlp.output",
-    mlp_input="mlp.hidden_states", attn_norm="ln_1", projections=None, out_projection="attn.c_proj",
+    mlp_input="mlp.hidden_states", mlp_out="mlp.c_proj", attn_norm="ln_1", projections=None,
+    out_projection="attn.c_proj",
     mlp_norm="ln_2", final_norm="transformer.ln_f", norm_input="input", logits_input="lm_head.input",
 )
 
@@ -73,7 +74,7 @@ GPT2_LAYOUT = ModelLayout(
 GPTJ_LAYOUT = replace(
     GPT2_LAYOUT, family="gptj", block_form="parallel", heads="attn.out_proj.input", queries="attn.query_2",
     keys="attn.key_2", values="attn.value", projections=("attn.q_proj", "attn.k_proj", "attn.v_proj"),
-    out_projection="attn.out_proj", mlp_norm="ln_1",
+    out_projection="attn.out_proj", mlp_out="mlp.fc_out", mlp_norm="ln_1",
 )
 
 #: GPT-NeoX (Pythia) with its default parallel residual: fused ``query_key_value``, partial rotary embeddings.
@@ -81,7 +82,7 @@ GPT_NEOX_LAYOUT = ModelLayout(
     family="gpt_neox", embed="gpt_neox.embed_in.output", layer="gpt_neox.layers_{}", block_form="parallel",
     attn="attention.output|sub_0", heads="attention.dense.input", queries="attention.q_embed_1",
     keys="attention.k_embed_1", values="attention.value_states", pattern_output="attention.attn_output",
-    mlp_input="mlp.hidden_states", projections=None, out_projection="attention.dense",
+    mlp_input="mlp.hidden_states", mlp_out="mlp.dense_4h_to_h", projections=None, out_projection="attention.dense",
     final_norm="gpt_neox.final_layer_norm", norm_input="input",
 )
 
@@ -92,7 +93,8 @@ GPT_NEOX_SEQUENTIAL_LAYOUT = replace(GPT_NEOX_LAYOUT, family="gpt_neox_sequentia
 FALCON_LAYOUT = ModelLayout(
     family="falcon", embed="transformer.word_embeddings.output", layer="transformer.h_{}", block_form="parallel",
     hidden="output|sub_0", attn="self_attention.output|sub_0", heads="self_attention.dense.input",
-    queries="self_attention.q_embed", keys="self_attention.k_embed", values="self_attention.value_layer_1", pattern_output="self_attention.attn_output", projections=None,
+    queries="self_attention.q_embed", keys="self_attention.k_embed", values="self_attention.value_layer_1",
+    pattern_output="self_attention.attn_output", mlp_out="mlp.dense_4h_to_h", projections=None,
     out_projection="self_attention.dense", mlp_norm="input_layernorm", final_norm="transformer.ln_f",
     norm_input="input",
 )

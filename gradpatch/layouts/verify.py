@@ -1,5 +1,5 @@
-"""Layouts verified, not guessed: :func:`check_layout` accepts a :class:`~gradpatch.layouts.ModelLayout` for a graph only
-when every field it names exists with the shape it promises and the block identities hold on a forward pass;
+"""Layouts verified, not guessed: :func:`check_layout` accepts a :class:`~gradpatch.layouts.ModelLayout` for a graph
+only when every field it names exists with the shape it promises and the block identities hold on a forward pass;
 :func:`detect_layout` returns the first family of the table that passes, or one error naming what failed for each."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ _CHECKED: weakref.WeakKeyDictionary[PatchableGraph, dict[ModelLayout, tuple[str,
 #: The block parts that are ``[batch, seq, d_model]`` tensors.
 _RESIDUAL_PARTS = ("block_input", "hidden", "attn", "mlp", "mlp_input")
 #: The module fields relative to a block.
-_MODULE_PARTS = ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm", "out_projection", "experts")
+_MODULE_PARTS = ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm", "out_projection", "mlp_out", "experts")
 
 
 def has_node(pg: PatchableGraph, path: str) -> bool:
