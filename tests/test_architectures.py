@@ -1,11 +1,13 @@
 """The architecture matrix: a tiny random model of every family in :data:`gradpatch.testing.FAMILIES` through
 extraction, the layout (its identities), patches and gradients against plain forward hooks, cached generation, causal
-tracing and node attribution against a hook-based computation of the same quantities, a spliced SAE, and compile.
-docs/architectures.md tabulates the results; circuits per family are in tests/test_circuits_families.py, MoE
-compile in tests/test_compile_moe.py and MoE editing in tests/test_edit_experts.py."""
+tracing and node attribution against a hook-based computation of the same quantities, a spliced SAE, the router of a
+mixture of experts, and compile. docs/architectures.md tabulates the results; circuits per family are in
+tests/test_circuits_families.py, editing in tests/test_architectures_editing.py, MoE compile in
+tests/test_compile_moe.py and MoE editing in tests/test_edit_experts.py."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,6 +21,7 @@ from gradpatch import AddPatch, PatchableGraph, ProbePatch
 from gradpatch.attribution import atp
 from gradpatch.attribution.prompts import PromptBatch
 from gradpatch.dictionaries import SparseAutoencoder, splice
+from gradpatch.errors import CompilationWarning, LayoutError
 from gradpatch.layouts import ModelLayout, detect_layout, layout_problems
 from gradpatch.testing import FAMILIES, byte_level_tokenizer, tiny_causal_lm
 
@@ -220,6 +223,29 @@ def test_a_spliced_sae_with_its_error_term_is_exact(family) -> None:
     torch.testing.assert_close(spliced, plain, rtol=0, atol=1e-5)
 
 
+def test_a_patch_at_the_router_logits_steers_the_expert_choice(family) -> None:
+    """Mixture-of-experts families: the layout's router logits ``[tokens, n_experts]`` and expert choice
+    ``[tokens, top_k]`` are nodes; raising one expert's logit everywhere makes every token choose it."""
+    _, _, pg, ids = family
+    layout = detect_layout(pg)
+    if layout.router_logits is None:
+        with pytest.raises(LayoutError, match="router_logits.*not a mixture of experts"):
+            layout.path("router_logits", 0)
+        return
+    n_experts = pg.node(layout.path("router_logits", 0)).tensor_shape[-1]
+    choice = ProbePatch()
+    with torch.no_grad(), pg.patch({layout.path("expert_choice", 0): choice}):
+        plain = pg(ids, use_cache=False).logits
+    chosen = int(torch.bincount(choice.activation.flatten(), minlength=n_experts).argmin())  # the least chosen one
+    boost = torch.zeros(n_experts)
+    boost[chosen] = 1e3
+    steered = ProbePatch()
+    with torch.no_grad(), pg.patch({layout.path("router_logits", 0): AddPatch(value=boost),
+                                    layout.path("expert_choice", 0): steered}):
+        patched = pg(ids, use_cache=False).logits
+    assert bool((steered.activation == chosen).any(dim=-1).all()) and not torch.equal(patched, plain)
+
+
 def test_compiled_patched_logits_equal_eager(family) -> None:
     _, _, pg, ids = family
     layout = detect_layout(pg)
@@ -227,6 +253,7 @@ def test_compiled_patched_logits_equal_eager(family) -> None:
     with torch.no_grad(), pg.patch(patches):
         eager = pg(ids, use_cache=False).logits
     pg.compile(backend="eager")  # the last test of each family (the module's fixture keeps the graph)
-    with torch.no_grad(), pg.patch(patches):
+    with torch.no_grad(), pg.patch(patches), warnings.catch_warnings():
+        warnings.simplefilter("error", CompilationWarning)  # compiled, not run eagerly after a dynamo error
         compiled = pg(ids, use_cache=False).logits
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
