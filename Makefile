@@ -3,6 +3,8 @@
 #   make test       create .venv (once) and run all tests, real-model (slow) ones included
 #   make test-fast  skip the slow real-model tests
 #   make bench      forward-overhead benchmark (prints JSON)
+#   make peers      build the peers' virtualenvs under .peers/ from benchmarks/peers/<peer>/requirements*.txt
+#                   (PEERS="pyvene nnsight" for some; benchmarks/peers/README.md)
 
 PYTHON        ?= python3
 VENV          ?= .venv
@@ -16,7 +18,7 @@ TORCH_PIP_ARGS ?=
 CONSTRAINTS   ?= constraints.txt
 STAMP         := $(VENV)/.gradpatch-installed
 
-.PHONY: venv demo test test-fast bench
+.PHONY: venv demo test test-fast bench peers
 
 venv: $(STAMP)
 
@@ -42,4 +44,10 @@ test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
 
 bench: venv
-	$(PY) benchmarks/forward_overhead.py
+	$(PY) -m benchmarks.engine.forward_overhead
+
+# Each peer (pyvene, pyreft, nnsight, SAELens, sparsify, circuit-tracer, graphpatch's suite) in its own virtualenv,
+# .peers/<peer>/, never in .venv; rebuilt only when its requirements file changed. PEERS empty: every peer.
+PEERS ?=
+peers:
+	PYTHON="$(PYTHON)" TORCH_PIP_ARGS="$(TORCH_PIP_ARGS)" bash benchmarks/peers/build.sh $(PEERS)

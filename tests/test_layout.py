@@ -350,3 +350,45 @@ def test_gradpatch_is_a_house_with_rooms() -> None:
         assert names, f"{package} has an empty __all__"
         missing = [name for name in sorted(names) if not hasattr(module, name)]
         assert not missing, f"{package}.__all__ names what it cannot give: {missing}"
+
+
+#: At most this many entries at benchmarks/'s door (README, __init__, the harness, data/, the rooms, peers/).
+MAX_BENCHMARKS_DOOR = 12
+#: The rooms of benchmarks/ (issue 61), each a package with a README that gives each script's command.
+BENCHMARKS_ROOMS = {"engine", "editing", "attribution", "interventions", "dictionaries", "circuits", "graphpatch"}
+#: Folders of one machine that no tracked benchmark file may name (a peer's Python comes from .peers/ or an option).
+MACHINE_FOLDERS = tuple(f"/{name}/" for name in ("root", "work", "home"))
+
+
+def test_benchmarks_is_a_house_with_rooms() -> None:
+    """A dozen entries at benchmarks/'s door, only the harness there besides ``__init__``; every script in a room
+    (each with a README naming its scripts), a peer's side script under ``peers/<peer>/`` beside the pinned
+    ``requirements.txt``, or a data builder in ``data/``; no side script imports gradpatch, editors or recipes; no
+    benchmark file names a folder of one machine."""
+    door = sorted(p.name for p in (ROOT / "benchmarks").iterdir() if not p.name.startswith((".", "__pycache__")))
+    assert len(door) <= MAX_BENCHMARKS_DOOR, f"{len(door)} entries at benchmarks/'s door (move some into a room): {door}"
+    assert sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")) == ["__init__.py", "harness.py"], door
+    rooms = {p.parent.name for p in (ROOT / "benchmarks").glob("*/__init__.py")} - {"peers"}
+    assert rooms == BENCHMARKS_ROOMS, f"benchmarks/'s rooms are {sorted(rooms)}, not {sorted(BENCHMARKS_ROOMS)}"
+    for room in sorted(BENCHMARKS_ROOMS):
+        readme = (ROOT / "benchmarks" / room / "README.md").read_text(encoding="utf-8")
+        unnamed = [p.name for p in (ROOT / "benchmarks" / room).glob("*.py")
+                   if p.name != "__init__.py" and f"`{p.name}`" not in readme]
+        assert not unnamed, f"benchmarks/{room}/README.md does not name {unnamed}"
+    homeless = [str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").rglob("*.py")
+                if p.relative_to(ROOT / "benchmarks").parts[0] not in {*BENCHMARKS_ROOMS, "peers", "data"}
+                and p.parent != ROOT / "benchmarks"]
+    assert not homeless, f"benchmark scripts outside the rooms: {homeless}"
+    misplaced = [str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").rglob("*_side.py")
+                 if p.relative_to(ROOT / "benchmarks").parts[0] != "peers"]
+    assert not misplaced, f"side scripts belong in benchmarks/peers/<peer>/: {misplaced}"
+    for peer in (p for p in (ROOT / "benchmarks" / "peers").iterdir() if p.is_dir() and p.name != "__pycache__"):
+        assert (peer / "requirements.txt").is_file(), f"benchmarks/peers/{peer.name} has no requirements.txt"
+    leaking = [f"{name} -> {target}" for name, targets in GRAPH.items() if name.startswith("benchmarks.peers.")
+               for target in targets if target.split(".")[0] in LAYERS]
+    assert not leaking, f"peers' side scripts import the project (they run in the peer's virtualenv): {leaking}"
+    tracked = subprocess.run(["git", "ls-files", "benchmarks"], cwd=ROOT, capture_output=True, text=True).stdout
+    named = [f"{path}: {folder}" for path in tracked.split() if (ROOT / path).is_file()
+             and path.endswith((".py", ".md", ".txt", ".sh"))
+             for folder in MACHINE_FOLDERS if folder in (ROOT / path).read_text(encoding="utf-8", errors="replace")]
+    assert not named, f"benchmark files naming a folder of one machine: {named}"

@@ -38,7 +38,7 @@ def test_loreft_and_direft_compute_the_paper_formulas() -> None:
 
 def test_loreft_edit_is_pyreft_s_expression_bit_for_bit() -> None:
     """pyreft 0.1.0's LoreftIntervention stores Rᵀ ``[d, r]`` (contiguous) and computes
-    h + (W h + b − h Rᵀ) (Rᵀ)ᵀ in this order (benchmarks/reft_pyreft.py compares the two packages on the real model)."""
+    h + (W h + b − h Rᵀ) (Rᵀ)ᵀ in this order (benchmarks/interventions/reft_pyreft.py: both on the real model)."""
     torch.manual_seed(0)
     patch = LoReFTPatch(576, 4)
     h = torch.randn(2, 6, 576)

@@ -20,7 +20,7 @@ end (every earlier position has the same activation in both runs, so its exact e
 - edges: EAP and EAP-IG (m = ``--steps``) faithfulness curves, and both against exact edge patching on a subset of
   edges (the ``--edges`` / 2 largest |EAP-IG| edges and as many random ones).
 
-Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/attribution.py --task city_country [--n 3] [--rows 48]``
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.attribution.patching --task city_country [--n 3] [--rows 48]``
 (one task per run; 21 minutes for city_country and 29 for ioi on a 2-core machine shared with other jobs;
 ``--skip edges,memory`` and ``--kinds`` split a run).
 """
@@ -31,7 +31,6 @@ import argparse
 import json
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,9 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from benchmarks.harness import emit, peak_mib, reset_peak, run_module
 from gradpatch import PatchableGraph
 from gradpatch.attribution import (
     AttributionResult,
@@ -57,7 +54,7 @@ from gradpatch.attribution import (
 )
 from gradpatch.files.loaders import load_embedded_model
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 KW = {"use_cache": False}
 
 
@@ -190,16 +187,6 @@ def edges(pg: PatchableGraph, batch: PromptBatch, steps: int, subset: int, rows:
     return out
 
 
-def _peak_mb(reset: bool = False) -> float:
-    """The peak resident memory (MiB) since the last reset (Linux: ``VmHWM``, reset through ``/proc/self/clear_refs``)."""
-    if reset:
-        Path("/proc/self/clear_refs").write_text("5", encoding="ascii")
-    for line in Path("/proc/self/status").read_text(encoding="ascii").splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status: the memory figures need Linux")
-
-
 def memory_child(task: str, n: int, what: str) -> None:
     """In a fresh process: peak resident memory above the loaded model and graph, of ``what`` (``atp`` or
     ``fwd_bwd``); prints one JSON line."""
@@ -208,10 +195,8 @@ def memory_child(task: str, n: int, what: str) -> None:
     pg = PatchableGraph(model, batch.clean[:1].expand(2, -1), use_cache=False)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    import gc
-
-    gc.collect()
-    before = _peak_mb(reset=True)
+    reset_peak()
+    before = peak_mib()
     if what == "atp":
         atp(pg, batch, "heads", forward_kwargs=KW)
     else:
@@ -219,15 +204,15 @@ def memory_child(task: str, n: int, what: str) -> None:
         logits = model(inputs_embeds=embeddings, use_cache=False).logits[:, -1]
         rows = torch.arange(batch.size)
         (logits[rows, batch.answer] - logits[rows, batch.foil]).mean().backward()
-    print(json.dumps({"peak_mb_above_model": round(_peak_mb() - before, 1)}))
+    print(json.dumps({"peak_mb_above_model": round(peak_mib() - before, 1)}))
 
 
 def memory(task: str, n: int) -> dict[str, Any]:
     """AtP's peak memory against one forward + backward, each measured in a fresh process."""
     out = {}
     for what in ("fwd_bwd", "atp"):
-        done = subprocess.run([sys.executable, __file__, "--task", task, "--n", str(n), "--memory-child", what],
-                              capture_output=True, text=True, check=True)
+        done = run_module(sys.executable, "benchmarks.attribution.patching",
+                          ["--task", task, "--n", str(n), "--memory-child", what])
         out[what] = json.loads(done.stdout.strip().splitlines()[-1])["peak_mb_above_model"]
     out["ratio"] = round(out["atp"] / max(out["fwd_bwd"], 1e-9), 2)
     return out
@@ -277,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if "memory" not in skip:
         report["memory"] = memory(args.task, args.n)
     report["seconds"] = round(time.perf_counter() - start, 1)
-    print(json.dumps(report, indent=1))
+    emit(report, indent=1)
     return 0
 
 

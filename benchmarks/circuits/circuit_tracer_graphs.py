@@ -7,7 +7,7 @@ SmolLM2-135M, 30 layers; the BOS token and the first ``--tokens`` − 1 tokens o
 transcoders with 1,024 random latents at every MLP, each layer's encoder bias set so that about ``--k`` latents are
 active per position on the prompt). The transcoders are exported with
 :func:`gradpatch.dictionaries.export_circuit_tracer`; circuit-tracer loads that set
-(benchmarks/circuits_circuit_tracer_side.py, in its own virtualenv: 0.5.0's ``nnsight`` or ``transformerlens``
+(benchmarks/peers/circuit_tracer/graphs_side.py, in its own virtualenv: 0.5.0's ``nnsight`` or ``transformerlens``
 backend, or the source at commit ``d797c82``) and gradpatch reads the same files back with
 :func:`gradpatch.dictionaries.load_circuit_tracer`. Each side runs in its own process on the same number of
 threads; the peak resident memory is that process's.
@@ -24,18 +24,16 @@ max |A_gradpatch − A_circuit-tracer| over the compared block, the largest |A| 
 differing by more than 1e-4, the worst and median row's max |diff| / max |row|, and the largest |A| of each graph
 outside the block.
 
-Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/circuits_circuit_tracer.py --model tiny-llama``
-(``--model tiny-gpt2``; ``--model smollm2 --tokens 16 --k 2 --batch-size 64``); the virtualenvs are options.
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.circuits.circuit_tracer_graphs --model tiny-llama``
+(``--model tiny-gpt2``; ``--model smollm2 --tokens 16 --k 2 --batch-size 64``). circuit-tracer 0.5.0 runs from
+``.peers/circuit_tracer`` and d797c82 from ``.peers/circuit_tracer_d797c82`` (``make peers``); options name others.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,34 +43,17 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from benchmarks.harness import emit, max_rss_mib, peak_mib, peer_python, reset_peak, resident_mib, run_module
 from gradpatch import PatchableGraph
 from gradpatch.circuits import ReplacementModel, attribute
 from gradpatch.dictionaries import SkipTranscoder, export_circuit_tracer, load_circuit_tracer
 
-SIDE = Path(__file__).with_name("circuits_circuit_tracer_side.py")
+SIDE = "benchmarks.peers.circuit_tracer.graphs_side"
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is Madrid. The capital of"
 #: model -> the NodePaths each layer's transcoder reads (the MLP input) and writes (the MLP output).
 NODES = {"tiny-llama": ("model.layers_{layer}.mlp.x", "model.layers_{layer}.mlp.output"),
          "smollm2": ("model.layers_{layer}.mlp.x", "model.layers_{layer}.mlp.output"),
          "tiny-gpt2": ("transformer.h_{layer}.mlp.hidden_states", "transformer.h_{layer}.mlp.output")}
-
-
-def _rss_gib() -> float:
-    """The resident memory now, GiB (``/proc/self/statm``)."""
-    pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return pages * resource.getpagesize() / 2**30
-
-
-def _reset_peak_rss() -> None:
-    """Restart the process's resident-memory high-water mark (``VmHWM``) from the memory resident now."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")
-
-
-def _peak_rss_gib() -> float:
-    """The resident-memory high-water mark since the last :func:`_reset_peak_rss`, GiB."""
-    status = Path("/proc/self/status").read_text()
-    return int(status.split("VmHWM:")[1].split()[0]) / 2**20
 
 
 def build_model(name: str) -> tuple[Any, Any]:
@@ -175,8 +156,8 @@ def ours(args: argparse.Namespace, folder: Path) -> None:
     transcoders = load_circuit_tracer(folder / "transcoders" / "config.yaml", *NODES[args.model])
     replacement = ReplacementModel(PatchableGraph(model, ids, use_cache=False), transcoders, ids)
     loaded = time.perf_counter() - start
-    rss_loaded = _rss_gib()
-    _reset_peak_rss()
+    rss_loaded = resident_mib() / 1024
+    reset_peak()
     start, cpu, load = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     graph = attribute(replacement, batch_size=prompt["batch_size"], zero_first_position=not args.keep_first_position)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -187,8 +168,8 @@ def ours(args: argparse.Namespace, folder: Path) -> None:
     (folder / "gradpatch_run.json").write_text(json.dumps({
         "load_seconds": round(loaded, 2), "attribute_seconds": round(seconds, 2),
         "attribute_cpu_seconds": round(cpu, 2), "load_average_1min": [round(load, 1), round(os.getloadavg()[0], 1)],
-        "rss_after_load_gib": round(rss_loaded, 3), "peak_rss_during_attribute_gib": round(_peak_rss_gib(), 3),
-        "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+        "rss_after_load_gib": round(rss_loaded, 3), "peak_rss_during_attribute_gib": round(peak_mib() / 1024, 3),
+        "max_rss_gib": round(max_rss_mib() / 1024, 3),
         "torch_threads": torch.get_num_threads(), "zero_first_position": not args.keep_first_position}))
 
 
@@ -259,13 +240,6 @@ def compare(folder: Path, layers: int, backend: str) -> dict[str, Any]:
     return report
 
 
-def _run(command: list[str], environment: dict[str, str]) -> None:
-    result = subprocess.run(command, capture_output=True, text=True, env=environment)
-    if result.returncode:
-        sys.stderr.write(result.stdout[-4000:] + result.stderr[-8000:])
-        raise SystemExit(f"{command[1]} failed with exit status {result.returncode}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(NODES), default="tiny-llama")
@@ -273,12 +247,12 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=2, help="active latents per position (smollm2)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--python", default="/work/peers/circuit-tracer-05/bin/python",
-                        help="the Python of circuit-tracer 0.5.0's virtualenv")
-    parser.add_argument("--python-d797c82", default="/work/peers/circuit-tracer/bin/python",
-                        help="the Python of the virtualenv for circuit-tracer's source at commit d797c82")
-    parser.add_argument("--source-d797c82", default="/work/peers/circuit-tracer-src",
-                        help="circuit-tracer's source folder at d797c82 (holding circuit_tracer/)")
+    parser.add_argument("--python", help="the Python of circuit-tracer 0.5.0's virtualenv (default: "
+                                          ".peers/circuit_tracer/bin/python)")
+    parser.add_argument("--python-d797c82", help="the Python of circuit-tracer d797c82's virtualenv (default: "
+                                                  ".peers/circuit_tracer_d797c82/bin/python)")
+    parser.add_argument("--source-d797c82", help="circuit-tracer's source folder at d797c82 (holding "
+                                                  "circuit_tracer/), put on the PYTHONPATH (default: none)")
     parser.add_argument("--backends", nargs="+", choices=["nnsight", "transformerlens", "d797c82"],
                         help="circuit-tracer's backends to run (default: all three; for tiny-gpt2 only "
                              "transformerlens: 0.5.0's nnsight backend has no GPT-2 mapping and d797c82 reads "
@@ -304,19 +278,21 @@ def main() -> None:
             prepare(args, folder)
         for backend in args.backends:
             if not (folder / f"circuit_tracer_run_{backend}.json").exists():
-                python, path = ((args.python_d797c82, args.source_d797c82) if backend == "d797c82"
-                                else (args.python, ""))
-                _run([python, str(SIDE), "graph", str(folder), backend], {**environment, "PYTHONPATH": path})
+                python, path = ((peer_python("circuit_tracer_d797c82", args.python_d797c82), args.source_d797c82)
+                                if backend == "d797c82" else (peer_python("circuit_tracer", args.python), None))
+                run_module(python, SIDE, ["graph", str(folder), backend], env=environment,
+                           extra_path=[path] if path else [])
         if not (folder / "gradpatch_run.json").exists():
-            _run([sys.executable, __file__, "--model", args.model, "--ours", str(folder),
-                  *(["--keep-first-position"] if args.keep_first_position else [])], environment)
+            run_module(sys.executable, "benchmarks.circuits.circuit_tracer_graphs", [
+                "--model", args.model, "--ours", str(folder),
+                *(["--keep-first-position"] if args.keep_first_position else [])], env=environment)
         layers = len(load_circuit_tracer(folder / "transcoders" / "config.yaml", *NODES[args.model]))
         prompt = json.loads((folder / "prompt.json").read_text())
         report = {"model": args.model, "tokens": len(prompt["ids"]), "layers": layers,
                   "batch_size": prompt["batch_size"], "threads": args.threads,
                   "gradpatch": json.loads((folder / "gradpatch_run.json").read_text()),
                   **{f"circuit_tracer_{backend}": compare(folder, layers, backend) for backend in args.backends}}
-    print(json.dumps(report, indent=1))
+    emit(report, indent=1)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ of the command (including loading the model), the graph's features and nodes, th
 the bytes of each file, the HTML's external references (none expected), whether every graph.json node's label is on
 the page, and the top logits before and after the intervention.
 
-Run: ``OMP_NUM_THREADS=2 .venv/bin/python benchmarks/circuit_cli.py --layers 0,10,20,29 --k 4 --device cpu``
+Run: ``OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.circuits.cli --layers 0,10,20,29 --k 4 --device cpu``
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness import emit
 from gradpatch import PatchableGraph
 from gradpatch.circuits import node_label
 from gradpatch.dictionaries import SkipTranscoder, save_dictionary
@@ -83,7 +84,7 @@ def main() -> None:
             "top_before": [(t["text"], round(t["probability"], 4)) for t in record["top_before"][:5]],
             "top_after": [(t["text"], round(t["probability"], 4)) for t in record["top_after"][:5]],
         }
-    print(json.dumps(report, indent=1))
+    emit(report, device=args.device, indent=1)
 
 
 if __name__ == "__main__":

@@ -19,23 +19,20 @@ patching sweep over every active feature. Position 0 follows circuit-tracer (``a
 ``zero_first_position``: no feature node there, its contribution in the biases); ``--keep-first-position`` keeps
 position 0's features and errors as nodes.
 
-Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/circuits.py --model smollm2 --tokens 16 --k 8``; a long prompt
-under a bound: ``... --tokens 256 --layers 4 --k 2 --max-memory 1.0``; on a GPU: ``--random-weights --tokens 1024
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.circuits.scale --model smollm2 --tokens 16 --k 8``; a long
+prompt under a bound: ``... --tokens 256 --layers 4 --k 2 --max-memory 1.0``; on a GPU: ``--random-weights --tokens 1024
 --k 1 --device cuda --max-memory 16 --no-prune`` (docs/circuits.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import resource
 import sys
-import threading
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.harness import ROOT, emit, max_rss_mib, peak_mib, reset_peak, resident_mib
 from gradpatch import PatchableGraph, testing
 from gradpatch.circuits import (AttributionGraph, ReplacementModel, attribute, graph_influence, graph_scores,
                                 prune_graph)
@@ -70,30 +67,19 @@ def _smollm2(args: argparse.Namespace) -> ReplacementModel:
 
 
 def _tiny(name: str) -> ReplacementModel:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(ROOT / "tests"))
     from test_circuits import tiny_replacement
 
     return tiny_replacement(name, torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(3)))
 
 
-def _rss() -> int:
-    """The resident memory of this process in bytes."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
-
-
 class _PeakMemory:
-    """The peak memory during a block: the resident memory sampled every 20 ms on the CPU, the allocator's peak on
-    CUDA; :attr:`peak` and :attr:`before` in bytes."""
+    """The peak memory during a block: the kernel's resident high-water mark on the CPU (``VmHWM``, reset on entry;
+    benchmarks/harness.py), the allocator's peak on CUDA; :attr:`peak` and :attr:`before` in bytes."""
 
     def __init__(self, device: str) -> None:
         self.cuda = device.startswith("cuda")
         self.peak = self.before = 0
-        self._done = threading.Event()
-
-    def _sample(self) -> None:
-        while not self._done.wait(0.02):
-            self.peak = max(self.peak, _rss())
 
     def __enter__(self) -> _PeakMemory:
         if self.cuda:
@@ -101,9 +87,8 @@ class _PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.before = torch.cuda.memory_allocated()
         else:
-            self.before = self.peak = _rss()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
+            reset_peak()
+            self.before = int(resident_mib() * 2**20)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -111,9 +96,7 @@ class _PeakMemory:
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated()
         else:
-            self._done.set()
-            self._thread.join()
-            self.peak = max(self.peak, _rss())
+            self.peak = int(peak_mib() * 2**20)
 
 
 def _exactness(model: ReplacementModel, graph: AttributionGraph) -> dict[str, float]:
@@ -210,7 +193,7 @@ def main() -> None:
         "max_memory_gib": args.max_memory, "adjacency_gib": round(graph.adjacency.numel() * 4 / 2**30, 3),
         "memory_before_gib": round(memory.before / 2**30, 3), "peak_memory_gib": round(memory.peak / 2**30, 3),
         "peak_above_before_gib": round((memory.peak - memory.before) / 2**30, 3),
-        "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "max_rss_gib": round(max_rss_mib() / 1024, 2),
         **_exactness(model, graph)}
     if not args.no_prune:
         unpruned = graph_influence(graph)
@@ -220,7 +203,7 @@ def main() -> None:
                        "pruned_nodes": int(pruned.node_mask.sum()), "pruned_edges": int(pruned.edge_mask.sum())})
     if args.sweep:
         report.update(_sweep(model, graph, args.sweep))
-    print(json.dumps(report, indent=1))
+    emit(report, device=args.device, indent=1)
 
 
 if __name__ == "__main__":

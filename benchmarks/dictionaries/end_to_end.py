@@ -18,8 +18,9 @@ Every dictionary leaves out the first ``--exclude-first-positions`` positions of
 sinks, :class:`gradpatch.dictionaries.DictionaryConfig`) and starts its first step from ``b_dec`` = the mean of that
 step's targets (``--b-dec-init mean``) or 0 (``keep``).
 
-With ``--sparsify-python`` (eai-sparsify 1.3.3's virtualenv), a fourth, ``sparsify-kl``: sparsify's own end-to-end
-training (``loss_fn="kl"``, benchmarks/dictionaries_sparsify_train_side.py) of the same initial SAE on the same chunks
+With ``--sparsify`` (eai-sparsify 1.3.3 from ``.peers/sparsify``, ``make peers PEERS=sparsify``;
+``--sparsify-python`` names another virtualenv's Python), a fourth, ``sparsify-kl``: sparsify's own end-to-end
+training (``loss_fn="kl"``, benchmarks/peers/sparsify/train_side.py) of the same initial SAE on the same chunks
 in the same batches, at the end-to-end learning rate, without a schedule (the model saved as a ``from_pretrained``
 folder for it; sparsify splices every position and sets b_dec to the first batch's mean on its first step).
 
@@ -28,8 +29,8 @@ next ``--eval-tokens`` tokens of the corpus (held out), in batches of 4 chunks. 
 (FVU, L0, CE original / spliced / zero-ablated, CE loss recovered, KL), ``ce_increase`` = CE spliced − CE original,
 the training seconds; and each end-to-end run's CE increase over the local run's.
 
-Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dictionaries_end_to_end.py [--train-tokens
-N] [--runs local,e2e,e2e+ds]``; ``--random-weights --device cuda`` trains on a randomly initialised model of
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.dictionaries.end_to_end [--train-tokens N]
+[--runs local,e2e,e2e+ds] [--sparsify]``; ``--random-weights --device cuda`` trains on a randomly initialised model of
 SmolLM2-135M's shape instead (a timing check only: its CE numbers mean nothing).
 """
 
@@ -47,6 +48,7 @@ import torch
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
+from benchmarks.harness import emit
 from gradpatch import PatchableGraph
 from gradpatch.dictionaries import SparseAutoencoder, evaluate_dictionary
 from gradpatch.files.loaders import load_embedded_model
@@ -76,8 +78,8 @@ def train_sparsify_kl(args: argparse.Namespace, model: Any, sae: SparseAutoencod
 
     from safetensors.torch import save_file
 
-    from benchmarks.das_country import save_for_peers
-    from benchmarks.dictionaries_sparsify_train import SIDE, run_json, save_sparsify_init
+    from benchmarks.dictionaries.sparsify_train import SIDE, save_sparsify_init
+    from benchmarks.harness import peer_python, run_module_json, save_for_peers
     from gradpatch.dictionaries import load_sparsify
 
     work = Path(scratch) / "sparsify-kl"
@@ -85,8 +87,9 @@ def train_sparsify_kl(args: argparse.Namespace, model: Any, sae: SparseAutoencod
     model.to(args.device)
     save_file({"train": train.cpu().contiguous()}, str(work / "ids.safetensors"))
     save_sparsify_init(sae, work)
-    run_json([args.sparsify_python, str(SIDE), str(work), "--batch-size", str(args.batch_size), "--lr",
-              str(args.e2e_lr or args.lr), "--device", args.device, "--loss-fn", "kl"])
+    run_module_json(peer_python("sparsify", args.sparsify_python), SIDE, [
+        str(work), "--batch-size", str(args.batch_size), "--lr", str(args.e2e_lr or args.lr), "--device", args.device,
+        "--loss-fn", "kl"])
     trained = load_sparsify(work / "sparsify" / "run" / "layers.12", node=args.node)
     trained.config = dataclasses.replace(trained.config, exclude_first_positions=sae.config.exclude_first_positions)
     return trained.to(args.device)
@@ -141,13 +144,16 @@ def main() -> None:
                         help="the modules' b_dec_init: the mean of the first step's targets, or 0 (kept)")
     parser.add_argument("--finetune-fraction", type=float, default=0.25,
                         help="local+e2e: the share of the steps trained end to end, after the local ones")
+    parser.add_argument("--sparsify", action="store_true", help="adds the run sparsify-kl (module docstring)")
     parser.add_argument("--sparsify-python", default=None,
-                        help="eai-sparsify's virtualenv Python: adds the run sparsify-kl (module docstring)")
+                        help="eai-sparsify's virtualenv Python (default: .peers/sparsify/bin/python); implies "
+                             "--sparsify")
     parser.add_argument("--random-weights", action="store_true")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    if args.sparsify_python and (args.node, args.latents, args.k) != ("model.layers_12.output", 2304, 32):
-        parser.error("--sparsify-python trains sparsify's SAE at layers.12 with 2,304 latents and k = 32 (its side "
+    args.sparsify = args.sparsify or args.sparsify_python is not None
+    if args.sparsify and (args.node, args.latents, args.k) != ("model.layers_12.output", 2304, 32):
+        parser.error("--sparsify trains sparsify's SAE at layers.12 with 2,304 latents and k = 32 (its side "
                      "script's): leave --node, --latents and --k at their defaults")
     warnings.filterwarnings("ignore")
     model, tokenizer = load_embedded_model()
@@ -163,7 +169,7 @@ def main() -> None:
     steps = train_chunks // args.batch_size
     report: dict[str, Any] = {}
     scratch = tempfile.mkdtemp(prefix="dictionaries_end_to_end_")
-    runs = [run for run in args.runs.split(",") if run] + (["sparsify-kl"] if args.sparsify_python else [])
+    runs = [run for run in args.runs.split(",") if run] + (["sparsify-kl"] if args.sparsify else [])
     for run in runs:
         sae = SparseAutoencoder(width, args.latents, "topk", k=args.k, node=args.node,
                                 exclude_first_positions=args.exclude_first_positions,
@@ -184,15 +190,13 @@ def main() -> None:
     shutil.rmtree(scratch)
     ratios = {f"{run}_over_local": report[run]["ce_increase"] / report["local"]["ce_increase"]
               for run in report if run != "local" and "local" in report}
-    print(json.dumps({"model": "random SmolLM2-135M-shaped" if args.random_weights else "SmolLM2-135M-Instruct",
-                      "device": args.device, "node": args.node, "latents": args.latents, "k": args.k, "lr": args.lr,
-                      "e2e_lr": args.e2e_lr or args.lr, "finetune_fraction": args.finetune_fraction,
-                      "b_dec_init": args.b_dec_init,
-                      "exclude_first_positions": args.exclude_first_positions,
-                      "chunk": args.chunk, "batch_size": args.batch_size, "train_tokens": train_chunks * args.chunk,
-                      "eval_tokens": eval_chunks * args.chunk, "ds_coefficient": args.ds_coefficient,
-                      "downstream_nodes": [downstream[0], downstream[-1], len(downstream)], "runs": report,
-                      "ce_increase_ratios": ratios}, indent=2))
+    emit({"model": "random SmolLM2-135M-shaped" if args.random_weights else "SmolLM2-135M-Instruct",
+          "device": args.device, "node": args.node, "latents": args.latents, "k": args.k, "lr": args.lr,
+          "e2e_lr": args.e2e_lr or args.lr, "finetune_fraction": args.finetune_fraction, "b_dec_init": args.b_dec_init,
+          "exclude_first_positions": args.exclude_first_positions, "chunk": args.chunk, "batch_size": args.batch_size,
+          "train_tokens": train_chunks * args.chunk, "eval_tokens": eval_chunks * args.chunk,
+          "ds_coefficient": args.ds_coefficient, "downstream_nodes": [downstream[0], downstream[-1], len(downstream)],
+          "runs": report, "ce_increase_ratios": ratios}, device=args.device)
 
 
 if __name__ == "__main__":

@@ -6,17 +6,17 @@ d_model 64, prompts ``[3, 6]``) and, with ``--real``, the embedded SmolLM2-135M-
 it splices a randomly initialised TopK SAE (4× width) at a residual node and a TopK skip transcoder from an MLP's
 input to its output. Untrained dictionaries reconstruct badly, so ``dropped`` is large; ``kept`` is float rounding.
 
-Run: ``.venv/bin/python benchmarks/dictionaries_exactness.py [--real]``.
+Run: ``.venv/bin/python -m benchmarks.dictionaries.exactness [--real]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import torch
 
+from benchmarks.harness import emit
 from gradpatch import PatchableGraph, testing
 from gradpatch.dictionaries import SkipTranscoder, SparseAutoencoder, splice
 
@@ -60,7 +60,7 @@ def main() -> None:
         pg = PatchableGraph(model, text, use_cache=False)
         report["smollm2_135m"] = _differences(pg, text, 576, "model.layers_12.output",
                                               ("model.layers_12.mlp.x", "model.layers_12.mlp.output"))
-    print(json.dumps(report, indent=2))
+    emit(report)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ same order (``--train-tokens``), then scored by :func:`gradpatch.dictionaries.ev
 Prints JSON: per kind, FVU, CE loss recovered (original, spliced, zero-ablated CE), L0, dead fraction, KL, and the
 training seconds.
 
-Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dictionaries_skip_transcoder.py [--layer 0]
+Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.dictionaries.skip_transcoder [--layer 0]
 [--train-tokens 409600]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 import time
@@ -27,6 +26,7 @@ import torch
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
+from benchmarks.harness import emit
 from editors.statistics import wiki_summaries
 from gradpatch import PatchableGraph
 from gradpatch.dictionaries import SkipTranscoder, Transcoder, evaluate_dictionary
@@ -87,9 +87,9 @@ def main() -> None:
         report[type(dictionary).__name__] = {**metrics, "train_seconds": round(seconds, 1), "updates": updates,
                                             "trained_tokens": updates * args.batch_size * CHUNK}
     shutil.rmtree(scratch)
-    print(json.dumps({"layer": args.layer, "read": read, "write": write, "latents": args.latents, "k": args.k,
+    emit({"layer": args.layer, "read": read, "write": write, "latents": args.latents, "k": args.k,
                       "lr": args.lr, "train_tokens": train_chunks * CHUNK, "eval_tokens": eval_chunks * CHUNK,
-                      "dictionaries": report}, indent=2))
+                      "dictionaries": report})
 
 
 if __name__ == "__main__":

@@ -16,27 +16,25 @@ over latents dead for 10M tokens (none can be within the budgets run here).
    ``Trainer`` (one epoch, Lightning's default TensorBoard logger) on a ``DataLoader`` of the training chunks in
    order; its shuffle buffer holds exactly one batch (``buffer_rows = batch × chunk``), so each optimizer step sees
    the same tokens as sparsify's (in another order within the step, which a full-batch gradient does not see).
-3. ``benchmarks/dictionaries_sparsify_train_side.py`` (a subprocess in sparsify's virtualenv): sparsify's
+3. ``benchmarks/peers/sparsify/train_side.py`` (a subprocess in sparsify's virtualenv): sparsify's
    ``Trainer`` (``loss_fn="fvu"``) on the same chunks and initial weights.
 4. Both results scored here by the same code on the held-out chunks: FVU Σ‖x − x̂‖² / Σ‖x − mean(x)‖² (float64
    sums), L0 and the fraction of latents unfired on them; sparsify's SAE read with
    :func:`gradpatch.dictionaries.load_sparsify`.
 
 Each side reports the wall time of its ``fit`` (model forwards included), the resident memory once the model is
-loaded and the peak during ``fit`` (``VmHWM`` reset before it, benchmarks/peak_rss.py) and the process's
+loaded and the peak during ``fit`` (``VmHWM`` reset before it, benchmarks/harness.py) and the process's
 ``getrusage`` maxrss. The sides run one after the other, never together.
 
-Run (CPU): ``PYTHONPATH=$PWD OMP_NUM_THREADS=2 .venv/bin/python benchmarks/dictionaries_sparsify_train.py
---python /work/peers/sparsify/bin/python --tokens 1048576``; on a GPU without the GGUF: ``--random-weights --device
-cuda``. Prints JSON.
+Run (CPU): ``OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.dictionaries.sparsify_train --tokens 1048576``
+(sparsify from ``.peers/sparsify``, ``make peers PEERS=sparsify``; ``--python`` names another); on a GPU without the
+GGUF: ``--random-weights --device cuda``. Prints JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,9 +44,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from benchmarks.harness import (cuda_peak_mib, emit, max_rss_mib, peak_mib, peer_python, reset_peak, resident_mib,
+                                run_module_json)
+
 NODE, HOOKPOINT = "model.layers_12.output", "layers.12"
 EXPANSION, K = 4, 32
-SIDE = Path(__file__).with_name("dictionaries_sparsify_train_side.py")
+#: sparsify's side (benchmarks/peers/sparsify/train_side.py), run under its virtualenv's Python.
+SIDE = "benchmarks.peers.sparsify.train_side"
 
 
 def sparsify_lr(d_sae: int) -> float:
@@ -91,8 +93,8 @@ def save_sparsify_init(sae: Any, work: Path) -> None:
 def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Step 1 (module docstring): ``work/model``, ``work/ids.safetensors``, ``work/init`` and
     ``work/init_sparsify.safetensors``; returns what was prepared."""
-    from benchmarks.das_country import save_for_peers
-    from editors.passes import node_activations
+    from benchmarks.harness import save_for_peers
+    from gradpatch.capture import node_activations
     from gradpatch.dictionaries import SparseAutoencoder, save_dictionary
 
     n_train, n_eval = args.tokens // args.chunk, args.eval_tokens // args.chunk
@@ -128,13 +130,11 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def train_ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Step 2 (module docstring), in its own process: the trained SAE in ``work/ours/dictionary``."""
-    sys.path.insert(0, str(Path(__file__).parent))
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
     from transformers import AutoModelForCausalLM
 
     from gradpatch.dictionaries import load_dictionary
-    from peak_rss import peak_mib, reset_peak, resident_mib
     from recipes.dictionary import DictionaryModule
 
     if args.device == "cuda":
@@ -159,16 +159,15 @@ def train_ours(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"seconds": seconds, "tokens": int(train.numel()), "tokens_per_s": train.numel() / seconds,
             "cpu_seconds": cpu, "tokens_per_cpu_s": train.numel() / cpu,
             "optimizer_steps": int(trainer.global_step), "resident_after_load_mib": loaded,
-            "peak_during_fit_mib": peak_mib(),
-            "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "cuda_peak_allocated_mib": torch.cuda.max_memory_allocated() / 2 ** 20 if args.device == "cuda" else None}
+            "peak_during_fit_mib": peak_mib(), "maxrss_mib": max_rss_mib(),
+            "cuda_peak_allocated_mib": cuda_peak_mib(args.device)}
 
 
 def score(args: argparse.Namespace, work: Path, dictionaries: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Step 4 (module docstring): FVU, L0 and unfired fraction of each dictionary on the held-out chunks."""
     from transformers import AutoModelForCausalLM
 
-    from editors.passes import node_activations
+    from gradpatch.capture import node_activations
 
     held_out = load_file(str(work / "ids.safetensors"))["eval"]
     model = AutoModelForCausalLM.from_pretrained(str(work / "model"), dtype=getattr(torch, args.dtype))
@@ -192,18 +191,9 @@ def score(args: argparse.Namespace, work: Path, dictionaries: dict[str, Any]) ->
                    "unfired_fraction": 1 - float(s["fired"].float().mean())} for name, s in sums.items()}
 
 
-def run_json(command: list[str]) -> dict[str, Any]:
-    """Run ``command`` and parse the last line of its stdout as JSON (its stderr passed through on failure)."""
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode:
-        sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
-        raise SystemExit(f"{command[:2]} exited with {done.returncode}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--python", required=True, help="the Python of sparsify's virtualenv (eai-sparsify 1.3.3)")
+    parser.add_argument("--python", help="the Python of sparsify's virtualenv (default: .peers/sparsify/bin/python)")
     parser.add_argument("--tokens", type=int, default=1 << 20, help="training tokens (whole batches)")
     parser.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens scored")
     parser.add_argument("--chunk", type=int, default=128, help="tokens per sequence (chunk)")
@@ -224,7 +214,7 @@ def main() -> None:
     if not set(sides) <= {"ours", "sparsify"}:
         parser.error(f"--sides takes ours and/or sparsify, comma-separated, not {args.sides!r}")
     if args.step == "ours":
-        print(json.dumps(train_ours(args, Path(args.work))))
+        emit(train_ours(args, Path(args.work)), device=args.device, indent=None)
         return
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(args.work or scratch)
@@ -239,18 +229,17 @@ def main() -> None:
         dictionaries["initial"] = load_dictionary(work / "init")
         for side in sides:
             if side == "ours":
-                report["ours"] = run_json([sys.executable, __file__, *sys.argv[1:], "--work", str(work), "--step",
-                                           "ours"])
+                report["ours"] = run_module_json(sys.executable, "benchmarks.dictionaries.sparsify_train",
+                                                 [*sys.argv[1:], "--work", str(work), "--step", "ours"])
                 dictionaries["ours"] = load_dictionary(work / "ours" / "dictionary", check_fingerprint=False)
             else:
-                report["sparsify"] = run_json([args.python, str(SIDE), str(work), "--batch-size", str(args.batch_size),
-                                               "--lr", str(lr), "--device", args.device,
-                                               "--dtype", args.dtype, "--schedule", args.schedule,
-                                               "--warmup", str(args.warmup)])
+                report["sparsify"] = run_module_json(peer_python("sparsify", args.python), SIDE, [
+                    str(work), "--batch-size", str(args.batch_size), "--lr", str(lr), "--device", args.device,
+                    "--dtype", args.dtype, "--schedule", args.schedule, "--warmup", str(args.warmup)])
                 dictionaries["sparsify"] = load_sparsify(work / "sparsify" / "run" / HOOKPOINT, node=NODE)
             print(json.dumps({side: report[side]}), file=sys.stderr, flush=True)  # kept if a later step fails
         report["held_out"] = score(args, work, dictionaries)
-        print(json.dumps(report, indent=2))
+        emit(report, device=args.device)
 
 
 if __name__ == "__main__":

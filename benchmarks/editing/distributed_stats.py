@@ -15,7 +15,7 @@ distributed result beside the one-process one) and ``peak_rss_mib`` per rank; pl
 editors' own one-process ``compute_second_moments`` on the same documents in a K=1 worker (also per CPU second), and
 its difference from the job's result.
 
-Run: ``.venv/bin/python benchmarks/distributed_stats.py [--tiny] [--docs N] [--devices 1 2] [--repeats R]``.
+Run: ``.venv/bin/python -m benchmarks.editing.distributed_stats [--tiny] [--docs N] [--devices 1 2] [--repeats R]``.
 """
 
 from __future__ import annotations
@@ -34,10 +34,9 @@ from typing import Any
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.harness import ROOT, emit
 
-ROOT = Path(__file__).resolve().parent.parent
+
 
 
 def _load(tiny: bool, device: str) -> tuple[Any, Any, list[str]]:
@@ -119,7 +118,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _launch(args: argparse.Namespace, devices: int, out: Path, reference: bool) -> list[dict[str, Any]]:
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--devices", str(devices),
+    command = [sys.executable, "-m", "benchmarks.editing.distributed_stats", "--worker", "--devices", str(devices),
                "--docs", str(args.docs), "--max-length", str(args.max_length), "--batch-size", str(args.batch_size),
                "--threads", str(args.threads), "--accelerator", args.accelerator, "--out", str(out),
                "--cache-dir", str(out.parent / f"cache-{out.name}")] + (["--tiny"] if args.tiny else []) + (
@@ -175,7 +174,7 @@ def main() -> None:
         results[k]["speedup"] = results[k]["docs_per_s"] / first["docs_per_s"]
         results[k]["efficiency"] = results[k]["speedup"] / (k / counts[0])
     reference = runs[counts[0]][0][0]
-    print(json.dumps({
+    emit({
         "benchmark": "distributed_stats", "model": "tiny-llama" if args.tiny else "SmolLM2-135M-Instruct",
         "accelerator": args.accelerator, "threads_per_process": args.threads, "docs": args.docs,
         "max_length": args.max_length, "batch_size": args.batch_size, "repeats": args.repeats,
@@ -186,7 +185,7 @@ def main() -> None:
         "reference_docs_per_cpu_s": reference["n_documents"] / reference["reference_cpu_seconds"],
         "reference_max_rel_diff": reference["reference_max_rel_diff"],
         "processes": {str(k): v for k, v in results.items()},
-    }, indent=2))
+    }, device=args.device)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Measured in one run, on the same facts' objective (ROME's eq. 4: target NLL over
 of the facts searched both ways are compared (``same_steps``): the batched search stops each fact where its own
 search stops. Keys and ``v₀`` are computed once beforehand and not timed; no statistics are needed.
 
-Run: ``.venv/bin/python benchmarks/memit_edit.py [--cases FILE] [--batch 100] [--single 10] [--tiny]
+Run: ``.venv/bin/python -m benchmarks.editing.memit_edit [--cases FILE] [--batch 100] [--single 10] [--tiny]
 [--value-dtype bfloat16] [--device cuda]``. Without ``--cases`` it reads ``demos/rome/facts.json`` (the fact bank)
 and cycles ``demos/rome/cases.json`` if that is missing. ``--tiny`` uses a random tiny Llama and made-up facts
 (seconds). ``--value-dtype bfloat16`` runs all three parts on a bfloat16 copy of the model
@@ -27,17 +27,13 @@ stream after the layer's block as MEMIT runs it there (:mod:`editors.passes.tail
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from benchmarks.harness import ROOT, emit
 from editors import EditRequest, ValueObjective, load_cases, optimize_value, resolve_layer
 from editors.value.batch_search import optimize_values
 from editors.value.batch_objective import BatchValueObjective, search_attention
@@ -50,7 +46,6 @@ from editors.passes.tail_pass import tail_pass_for
 from gradpatch.testing import TOY_SENTENCES, byte_level_tokenizer, tiny_llama
 from gradpatch import PatchableGraph
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _requests(path: str | None, n: int) -> list[EditRequest]:
@@ -164,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.machine(),
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
     }
-    print(json.dumps(result, indent=1))
+    emit(result, device=args.device, indent=1)
     return 0
 
 

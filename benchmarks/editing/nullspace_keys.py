@@ -14,7 +14,7 @@ Keys are read at the subject's last token of the bare prompt (no context prefix)
 statistics come from the cache (``editors.layer_second_moments``, computed if missing). A neighbour's subject is the
 part of its prompt that the rewrite template's ``{}`` matches; prompts of another template are skipped.
 
-Run: ``.venv/bin/python benchmarks/nullspace_keys.py [--cases demos/rome/facts.json] [--n-cases 300]``.
+Run: ``.venv/bin/python -m benchmarks.editing.nullspace_keys [--cases demos/rome/facts.json] [--n-cases 300]``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import re
 
 import torch
 
+from benchmarks.harness import emit
 from editors import editable_graph, resolve_layer
 from editors.defaults import DEFAULT_SMOLLM2_NODES
 from editors.solve.multi_update import null_space_projector
@@ -85,7 +86,7 @@ def main() -> None:
     neighbour_keys = context_activations(pg, tokenizer, nodes, neighbours, bare)
     rows = [layer_row(layer.path, s.matrix, e[:, 0], n[:, 0])
             for layer, s, e, n in zip(layers, statistics, edit_keys, neighbour_keys)]
-    print(json.dumps({"n_edited": len(edited), "n_neighbours": len(neighbours), "layers": rows}, indent=1))
+    emit({"n_edited": len(edited), "n_neighbours": len(neighbours), "layers": rows}, indent=1)
 
 
 if __name__ == "__main__":

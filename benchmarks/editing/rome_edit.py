@@ -14,27 +14,23 @@ Measured in one run, on the same machine state:
   (early stopping included); the target is ``ratio <= 1.5``. ``ratio_per_evaluation`` divides by the number of
   loss evaluations instead (one more than ``steps`` when the optimisation stopped early).
 
-Run: ``.venv/bin/python benchmarks/rome_edit.py [--model PATH --node NODEPATH] [--tiny] [--reps N] [--runner R]``.
-Without ``--model`` it edits the embedded SmolLM2-135M at the default layer; the first run computes the layer
+Run: ``.venv/bin/python -m benchmarks.editing.rome_edit [--model PATH --node NODEPATH] [--tiny] [--reps N] [--runner
+R]``. Without ``--model`` it edits the embedded SmolLM2-135M at the default layer; the first run computes the layer
 statistics (under a minute on 2 idle CPU cores) and caches them. ``--tiny`` uses a random tiny Llama (seconds).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from benchmarks.harness import emit
 from gradpatch import PatchableGraph
 
 from editors import ROME, EditRequest, ROMEConfig, ValueObjective, compute_key, optimize_value
@@ -160,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
     }
-    print(json.dumps(result, indent=1))
+    emit(result, indent=1)
     return 0
 
 

@@ -23,7 +23,7 @@ inductor (``--mode`` for ``reduce-overhead`` on a GPU) and measures, round-robin
 Inductor's caches are off (``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` unless set otherwise), so that neither cold
 compile reuses kernels the other built.
 
-Run: ``.venv/bin/python benchmarks/compile_overhead.py [--shapes 1x32,8x128] [--runs 20] [--device cuda]
+Run: ``.venv/bin/python -m benchmarks.engine.compile_overhead [--shapes 1x32,8x128] [--runs 20] [--device cuda]
 [--dtype bfloat16] [--mode reduce-overhead] [--dynamic] [--random-weights] [--skip exactness,speed,backward]``. Without
 ``--dynamic`` every compile is static (``dynamic=False``: one compile per shape, for plain and patched alike).
 """
@@ -31,11 +31,9 @@ Run: ``.venv/bin/python benchmarks/compile_overhead.py [--shapes 1x32,8x128] [--
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -45,9 +43,7 @@ os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # before torch
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
-
+from benchmarks.harness import emit
 from gradpatch import AddPatch, PatchableGraph, ProbePatch, ZeroPatch
 from gradpatch.files.loaders import WEIGHT_DTYPES as DTYPES, embedded_or_random_model
 
@@ -160,7 +156,7 @@ def main() -> None:
     if "speed" not in skip:
         report.update(speed(model, inputs, node, hooked_module, compile_kwargs, args.runs, args.warmup,
                             synchronize, backward="backward" not in skip))
-    print(json.dumps(report, indent=2))
+    emit(report, device=args.device)
 
 
 def speed(model: nn.Module, inputs: list[torch.Tensor], node: str, hooked_module: nn.Module,

@@ -31,164 +31,72 @@ the plain model and the hook is silently dropped (0.235 max |logit difference| a
 compiles from scratch (``torch.compiler.reset()``, static shapes), with inductor's FX-graph and AOTAutograd caches off
 and every cold compile in ``torch._inductor.utils.fresh_cache()``, so no variant reuses another's kernels.
 
-nnsight lives in its own virtualenv, never a dependency (``python3 -m venv /work/peers/nnsight &&
-/work/peers/nnsight/bin/pip install "torch==2.13.0" nnsight==0.8.1 transformers==5.24.0``). This script measures
-1-4 and 7, saves the model, inputs, delta and ``hook_eager`` logits to a temporary folder and runs itself with
-``--side nnsight`` under ``--peer-python``, which measures 5, 6, its own ``plain_compiled`` and ``hook_eager`` (the
-weights travelled intact when its logits equal this side's). One invocation prints both sides' JSON.
+nnsight lives in its own virtualenv, never a dependency (``make peers PEERS=nnsight`` builds ``.peers/nnsight`` from
+``benchmarks/peers/nnsight/requirements.txt``: torch 2.13.0, nnsight 0.8.1, transformers 5.24.0). This script
+measures 1-4 and 7, saves the model, inputs, delta and ``hook_eager`` logits to a temporary folder and runs
+``benchmarks/peers/nnsight/compile_side.py`` under nnsight's Python (``--peer-python`` names another), which measures
+5, 6, its own ``plain_compiled`` and ``hook_eager`` (the weights travelled intact when its logits equal this side's).
+What both processes share is benchmarks/engine/compile_probe.py. One invocation prints both sides' JSON.
 
-Run: ``OMP_NUM_THREADS=2 .venv/bin/python benchmarks/compile_peers.py [--shapes 1x32,8x128] [--runs 10]
-[--warmup 2] [--layer 15] [--random-weights] [--peer-python /work/peers/nnsight/bin/python] [--no-nnsight]``.
+Run: ``OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.engine.compile_peers [--shapes 1x32,8x128] [--runs 10]
+[--warmup 2] [--layer 15] [--random-weights] [--peer-python PYTHON] [--no-nnsight]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
-import copy
 import json
-import logging
 import os
-import platform
 import shutil
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Before torch is imported: a cold, private inductor cache for this process and no reuse of whole graphs.
-os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
-os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
-if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    _INDUCTOR_DIR = tempfile.mkdtemp(prefix="compile_peers_inductor_")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_DIR
-    atexit.register(shutil.rmtree, _INDUCTOR_DIR, True)
+from benchmarks.engine.compile_probe import (INDUCTOR_DIR, cold, guard_hooks, hooked_copy, max_diff,  # before torch
+                                             variant_rows)
+from benchmarks.harness import emit, peer_python, round_robin, run_module, save_for_peers
 
-import torch  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-from torch._dynamo import config as dynamo_config  # noqa: E402
-from torch._inductor.utils import fresh_cache  # noqa: E402
+import torch  # noqa: E402,I001
+from safetensors.torch import save_file  # noqa: E402
 
-DEFAULT_PEER_PYTHON = "/work/peers/nnsight/bin/python"
+from gradpatch import AddPatch, PatchableGraph  # noqa: E402
+from gradpatch.files.loaders import embedded_or_random_model  # noqa: E402
+
 DELTA_SCALE = 0.1
 
-#: What nnsight says about torch.compile (checked against the sources named; reported in the JSON).
-NNSIGHT_COMPILE_NOTE = (
-    "nnsight 0.8.1 has no torch.compile option and never sets fullgraph; its one mention of torch.compile "
-    "(nnsight/intervention/source.py, module_body) keeps a compiled forward as the body it runs. 'Forces "
-    "fullgraph=False' is nnsight <= 0.7's LanguageModel._patch_generation_config (src/nnsight/modeling/language.py, "
-    "for transformers' compiled generate); NNsight.md: 'Models cannot be used with torch.compile(fullgraph=True) "
-    "because fullgraph compilation doesn't allow hooks.' A forward is compiled here as the model itself, in place.")
 
-
-def _timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _round_robin(variants: dict[str, Callable[[], Any]], runs: int, warmup: int) -> dict[str, float]:
-    """Median seconds of each variant, one call of each per round."""
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for round_index in range(warmup + runs):
-        for name, fn in variants.items():
-            elapsed = _timed(fn)
-            if round_index >= warmup:
-                times[name].append(elapsed)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
-class _RecompileLimitHits(logging.Handler):
-    """Collects the functions dynamo names when it hits its recompile limit (they run eagerly from then on)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.functions: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if str(record.msg).startswith("torch._dynamo hit config.") and len(record.args or ()) >= 3:
-            self.functions.append(str(record.args[2]))  # type: ignore[index]
-
-
-_LIMIT_HITS = _RecompileLimitHits()
-logging.getLogger("torch._dynamo.convert_frame").addHandler(_LIMIT_HITS)
-
-
-def _dynamo_snapshot() -> tuple[int, int, int]:
-    from torch._dynamo.utils import counters
-    return (int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values())),
-            len(_LIMIT_HITS.functions))
-
-
-def _cold(fn: Callable[[], Any]) -> dict[str, Any]:
-    """Seconds of the first (compiling) call, in an empty inductor cache (``fresh_cache``: a new cache directory and
-    no kernels in memory, so nothing compiled for an earlier variant is reused), with dynamo's counts for it."""
-    before = _dynamo_snapshot()
-    with fresh_cache():
-        seconds = _timed(fn)
-    after = _dynamo_snapshot()
-    hits = _LIMIT_HITS.functions[before[2]:after[2]]
-    return {"cold_compile_s": round(seconds, 2), "graphs": after[0] - before[0],
-            "graph_breaks": after[1] - before[1], "recompile_limit_hits": len(hits),
-            "recompile_limit_functions": sorted(set(hits))}
-
-
-def _guard_hooks(args: argparse.Namespace) -> bool:
-    """Make dynamo guard on module hooks (see the module docstring); returns the setting in force."""
-    if not args.torch_default_hook_guards:
-        dynamo_config.skip_nnmodule_hook_guards = False
-    return not dynamo_config.skip_nnmodule_hook_guards
-
-
-def _max_diff(logits: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((logits.float() - reference.float()).abs().max())
-
-
-def _shapes(text: str) -> list[tuple[int, int]]:
+def shapes_of(text: str) -> list[tuple[int, int]]:
+    """``"1x32,8x128"`` -> ``[(1, 32), (8, 128)]`` (batch x sequence)."""
     return [tuple(int(n) for n in shape.split("x")) for shape in text.split(",")]  # type: ignore[misc]
 
 
-def _hooked_copy(model: torch.nn.Module, layer: int, delta: torch.Tensor) -> torch.nn.Module:
-    hooked = copy.deepcopy(model)
-    hooked.model.layers[layer].mlp.down_proj.register_forward_hook(lambda module, inputs, output: output + delta)
-    return hooked
-
-
-# ----------------------------------------------------------------------------------------------- gradpatch side
-
-
 def _run_peer(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    command = [args.peer_python, str(Path(__file__).resolve()), "--side", "nnsight", "--workdir", str(workdir),
-               "--shapes", args.shapes, "--runs", str(args.runs), "--warmup", str(args.warmup),
-               "--layer", str(args.layer)]
+    """nnsight's side (benchmarks/peers/nnsight/compile_side.py) on ``workdir``, in nnsight's virtualenv; its JSON
+    report, or the error when it failed."""
+    arguments = ["--workdir", str(workdir), "--shapes", args.shapes, "--runs", str(args.runs), "--warmup",
+                 str(args.warmup), "--layer", str(args.layer)]
     if args.torch_default_hook_guards:
-        command.append("--torch-default-hook-guards")
+        arguments.append("--torch-default-hook-guards")
     env = dict(os.environ)
-    if env.get("TORCHINDUCTOR_CACHE_DIR") == globals().get("_INDUCTOR_DIR"):
+    if INDUCTOR_DIR is not None and env.get("TORCHINDUCTOR_CACHE_DIR") == INDUCTOR_DIR:
         env.pop("TORCHINDUCTOR_CACHE_DIR")  # the peer makes its own cold cache
     start = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    result = run_module(peer_python("nnsight", args.peer_python), "benchmarks.peers.nnsight.compile_side", arguments,
+                        env=env, check=False)
     if result.returncode != 0:
-        return {"error": f"exit status {result.returncode}", "command": command,
-                "stderr_tail": result.stderr[-4000:]}
+        return {"error": f"exit status {result.returncode}", "stderr_tail": result.stderr[-4000:]}
     report = json.loads(result.stdout)
     report["process_wall_s"] = round(time.perf_counter() - start, 1)
     return report
 
 
 def gradpatch_side(args: argparse.Namespace) -> dict[str, Any]:
-    if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.das_country import save_for_peers  # the model as a plain from_pretrained folder
-    from gradpatch import AddPatch, PatchableGraph
-    from gradpatch.files.loaders import embedded_or_random_model
-
-    hook_guards = _guard_hooks(args)
+    """Measure the gradpatch process's variants per shape, then nnsight's side on the same model and inputs (unless
+    ``--no-nnsight``); the report of both (module docstring)."""
+    hook_guards = guard_hooks(args.torch_default_hook_guards)
     load_start = time.perf_counter()
     model, weights = embedded_or_random_model(random_weights=args.random_weights)
     model.eval().requires_grad_(False)
@@ -198,9 +106,9 @@ def gradpatch_side(args: argparse.Namespace) -> dict[str, Any]:
     node = f"model.layers_{layer}.mlp.down_proj.output"
     delta = torch.randn(width, generator=torch.Generator().manual_seed(0)) * DELTA_SCALE
     generator = torch.Generator().manual_seed(0)
-    inputs = [torch.randint(0, model.config.vocab_size, shape, generator=generator) for shape in _shapes(args.shapes)]
+    inputs = [torch.randint(0, model.config.vocab_size, shape, generator=generator) for shape in shapes_of(args.shapes)]
 
-    hooked = _hooked_copy(model, layer, delta)
+    hooked = hooked_copy(model, layer, delta)
     eager_pg = PatchableGraph(model, inputs[0], use_cache=False)
     pg = PatchableGraph(model, inputs[0], use_cache=False)
     pg.compile()
@@ -212,9 +120,7 @@ def gradpatch_side(args: argparse.Namespace) -> dict[str, Any]:
         report: dict[str, Any] = {
             "benchmark": "compile_peers", "weights": weights, "model": type(model).__name__,
             "layers": model.config.num_hidden_layers, "layer": layer, "node": node, "delta": f"randn({width}, seed 0)"
-            f" * {DELTA_SCALE}", "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-            "python": platform.python_version(), "machine": platform.machine(), "threads": torch.get_num_threads(),
-            "dynamo_guards_on_hooks": hook_guards, "runs": args.runs, "warmup": args.warmup,
+            f" * {DELTA_SCALE}", "dynamo_guards_on_hooks": hook_guards, "runs": args.runs, "warmup": args.warmup,
             "load_s": round(load_s, 1), "shapes": {}}
         references: list[torch.Tensor] = []
         gradpatch_shapes: list[dict[str, Any]] = []
@@ -233,22 +139,16 @@ def gradpatch_side(args: argparse.Namespace) -> dict[str, Any]:
                     "hook_compiled": lambda: hooked_compiled(ids, use_cache=False).logits,
                     "plain_compiled": lambda: plain(ids, use_cache=False).logits,
                 }
-                cold = {"plain_compiled": _cold(variants["plain_compiled"]),
-                        "hook_compiled": _cold(variants["hook_compiled"]),
-                        "gradpatch_compiled": _cold(variants["gradpatch_compiled"])}
+                colds = {name: cold(variants[name])
+                         for name in ("plain_compiled", "hook_compiled", "gradpatch_compiled")}
                 reference = variants["hook_eager"]()
                 unpatched = model(ids, use_cache=False).logits
-                shape_report["patch_effect"] = _max_diff(reference, unpatched)
-                shape_report["plain_compiled_vs_unpatched_eager"] = _max_diff(variants["plain_compiled"](), unpatched)
-                diffs = {name: _max_diff(fn(), reference) for name, fn in variants.items() if name != "plain_compiled"}
+                shape_report["patch_effect"] = max_diff(reference, unpatched)
+                shape_report["plain_compiled_vs_unpatched_eager"] = max_diff(variants["plain_compiled"](), unpatched)
+                diffs = {name: max_diff(fn(), reference) for name, fn in variants.items() if name != "plain_compiled"}
                 del unpatched
-                medians = _round_robin(variants, args.runs, args.warmup)
-            base = medians["plain_compiled"]
-            shape_report["variants"] = {
-                name: {"ms": round(medians[name] * 1e3, 2), "ratio_vs_plain_compiled": round(medians[name] / base, 4),
-                       **({"max_abs_diff_vs_hook_eager": diffs[name]} if name in diffs else {}),
-                       **cold.get(name, {})}
-                for name in variants}
+                medians = round_robin(variants, args.runs, args.warmup)
+            shape_report["variants"] = variant_rows(medians, diffs, colds)
             gradpatch_shapes.append(shape_report)
             references.append(reference)
         torch.compiler.reset()
@@ -289,79 +189,6 @@ def _summary(report: dict[str, Any]) -> dict[str, Any]:
     return table
 
 
-# ------------------------------------------------------------------------------------------------- nnsight side
-
-
-def _nnsight_logits(lm: Any, ids: torch.Tensor, layer: int, delta: torch.Tensor) -> torch.Tensor:
-    with lm.trace(ids, use_cache=False):
-        down_proj = lm.model.layers[layer].mlp.down_proj
-        down_proj.output = down_proj.output + delta
-        logits = lm.output.logits.save()
-    return logits
-
-
-def nnsight_side(args: argparse.Namespace) -> dict[str, Any]:
-    import nnsight
-    import transformers
-    from nnsight import NNsight
-
-    hook_guards = _guard_hooks(args)
-    workdir = Path(args.workdir)
-    saved = load_file(str(workdir / "tensors.safetensors"))
-    count = sum(name.startswith("ids_") for name in saved)
-    tensors = {"delta": saved["delta"], "ids": [saved[f"ids_{i}"] for i in range(count)],
-               "references": [saved[f"reference_{i}"] for i in range(count)]}
-    delta, layer = tensors["delta"], args.layer
-    load_start = time.perf_counter()
-
-    def load() -> torch.nn.Module:
-        model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "model", dtype=torch.float32)
-        return model.eval().requires_grad_(False)
-
-    plain_model = load()
-    hooked = _hooked_copy(plain_model, layer, delta)
-    lm_eager = NNsight(load())
-    compiled_model = load()
-    lm_compiled = NNsight(compiled_model)
-    compiled_model.compile()  # in place, torch's defaults (fullgraph=False); nnsight's controllers run inside it
-    load_s = time.perf_counter() - load_start
-    report: dict[str, Any] = {
-        "side": "nnsight", "python": sys.executable, "nnsight": nnsight.__version__, "torch": torch.__version__,
-        "transformers": transformers.__version__, "threads": torch.get_num_threads(), "load_s": round(load_s, 1),
-        "dynamo_guards_on_hooks": hook_guards,
-        "nnsight_compile": "NNsight(model) after model.compile() (torch.compile in place, fullgraph=False, "
-                           "dynamic=None, inductor)", "nnsight_compile_note": NNSIGHT_COMPILE_NOTE, "shapes": {}}
-    for ids, reference in zip(tensors["ids"], tensors["references"]):
-        torch.compiler.reset()
-        shape_report: dict[str, Any] = {}
-        with torch.no_grad():
-            plain = torch.compile(plain_model)
-            variants: dict[str, Callable[[], Any]] = {
-                "nnsight_eager": lambda: _nnsight_logits(lm_eager, ids, layer, delta),
-                "nnsight_compiled": lambda: _nnsight_logits(lm_compiled, ids, layer, delta),
-                "hook_eager": lambda: hooked(ids, use_cache=False).logits,
-                "plain_compiled": lambda: plain(ids, use_cache=False).logits,
-            }
-            cold = {"plain_compiled": _cold(variants["plain_compiled"]),
-                    "nnsight_compiled": _cold(variants["nnsight_compiled"])}
-            diffs = {name: _max_diff(fn(), reference) for name, fn in variants.items() if name != "plain_compiled"}
-            # after warm-up as well: a function past dynamo's recompile limit runs eagerly from then on
-            diffs_again = {name: _max_diff(variants[name](), reference) for name in ("nnsight_compiled",)}
-            medians = _round_robin(variants, args.runs, args.warmup)
-        base = medians["plain_compiled"]
-        shape_report["variants"] = {
-            name: {"ms": round(medians[name] * 1e3, 2), "ratio_vs_plain_compiled": round(medians[name] / base, 4),
-                   **({"max_abs_diff_vs_hook_eager": diffs[name]} if name in diffs else {}),
-                   **cold.get(name, {})}
-            for name in variants}
-        shape_report["variants"]["nnsight_compiled"]["max_abs_diff_vs_hook_eager_after_warmup"] = \
-            diffs_again["nnsight_compiled"]
-        shape_report["note"] = ("hook_eager here is the gradpatch process's variant rerun in this process (same torch, "
-                                "weights loaded from the saved folder); its diff is against that process's logits")
-        report["shapes"]["x".join(map(str, ids.shape))] = shape_report
-    return report
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="1x32,8x128")
@@ -369,17 +196,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--layer", type=int, default=15)
     parser.add_argument("--random-weights", action="store_true")
-    parser.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON,
-                        help="interpreter of the nnsight virtualenv (default: %(default)s)")
+    parser.add_argument("--peer-python", default=None,
+                        help="interpreter of the nnsight virtualenv (default: .peers/nnsight/bin/python)")
     parser.add_argument("--torch-default-hook-guards", action="store_true",
                         help="leave torch._dynamo.config.skip_nnmodule_hook_guards at torch's default (True): "
                              "hook_compiled then reuses plain_compiled's code and drops the hook")
     parser.add_argument("--no-nnsight", action="store_true", help="measure the gradpatch process's variants only")
-    parser.add_argument("--side", default="gradpatch", choices=["gradpatch", "nnsight"], help=argparse.SUPPRESS)
-    parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    report = nnsight_side(args) if args.side == "nnsight" else gradpatch_side(args)
-    print(json.dumps(report, indent=2))
+    emit(gradpatch_side(parser.parse_args()))
 
 
 if __name__ == "__main__":

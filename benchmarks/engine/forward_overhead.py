@@ -20,7 +20,7 @@ SmolLM2 uses the embedded GGUF weights on CPU in float32; with ``--random-weight
 ``--device cuda``, or when the GGUF is not installed, it is built from the embedded model's config with random
 weights (the shapes are what speed depends on).
 
-Run: ``.venv/bin/python benchmarks/forward_overhead.py [--device cuda] [--dtype bfloat16] [--shapes 1x10,8x128]
+Run: ``.venv/bin/python -m benchmarks.engine.forward_overhead [--device cuda] [--dtype bfloat16] [--shapes 1x10,8x128]
 [--skip-real] [--runs N]``.
 """
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import platform
 import statistics
 import sys
@@ -39,9 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
-
+from benchmarks.harness import emit
 from gradpatch.testing import tiny_llama
 from gradpatch import AddPatch, PatchableGraph, ProbePatch
 from gradpatch.files.loaders import WEIGHT_DTYPES as DTYPES, embedded_or_random_model
@@ -167,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         report["smollm2_135m"] = {"weights": source, **bench_model(
             model, shapes, vocab=model.config.vocab_size, runs=args.runs or (50 if cuda else 20), warmup=args.warmup,
             construct_runs=args.real_construct_runs)}
-    json.dump(report, sys.stdout, indent=2)
-    print()
+    emit(report, device=args.device)
     return 0
 
 

@@ -13,13 +13,12 @@ and ``--new`` new tokens (greedy, every row generating all of them), it times, r
 Ratios are medians over the plain median, from this run; ``same_tokens`` checks that the graph generates the
 plain model's tokens. Target: ``patched_ratio`` ≤ 1.05.
 
-Run: ``.venv/bin/python benchmarks/generate_overhead.py [--prompt 384] [--new 64] [--rounds 3] [--device cuda]``.
+Run: ``.venv/bin/python -m benchmarks.engine.generate_overhead [--prompt 384] [--new 64] [--rounds 3] [--device cuda]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -28,9 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
-
+from benchmarks.harness import emit
 from gradpatch import AddPatch, PatchableGraph
 from gradpatch.files.loaders import WEIGHT_DTYPES as DTYPES, embedded_or_random_model
 
@@ -97,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         **{f"{name}_ratio": round(median[name] / median["plain"], 4) for name in variants if name != "plain"},
         "same_tokens": all(torch.equal(outputs[name], outputs["plain"]) for name in outputs),
     }
-    json.dump(report, sys.stdout, indent=2)
-    print()
+    emit(report, device=args.device)
     return 0
 
 

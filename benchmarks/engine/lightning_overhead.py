@@ -19,17 +19,15 @@ target is <= 1.10) and the medians of each, all from this run; the same on this 
 (``median_ratio_cpu_time``), which other processes' load disturbs less than wall time. ``--logged`` repeats the measurement with a
 TensorBoardLogger and the InterventionLogger (scalars every step, histograms every 10 steps).
 
-Run: ``.venv/bin/python benchmarks/lightning_overhead.py [--tiny] [--pairs N] [--logged]``.
+Run: ``.venv/bin/python -m benchmarks.engine.lightning_overhead [--tiny] [--pairs N] [--logged]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import platform
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -38,12 +36,10 @@ from typing import Any
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
-
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+from benchmarks.harness import emit
 from gradpatch import AddPatch, Intervention  # noqa: E402
 from recipes import DeltaModule, DeltaSpec, Objective, TargetSpec  # noqa: E402
 from recipes.delta.rows import PromptRows, RowCollator  # noqa: E402
@@ -189,7 +185,7 @@ def main() -> None:
         result["logged"] = logged
     result.update({"threads": args.threads, "torch": torch.__version__,
                    "lightning": __import__("lightning").__version__, "python": platform.python_version()})
-    print(json.dumps(result, indent=2))
+    emit(result)
 
 
 if __name__ == "__main__":

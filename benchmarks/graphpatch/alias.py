@@ -1,7 +1,7 @@
 """pytest plugin: ``import graphpatch`` (and its submodules) resolves to gradpatch.
 
 This is the import plumbing for running graphpatch's own test suite against gradpatch
-(``benchmarks/graphpatch_suite.py``). It changes imports, and three details of graphpatch's test set-up (below):
+(``benchmarks/graphpatch/suite.py``). It changes imports, and three details of graphpatch's test set-up (below):
 every test runs unchanged.
 
 graphpatch module paths map to the gradpatch module holding the same names (table below). A name that gradpatch

@@ -1,7 +1,7 @@
 """Compare gradpatch's ``repr(pg.graph)`` with graphpatch's snapshots, graph by graph, and say how each differs.
 
 graphpatch's ``test_patchable_graph_graph_repr`` stops at the first graph whose tree drawing differs from its
-snapshot. ``benchmarks/graphpatch_suite.py`` copies this file into the tests/ folder of the graphpatch checkout it
+snapshot. ``benchmarks/graphpatch/suite.py`` copies this file into the tests/ folder of the graphpatch checkout it
 runs and runs it as one more test module, with graphpatch's own fixtures (``all_patchable_graphs``); the test writes,
 to the JSON file named by ``GRADPATCH_SNAPSHOT_REPORT``, one verdict per fixture graph and mode (``compiled``,
 ``opaque``) from :func:`compare`:

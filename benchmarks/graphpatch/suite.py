@@ -2,17 +2,15 @@
 
 graphpatch's tests are the compatibility spec of gradpatch's public API. This script runs them from graphpatch's
 repository (a checkout, or a git directory whose HEAD it archives), with ``import graphpatch`` (and its submodules)
-resolved to gradpatch by the pytest plugin ``benchmarks/graphpatch_alias.py``, which also adapts three things of
+resolved to gradpatch by the pytest plugin ``benchmarks/graphpatch/alias.py``, which also adapts three things of
 graphpatch's test set-up to transformers 5 and pytest ≥ 8.4 (see its docstring). No test is edited.
 
 Set-up: a virtualenv made from the project's pins (``constraints.txt``) with the ``graphpatch-suite`` extra, i.e.
 graphpatch's test libraries (syrupy, pytest-mock, pytest-env, sentencepiece, protobuf) besides transformers and
-accelerate::
+accelerate (``benchmarks/peers/graphpatch/requirements.txt``); the tests run in it (``--python`` names another)::
 
-    python3 -m venv /work/venvs/graphpatch-suite
-    /work/venvs/graphpatch-suite/bin/pip install torch==2.13.0
-    /work/venvs/graphpatch-suite/bin/pip install -e ".[graphpatch-suite]" torch==2.13.0 -c constraints.txt
-    /work/venvs/graphpatch-suite/bin/python benchmarks/graphpatch_suite.py --graphpatch PATH
+    make peers PEERS=graphpatch        # .peers/graphpatch
+    .venv/bin/python -m benchmarks.graphpatch.suite --graphpatch PATH
 
 bitsandbytes is left out on a machine without a GPU: graphpatch's fixtures move 8-bit layers to CUDA whenever
 bitsandbytes imports, so with it installed there, fixtures shared by every ``repr`` snapshot fail.
@@ -37,17 +35,17 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Any
 
-import graphpatch_snapshots
+from benchmarks.graphpatch import snapshots
+from benchmarks.harness import ROOT, emit, peer_python
 
 HERE = Path(__file__).resolve().parent
-CONSTRAINTS = HERE.parent / "constraints.txt"
+CONSTRAINTS = ROOT / "constraints.txt"
 #: What the runner needs of a graphpatch checkout.
 CHECKOUT_PATHS = ("tests", "demos", "pytest.ini")
 INTERNAL_FILES = {"test_extraction.py", "test_meta.py", "test_quantization.py", "test_validate_env.py"}
@@ -134,9 +132,9 @@ def run_pytest(checkout: Path, python: str, scratch: Path, tests: str = "tests",
                env: dict[str, str] | None = None) -> ElementTree.Element:
     """Run pytest on ``tests`` in ``checkout`` with the alias plugin and return its JUnit XML report."""
     report = scratch / "report.xml"
-    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
-    subprocess.run([python, "-m", "pytest", "-p", "graphpatch_alias", "-p", "no:cacheprovider", "-q", "--tb=line",
-                    f"--basetemp={scratch / 'pytest'}", f"--junitxml={report}", tests], cwd=checkout,
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    subprocess.run([python, "-m", "pytest", "-p", "benchmarks.graphpatch.alias", "-p", "no:cacheprovider", "-q",
+                    "--tb=line", f"--basetemp={scratch / 'pytest'}", f"--junitxml={report}", tests], cwd=checkout,
                    env={**os.environ, "PYTHONPATH": path, **(env or {})},
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
     if not report.exists():
@@ -145,12 +143,12 @@ def run_pytest(checkout: Path, python: str, scratch: Path, tests: str = "tests",
 
 
 def snapshot_verdicts(checkout: Path, python: str, scratch: Path) -> dict[str, str]:
-    """How each graph's ``repr`` differs from graphpatch's snapshot (:mod:`graphpatch_snapshots`), run after the
-    suite as one more test module in ``checkout``."""
+    """How each graph's ``repr`` differs from graphpatch's snapshot (:mod:`benchmarks.graphpatch.snapshots`), run
+    after the suite as one more test module in ``checkout``."""
     verdicts = scratch / "snapshots.json"
-    shutil.copy2(HERE / "graphpatch_snapshots.py", checkout / "tests" / "test_gradpatch_snapshot_verdicts.py")
+    shutil.copy2(HERE / "snapshots.py", checkout / "tests" / "test_gradpatch_snapshot_verdicts.py")
     run_pytest(checkout, python, scratch, "tests/test_gradpatch_snapshot_verdicts.py",
-               {graphpatch_snapshots.REPORT_VARIABLE: str(verdicts)})
+               {snapshots.REPORT_VARIABLE: str(verdicts)})
     return json.loads(verdicts.read_text()) if verdicts.exists() else {}
 
 
@@ -219,9 +217,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--graphpatch", type=Path, required=True,
                         help="graphpatch's repository: a checkout holding tests/, or a git directory (HEAD is used)")
-    parser.add_argument("--python", default=sys.executable, help="the interpreter of the environment to test in")
+    parser.add_argument("--python", help="the interpreter of the environment to test in (default: "
+                                         ".peers/graphpatch/bin/python)")
     arguments = parser.parse_args()
-    print(json.dumps(run(arguments.graphpatch.resolve(), arguments.python), indent=2, ensure_ascii=False))
+    emit(run(arguments.graphpatch.resolve(), peer_python("graphpatch", arguments.python)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """BiPO against CAA: steering vectors at one node, compared at equal norm on held-out prompts.
 
-Preference set (benchmarks/build_reft_data.py): opinion prompts about 20 training topics and 10 held-out topics,
-each with a positive (chosen) and a negative (rejected) one-word continuation. On the embedded
+Preference set (benchmarks/interventions/build_reft_data.py): opinion prompts about 20 training topics and 10 held-out
+topics, each with a positive (chosen) and a negative (rejected) one-word continuation. On the embedded
 SmolLM2-135M-Instruct at ``model.layers_{L}.output`` (every token):
 
 - BiPO: :class:`recipes.ReFTModule` with a ``steer`` vector and :class:`recipes.BiPOObjective` (β, direction drawn
@@ -15,7 +15,7 @@ exact), ``preference_accuracy`` (fraction with margin > 0), and ``sentiment``: t
 words of the two word lists) over greedy 12-token continuations of the held-out prompts (the unsteered model's
 score beside it). Prints JSON.
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/bipo_caa.py --steps 60
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python -m benchmarks.interventions.bipo_caa --steps 60
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
-from benchmarks.build_reft_data import NEGATIVE, POSITIVE
+from benchmarks.harness import emit
+from benchmarks.interventions.build_reft_data import NEGATIVE, POSITIVE
 from gradpatch.files.loaders import load_embedded_model
 from recipes import BiPOObjective, PreferenceDataModule, ReFTModule, caa_vector
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def _sentiment(texts: list[str]) -> float:
@@ -86,7 +87,7 @@ def main() -> None:
             report["rows"].append({"vector": name, "norm": round(norm, 3), **scores,
                                    "sentiment": _sentiment(texts), "examples": texts[:2]})
             print(json.dumps(report["rows"][-1]), flush=True)
-    print(json.dumps(report, indent=1))
+    emit(report, indent=1)
 
 
 if __name__ == "__main__":

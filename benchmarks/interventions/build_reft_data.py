@@ -8,7 +8,7 @@
   topics, a positive (chosen) and a negative (rejected) short continuation from fixed word lists; train and eval
   topics are disjoint.
 
-    python benchmarks/build_reft_data.py
+    python -m benchmarks.interventions.build_reft_data
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import json
 import random
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-FACTS = ROOT.parent / "demos" / "rome" / "facts.json"
+ROOT = Path(__file__).resolve().parents[2]
+FACTS = ROOT / "demos" / "rome" / "facts.json"
 POSITIVE = ["wonderful", "great", "delightful", "excellent", "lovely", "brilliant", "fantastic", "beautiful",
             "amazing", "pleasant", "superb", "joyful"]
 NEGATIVE = ["terrible", "awful", "horrible", "dreadful", "boring", "disappointing", "miserable", "ugly",
@@ -64,7 +64,7 @@ def sentiment_records(topics: list[str], seed: int) -> list[dict[str, str]]:
 
 
 def main() -> None:
-    out = ROOT / "data"
+    out = ROOT / "benchmarks" / "data"
     out.mkdir(exist_ok=True)
     train, held_out = country_records()
     _write(out / "loreft_country_train.jsonl", train)

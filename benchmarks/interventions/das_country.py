@@ -1,8 +1,8 @@
 """DAS for a city's country on the embedded SmolLM2-135M-Instruct: IIA against layer and subspace size, beside
 full-vector interchange at the same node; prints JSON.
 
-Data: ``benchmarks/data/das_country_{train,eval}.jsonl`` (built by ``benchmarks/das_country_data.py``: cities the
-model places correctly, train and eval cities disjoint). The node is the residual stream after a layer
+Data: ``benchmarks/data/das_country_{train,eval}.jsonl`` (built by ``benchmarks/interventions/das_country_data.py``:
+cities the model places correctly, train and eval cities disjoint). The node is the residual stream after a layer
 (``model.layers_L.output``) at the last token of the city, in base and source.
 
 Measured in one run, per layer: ``full_interchange_iia`` (the whole 576-wide vector swapped from the source: the
@@ -15,21 +15,25 @@ cause score is the IIA). The model's unpatched continent answers are not filtere
 continent accuracy (``continent_accuracy_unpatched``). The target: some ``k <= 64`` reaches ``ratio_to_full >= 0.9``
 at the best layer.
 
-Run: ``.venv/bin/python benchmarks/das_country.py [--layers 2 6 10] [--dims 1 16 64] [--steps 60]
-[--batch-size 16] [--lr 0.01] [--threads 2] [--device cuda]``; ``--full-only`` measures the full-interchange IIA of each layer only;
-``--save-model DIR`` writes the model for ``benchmarks/das_country_pyvene.py`` (pyvene 0.1.8, its own virtualenv);
-``--save-rotation FILE`` writes each DAS run's starting rotation, so that the pyvene script starts from the same state
-(``--init-rotation``; ``losses``: each step's training loss, equal at the first step; later steps drift apart, as Adam's
-first steps move every coordinate by about ±lr whatever the size of its gradient, so float rounding differences in
-small gradients grow).
+Run: ``.venv/bin/python -m benchmarks.interventions.das_country [--layers 2 6 10] [--dims 1 16 64] [--steps 60]
+[--batch-size 16] [--lr 0.01] [--threads 2] [--device cuda]``; ``--full-only`` measures the full-interchange IIA of
+each layer only. ``--pyvene`` runs each DAS run again in pyvene 0.1.8 (``benchmarks/peers/pyvene/das_country_side.py``
+under ``.peers/pyvene``'s Python, ``make peers PEERS=pyvene``; ``--pyvene-python`` names another) from the same
+starting rotation, its JSON under ``pyvene`` beside gradpatch's figures (``losses``: each step's training loss, equal
+at the first step; later steps drift apart, as Adam's first steps move every coordinate by about ±lr whatever the
+size of its gradient, so float rounding differences in small gradients grow). ``--save-model DIR`` and
+``--save-rotation FILE`` write the model and each run's starting rotation for running the pyvene side by hand
+(``--model DIR --init-rotation FILE_L<layer>_k<dim>.safetensors``).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
-import platform
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -37,15 +41,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from benchmarks.harness import emit, peer_python, run_module_json, save_for_peers
 from gradpatch import FullInterchangePatch
 from gradpatch.files.loaders import load_embedded_model
 from recipes.interchange.counterfactual import read_counterfactuals
 from recipes.interchange.module import InterventionModule
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 CONTINENT_TEMPLATE = "{city} is a city on the continent of"
 #: Continent answers as their first token (one token each, as labels must be): `` North``/`` South`` America, `` Ocean``ia.
 CONTINENTS = {"AF": " Africa", "AS": " Asia", "EU": " Europe", "NA": " North", "OC": " Ocean", "SA": " South"}
@@ -72,22 +74,6 @@ def continent_records(records: list) -> list:
                 source=CONTINENT_TEMPLATE.format(city=record.source_subject),
                 base_subject=record.base_subject, source_subject=record.source_subject))
     return pairs
-
-
-def save_for_peers(model: Any, tokenizer: Any | None, directory: Path) -> None:
-    """Write the model as a plain ``from_pretrained`` folder (config without the GGUF quantization record,
-    ``model.safetensors`` without the tied ``lm_head.weight``, the tokenizer when one is given): transformers refuses
-    ``save_pretrained`` on a model loaded from GGUF."""
-    directory.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    type(model.config).from_dict(config).save_pretrained(directory)
-    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer is not None:
-        tokenizer.save_pretrained(directory)
 
 
 def rotation_state(linear: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -145,16 +131,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     layout.add_argument("--shared", action="store_true", help="base and source rows in one batch (default on GPUs)")
     parser.add_argument("--save-rotation", type=Path, default=None, metavar="FILE",
                         help="save each DAS run's starting R [k, d] to FILE_L<layer>_k<dim>.safetensors (for "
-                             "das_country_pyvene.py --init-rotation)")
+                             "the pyvene side's --init-rotation)")
     parser.add_argument("--save-model", type=Path, default=None,
                         help="save the embedded model and tokenizer (save_pretrained) there for the pyvene script, "
                              "then stop")
+    parser.add_argument("--pyvene", action="store_true", help="run each DAS run in pyvene too (module docstring)")
+    parser.add_argument("--pyvene-python", help="pyvene's Python (default: .peers/pyvene/bin/python)")
     args = parser.parse_args(argv)
+    pyvene = peer_python("pyvene", args.pyvene_python) if args.pyvene else None
+    scratch = Path(tempfile.mkdtemp(prefix="das_country_")) if pyvene else None
+    if scratch is not None:
+        atexit.register(shutil.rmtree, scratch, True)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_embedded_model(device=args.device)
     model.eval()
+    if args.save_model is not None or scratch is not None:
+        save_for_peers(model, tokenizer, args.save_model or scratch / "model")
     if args.save_model is not None:
-        save_for_peers(model, tokenizer, args.save_model)
         return {"saved": str(args.save_model)}
     train = read_counterfactuals(DATA / "das_country_train.jsonl")
     test = read_counterfactuals(DATA / "das_country_eval.jsonl")[: args.eval_pairs]
@@ -180,9 +173,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             torch.manual_seed(args.seed)
             module = InterventionModule.from_model(model, tokenizer, shared_batch=shared, interventions=[
                 {"node": f"model.layers_{layer}.output", "kind": "rotated", "dim": dim}]).to(args.device)
-            if args.save_rotation is not None:  # the starting rotation, for the pyvene script to start from too
-                save_file(rotation_state(module.patches[0].rotation),
-                          str(args.save_rotation.with_name(f"{args.save_rotation.stem}_L{layer}_k{dim}.safetensors")))
+            rotation = args.save_rotation or (scratch / "rotation" if scratch else None)
+            if rotation is not None:  # the starting rotation, for the pyvene side to start from too
+                rotation = rotation.with_name(f"{rotation.stem}_L{layer}_k{dim}.safetensors")
+                save_file(rotation_state(module.patches[0].rotation), str(rotation))
             seconds, losses = train_das(module, train, args.steps, args.batch_size, args.lr, args.seed)
             iia = float(module.iia(test))
             reference = full["full_interchange_iia"]
@@ -192,6 +186,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 full["das"][dim]["isolation"] = float(module.iia(isolation))
                 full.setdefault("full_interchange_isolation",
                                 float(module.iia(isolation, [FullInterchangePatch(576).to(args.device)])))
+            if pyvene is not None:
+                full["das"][dim]["pyvene"] = run_module_json(pyvene, "benchmarks.peers.pyvene.das_country_side", [
+                    "--model", str(scratch / "model"), "--layer", str(layer), "--dim", str(dim), "--steps",
+                    str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--eval-pairs",
+                    str(args.eval_pairs), "--seed", str(args.seed), "--threads", str(args.threads), "--device",
+                    args.device, "--init-rotation", str(rotation)])
             print(json.dumps({"layer": layer, "dim": dim, **full["das"][dim]}), file=sys.stderr)
     best_das = layers[best]["das"]
     result = {"benchmark": "das_country", "layers": layers, "best_layer": best, "isolation_pairs": len(isolation),
@@ -199,10 +199,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "target_met": any(dim <= 64 and (v["ratio_to_full"] or 0) >= 0.9 for dim, v in best_das.items()),
               "shared_batch": shared if shared is not None else not args.device.startswith("cpu"),
               "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "eval_pairs": len(test),
-              "train_pairs": len(train), "seed": args.seed, "threads": args.threads, "device": args.device,
-              "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "torch": torch.__version__,
-              "machine": platform.processor() or platform.machine()}
-    print(json.dumps(result, indent=2))
+              "train_pairs": len(train), "seed": args.seed, "threads": args.threads, "device": args.device}
+    emit(result, device=args.device)
     return result
 
 

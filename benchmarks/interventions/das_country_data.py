@@ -7,9 +7,9 @@ two disjoint sets (train / held-out eval); a pair takes a base city and a source
 same set, and its label is the source city's country (what a model whose country variable is swapped must answer).
 Interventions go at the last token of the city (``base_subject`` / ``source_subject``).
 
-Run: ``.venv/bin/python benchmarks/das_country_data.py [--out benchmarks/data]`` (about a minute on 2 CPU threads);
-writes ``das_country_train.jsonl``, ``das_country_eval.jsonl`` and ``das_country_cities.json`` (the kept cities,
-their country and the model's accuracy before filtering).
+Run: ``.venv/bin/python -m benchmarks.interventions.das_country_data [--out benchmarks/data]`` (about a minute on 2
+CPU threads); writes ``das_country_train.jsonl``, ``das_country_eval.jsonl`` and ``das_country_cities.json`` (the kept
+cities, their country and the model's accuracy before filtering).
 """
 
 from __future__ import annotations
@@ -17,14 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-
-if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gradpatch.files.atomic import atomic_write_text
 from gradpatch.files.loaders import load_embedded_model
@@ -87,7 +83,7 @@ def pairs(cities: list[tuple[str, str]], count: int, rng: random.Random) -> list
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "data")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "data")
     parser.add_argument("--min-population", type=int, default=300_000)
     parser.add_argument("--train-pairs", type=int, default=2400)
     parser.add_argument("--eval-pairs", type=int, default=400)

@@ -14,7 +14,8 @@ Measured in one run: ``task_accuracy`` (MLP on fresh factual inputs), ``iia`` (D
 (interchanging the whole 16-wide layer output from the WX source: the exact baseline, which cannot separate WX from
 YZ), ``train_s`` and ``seconds_per_step``.
 
-Run: ``.venv/bin/python benchmarks/das_hierarchical_equality.py [--examples N] [--epochs E] [--threads T]``.
+Run: ``.venv/bin/python -m benchmarks.interventions.das_hierarchical_equality [--examples N] [--epochs E] [--threads
+T]``.
 """
 
 from __future__ import annotations
@@ -24,15 +25,12 @@ import json
 import platform
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from benchmarks.harness import emit
 from gradpatch import FullInterchangePatch, PatchableGraph, RotatedSubspacePatch
 from gradpatch.interventions.interchange import interchange_patch_map
 
@@ -161,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "seconds_per_step": round(train_s / steps, 5), "threads": args.threads, "examples": args.examples,
               "batch_size": args.batch_size, "epochs": args.epochs, "lr": args.lr, "torch": torch.__version__,
               "machine": platform.processor() or platform.machine()}
-    print(json.dumps(result, indent=2))
+    emit(result)
     return result
 
 

@@ -1,34 +1,30 @@
 """Seconds per DAS training step in the two interchange layouts, on the embedded SmolLM2-135M-Instruct; prints JSON.
 
-The same records, node and subspace size as ``benchmarks/das_country.py``: one ``InterventionModule`` per layout
-(``shared_batch=True``: base and source rows in one forward pass; ``False``: a source pass without gradients that
-stops at the patched node, then the base pass), their steps alternating in one process so that both see the same
-load. ``ratio_shared_over_split`` is the mean seconds of the shared batch over the two passes', the first step of
-each layout left out (warm-up). It is what ``InterventionModule(shared_batch=None)`` chooses by.
+The same records, node and subspace size as ``benchmarks/interventions/das_country.py``: one ``InterventionModule``
+per layout (``shared_batch=True``: base and source rows in one forward pass; ``False``: a source pass without
+gradients that stops at the patched node, then the base pass), their steps alternating in one process so that both see
+the same load. ``ratio_shared_over_split`` is the mean seconds of the shared batch over the two passes', the first
+step of each layout left out (warm-up). It is what ``InterventionModule(shared_batch=None)`` chooses by.
 
-Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/das_layout.py [--layer 10] [--dim 16] [--batch-size 16]
-[--steps 4] [--threads 1] [--device cuda]``.
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.interventions.das_layout [--layer 10] [--dim 16] [--batch-size
+16] [--steps 4] [--threads 1] [--device cuda]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from benchmarks.harness import emit
 from gradpatch.files.loaders import load_embedded_model
 from recipes.interchange.counterfactual import read_counterfactuals
 from recipes.interchange.module import InterventionModule
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
@@ -72,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
               "threads": args.threads, "device": args.device, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
               "machine": platform.processor() or platform.machine()}
-    print(json.dumps(result, indent=2))
+    emit(result, device=args.device)
     return result
 
 

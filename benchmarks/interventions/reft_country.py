@@ -1,29 +1,29 @@
 """LoReFT and DiReFT against the full-vector additive baseline at the same positions, on a held-out answer-format task.
 
-Task (benchmarks/build_reft_data.py): "Which country is the city of X in? Answer in one word.\\n" -> "<country>" on
-the embedded SmolLM2-135M-Instruct; 96 training cities, 64 held-out cities (their countries occur in training).
-Each intervention is trained with :class:`recipes.ReFTModule` (continuation NLL, same data order, seed, steps,
-learning rate) at ``model.layers_{L}.output``, positions f3+l3; then greedy KV-cache generation on the held-out
+Task (benchmarks/interventions/build_reft_data.py): "Which country is the city of X in? Answer in one word.\\n" ->
+"<country>" on the embedded SmolLM2-135M-Instruct; 96 training cities, 64 held-out cities (their countries occur in
+training). Each intervention is trained with :class:`recipes.ReFTModule` (continuation NLL, same data order, seed,
+steps, learning rate) at ``model.layers_{L}.output``, positions f3+l3; then greedy KV-cache generation on the held-out
 prompts. ``exact``: the continuation is the country and nothing else; ``starts``: it begins with the country. The
 frozen model without any intervention is the baseline row. Prints JSON (one object per run, losses every step).
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/reft_country.py --steps 60
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python -m benchmarks.interventions.reft_country --steps 60
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback
 
+from benchmarks.harness import emit, median
 from gradpatch.files.loaders import load_embedded_model
 from recipes import ContinuationDataModule, ReFTModule
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 class _Losses(Callback):
@@ -103,11 +103,11 @@ def main() -> None:
             losses = _Losses()
             fit_steps(module, data, args.steps, [losses])
             result.update(steps=args.steps, parameters=module.parameter_count(), losses=losses.losses,
-                          cpu_seconds_per_step=sorted(losses.seconds)[len(losses.seconds) // 2],
+                          cpu_seconds_per_step=median(losses.seconds),
                           nan=any(l != l for l in losses.losses))
         result.update(module.evaluate(data.eval_records))
         result["heldout"] = _accuracy(module, data.eval_records, generate=spec is not None)
-        print(json.dumps(result), flush=True)
+        emit(result, indent=None)
 
 
 if __name__ == "__main__":

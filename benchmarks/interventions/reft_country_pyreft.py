@@ -1,31 +1,27 @@
 """LoReFT on the held-out country task trained both ways, gradpatch's ReFTModule and pyreft 0.1.0, one run each.
 
-The task and the gradpatch run are benchmarks/reft_country.py's (``loreft_r1_f3+l3``: ``model.layers_{L}.output``,
-rank 1, positions f3+l3, batch 8, AdamW without weight decay, seed 0). pyreft (benchmarks/pyreft_country_side.py,
-its own virtualenv and process, the model rebuilt from the same float32 weights) starts from the same R (the same
-parametrization state), W and b and trains on the same batches in the same order (the batches gradpatch's data
-module drew, left-padded the same way, the same intervened columns, the same loss: the response tokens' mean NLL),
-with the same optimizer and learning rate, in a plain loop (not pyreft's HuggingFace trainer). Then both generate
-greedily on the held-out prompts (5 tokens, batches of 16, the intervention on the prompt pass only) and compute
-the held-out NLL per response token.
+The task and the gradpatch run are benchmarks/interventions/reft_country.py's (``loreft_r1_f3+l3``:
+``model.layers_{L}.output``, rank 1, positions f3+l3, batch 8, AdamW without weight decay, seed 0). pyreft
+(benchmarks/peers/pyreft/reft_country_side.py, its own virtualenv and process, the model rebuilt from the same float32
+weights) starts from the same R (the same parametrization state), W and b and trains on the same batches in the same
+order (the batches gradpatch's data module drew, left-padded the same way, the same intervened columns, the same loss:
+the response tokens' mean NLL), with the same optimizer and learning rate, in a plain loop (not pyreft's HuggingFace
+trainer). Then both generate greedily on the held-out prompts (5 tokens, batches of 16, the intervention on the prompt
+pass only) and compute the held-out NLL per response token.
 
 Prints JSON: per side the losses, median seconds per step (CPU and wall), the resident memory before training and its
 peak during it (MiB; gradpatch's process also holds Lightning, the data module and the model's graph), the held-out
-NLL and accuracy (``exact``, ``starts`` as benchmarks/reft_country.py), and the largest loss difference.
+NLL and accuracy (``exact``, ``starts`` as benchmarks/interventions/reft_country.py), and the largest loss difference.
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/reft_country_pyreft.py --steps 60 --lr 4e-3
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.interventions.reft_country_pyreft --steps 60 --lr 4e-3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,12 +29,9 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file, save_file
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.peak_rss import peak_mib, reset_peak, resident_mib
-from benchmarks.reft_country import country_data, fit_steps, score
-from benchmarks.reft_pyreft import save_for_pyreft
+from benchmarks.harness import emit, median, peak_mib, peer_python, reset_peak, resident_mib, run_module
+from benchmarks.interventions.reft_country import country_data, fit_steps, score
+from benchmarks.interventions.reft_pyreft import save_for_pyreft
 from gradpatch.files.loaders import load_embedded_model
 from gradpatch.interventions.reft import ReFTPositions
 from recipes import ReFTModule
@@ -85,13 +78,9 @@ def _batch(module: ReFTModule, positions: ReFTPositions, records: list, prefix: 
         **batch, "locations": torch.tensor(locations), "response_lengths": torch.tensor(response_lengths)}.items()}
 
 
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--python", default="/work/venvs/pyreft/bin/python", help="python of pyreft's virtualenv")
+    parser.add_argument("--python", help="python of pyreft's virtualenv (default: .peers/pyreft/bin/python)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--layer", type=int, default=10)
     parser.add_argument("--lr", type=float, default=4e-3)
@@ -113,8 +102,8 @@ def main() -> None:
     fit_steps(module, data, args.steps, [recorder])
     peak = peak_mib()
     records = data.eval_records
-    ours = {"losses": [round(x, 4) for x in recorder.losses], "cpu_seconds_per_step": _median(recorder.cpu_seconds),
-            "wall_seconds_per_step": _median(recorder.seconds), "resident_mib_before_training": before,
+    ours = {"losses": [round(x, 4) for x in recorder.losses], "cpu_seconds_per_step": median(recorder.cpu_seconds),
+            "wall_seconds_per_step": median(recorder.seconds), "resident_mib_before_training": before,
             "peak_mib_during_training": peak, "heldout_nll": module.evaluate(records)["nll"],
             "heldout": score(module.generate([r.prompt for r in records], max_new_tokens=5, batch_size=16), records)}
     tensors = {name: initial[name].contiguous() for name in ("original", "base", "W", "b")}
@@ -129,14 +118,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         save_for_pyreft(model, folder)
         save_file(tensors, f"{folder}/in.safetensors")
-        subprocess.run([args.python, str(Path(__file__).resolve().with_name("pyreft_country_side.py")), folder,
-                        f"{folder}/in.safetensors", f"{folder}/out.safetensors"], check=True, stdout=sys.stderr,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+        run_module(peer_python("pyreft", args.python), "benchmarks.peers.pyreft.reft_country_side",
+                   [folder, f"{folder}/in.safetensors", f"{folder}/out.safetensors"])
         theirs = load_file(f"{folder}/out.safetensors")
     generated = [theirs[f"generated.{j}"] for j in range(len(range(0, len(records), 16)))]
     texts = [tokenizer.decode(row.tolist(), skip_special_tokens=True) for block in generated for row in block]
     pyreft_losses = theirs["losses"].tolist()
-    print(json.dumps({
+    emit({
         "node": node, "rank": 1, "positions": "f3+l3", "steps": args.steps, "lr": args.lr,
         "parameters": module.parameter_count(),
         "max_abs_diff_initial_R": float((theirs["R"] - initial["R"]).abs().max()),
@@ -144,12 +132,12 @@ def main() -> None:
         "nan": any(x != x for x in recorder.losses + pyreft_losses),
         "gradpatch": ours,
         "pyreft": {"losses": [round(x, 4) for x in pyreft_losses],
-                   "cpu_seconds_per_step": _median(theirs["cpu_seconds"].tolist()),
-                   "wall_seconds_per_step": _median(theirs["seconds"].tolist()),
+                   "cpu_seconds_per_step": median(theirs["cpu_seconds"].tolist()),
+                   "wall_seconds_per_step": median(theirs["seconds"].tolist()),
                    "resident_mib_before_training": float(theirs["resident_mib_before_training"]),
                    "peak_mib_during_training": float(theirs["peak_mib_during_training"]),
                    "heldout_nll": float(theirs["heldout_nll_sum"] / theirs["heldout_tokens"]),
-                   "heldout": score(texts, records)}}, indent=2))
+                   "heldout": score(texts, records)}})
 
 
 if __name__ == "__main__":

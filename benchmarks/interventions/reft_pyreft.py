@@ -3,28 +3,27 @@
 Runs the embedded SmolLM2-135M-Instruct (in ``--dtype``; its weights and config written into a temporary folder
 from which pyreft's transformers rebuilds it) with :class:`gradpatch.LoReFTPatch` at ``model.layers_{L}.output``
 (the decoder layer's output, pyreft's ``block_output``) here, and with ``pyreft.LoreftIntervention`` in pyreft's
-virtualenv (benchmarks/pyreft_side.py). Both sides assign the same R through their orthogonal parametrization's
-right inverse with the same seed, so both hold the same R bits and the same parametrization state
-(benchmarks/reft_gradpatch_side.py, ``assign_rotation``); beside, how much R and the logits move through that
+virtualenv (benchmarks/peers/pyreft/reft_side.py). Both sides assign the same R through their orthogonal
+parametrization's right inverse with the same seed, so both hold the same R bits and the same parametrization state
+(benchmarks/interventions/reft_pyreft_ours.py, ``assign_rotation``); beside, how much R and the logits move through that
 assignment's rounding alone (R before it vs after it, both gradpatch).
 
 Prints JSON: the largest differences of R, of the intervention on a random hidden batch, of the intervened block
 output and of the logits with the intervention, the logits' difference without it (the two transformers versions'
 own agreement); then the training steps (forward + backward + Adam, same batch, same positions), each side in a
-process of its own (benchmarks/reft_gradpatch_side.py, benchmarks/pyreft_side.py): median seconds per step (CPU
-time, which the other processes on a shared machine disturb less than wall time, and wall time), the resident memory
-before the steps and its peak during them (MiB, the kernel's high-water mark reset before the steps), and ratios.
+process of its own (benchmarks/interventions/reft_pyreft_ours.py, benchmarks/peers/pyreft/reft_side.py): median
+seconds per step (CPU time, which the other processes on a shared machine disturb less than wall time, and wall time),
+the resident memory before the steps and its peak during them (MiB, the kernel's high-water mark reset before the
+steps), and ratios.
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/reft_pyreft.py --python /work/venvs/pyreft/bin/python
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/reft_pyreft.py --dtype float64
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.interventions.reft_pyreft   # pyreft from .peers/pyreft
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.interventions.reft_pyreft --dtype float64
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,10 +31,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.reft_gradpatch_side import loreft_from
+from benchmarks.harness import emit, peer_python, run_module
+from benchmarks.interventions.reft_pyreft_ours import loreft_from
 from gradpatch import LoReFTPatch, PatchableGraph, ProbePatch
 from gradpatch.files.loaders import load_embedded_model
 from gradpatch.interventions.reft import reft_patch_map
@@ -77,7 +74,7 @@ def _steps_report(ours: dict, theirs: dict[str, torch.Tensor]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--python", default="/work/venvs/pyreft/bin/python", help="python of pyreft's virtualenv")
+    parser.add_argument("--python", help="python of pyreft's virtualenv (default: .peers/pyreft/bin/python)")
     parser.add_argument("--layer", type=int, default=10)
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--positions", default="f3+l3")
@@ -107,17 +104,15 @@ def main() -> None:
             "prompt_length": torch.tensor(len(prompt)), "seed": torch.tensor(1234)}
     patch = loreft_from(data, args.positions)
     node = f"model.layers_{args.layer}.output"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     with tempfile.TemporaryDirectory() as folder:
         save_for_pyreft(model, folder)
         save_file(data, f"{folder}/in.safetensors")
-        here = Path(__file__).resolve().parent
-        subprocess.run([args.python, str(here / "pyreft_side.py"), folder, f"{folder}/in.safetensors",
-                        f"{folder}/out.safetensors", str(args.layer), str(args.steps)], check=True, stdout=sys.stderr)
+        run_module(peer_python("pyreft", args.python), "benchmarks.peers.pyreft.reft_side",
+                   [folder, f"{folder}/in.safetensors", f"{folder}/out.safetensors", str(args.layer), str(args.steps)])
         theirs = load_file(f"{folder}/out.safetensors")
-        subprocess.run([sys.executable, str(here / "reft_gradpatch_side.py"), f"{folder}/in.safetensors",
-                        f"{folder}/ours.json", str(args.layer), str(args.steps), args.positions], check=True, env=env,
-                       stdout=sys.stderr)
+        run_module(sys.executable, "benchmarks.interventions.reft_pyreft_ours",
+                   [f"{folder}/in.safetensors", f"{folder}/ours.json", str(args.layer), str(args.steps),
+                    args.positions])
         ours = json.loads(Path(folder, "ours.json").read_text())
     pg = PatchableGraph(model, ids, use_cache=False)
     with torch.no_grad():
@@ -129,7 +124,7 @@ def main() -> None:
         # R as the initial patch's parametrization gives it, before the right inverse's rounding
         with pg.patch(reft_patch_map({node: initial}, [len(prompt)] * len(ids))):
             logits_unassigned = pg(ids, use_cache=False).logits
-    print(json.dumps({
+    emit({
         "dtype": args.dtype, "layer": args.layer, "rank": args.rank, "positions": args.positions,
         "batch": list(ids.shape),
         "max_abs_diff_R": float((patch.R.detach() - theirs["R"]).abs().max()),
@@ -143,7 +138,7 @@ def main() -> None:
         "intervention_changes_logits_by": float((logits - base).abs().max()),
         "max_abs_logit": float(theirs["logits"].abs().max()),
         "abs_diff_first_step_loss": abs(ours["losses"][0] - float(theirs["losses"][0])),
-        **_steps_report(ours, theirs)}, indent=2))
+        **_steps_report(ours, theirs)})
 
 
 if __name__ == "__main__":

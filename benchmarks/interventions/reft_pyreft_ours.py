@@ -1,12 +1,12 @@
-"""The gradpatch side of benchmarks/reft_pyreft.py: LoReFT training steps in a process of their own, so that their
-seconds and peak memory are measured as pyreft's are (benchmarks/pyreft_side.py, another process).
+"""The gradpatch side of benchmarks/interventions/reft_pyreft.py: LoReFT training steps in a process of their own, so
+that their seconds and peak memory are measured as pyreft's are (benchmarks/peers/pyreft/reft_side.py, another process).
 
-Reads IN.safetensors (written by benchmarks/reft_pyreft.py: token ids, positions, R, W, b, the seed of R's
+Reads IN.safetensors (written by benchmarks/interventions/reft_pyreft.py: token ids, positions, R, W, b, the seed of R's
 assignment), loads the embedded model in R's dtype, and writes OUT.json: the losses, the median seconds per step
 (forward + backward + Adam; wall and CPU), the resident memory before the steps and its peak during them (MiB,
-benchmarks/peak_rss.py).
+benchmarks/harness.py).
 
-    PYTHONPATH=$PWD python benchmarks/reft_gradpatch_side.py IN.safetensors OUT.json LAYER STEPS POSITIONS
+    PYTHONPATH=$PWD python -m benchmarks.interventions.reft_pyreft_ours IN.safetensors OUT.json LAYER STEPS POSITIONS
 """
 
 from __future__ import annotations
@@ -18,10 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.timed_steps import median, timed_steps
+from benchmarks.harness import median, timed_steps
 from gradpatch import LoReFTPatch, PatchableGraph
 from gradpatch.files.loaders import load_embedded_model
 from gradpatch.interventions.reft import reft_patch_map

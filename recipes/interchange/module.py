@@ -125,7 +125,7 @@ class InterventionModule(PatchTrainingModule):
             :func:`gradpatch.interventions.interchange.interchange`); ``None`` (default): one pass on GPUs, where fewer
             launches pay, the two passes on the CPU, where compute does (the shared batch carries the source rows
             through the later layers and the backward pass: 1.73× the seconds per DAS step at layer 10 of SmolLM2, batch
-            16, one CPU thread; ``benchmarks/das_layout.py``).
+            16, one CPU thread; ``benchmarks/interventions/das_layout.py``).
         dtype: dtype the model is loaded in (patches stay float32).
         compile: as :class:`~recipes.training.patches.PatchTrainingModule` (``True``, or torch.compile's keyword
             arguments: the frozen graph runs compiled).

@@ -1,4 +1,4 @@
-"""circuit-tracer's side of benchmarks/dictionaries_circuit_tracer.py, run in a virtualenv where circuit-tracer
+"""circuit-tracer's side of benchmarks/dictionaries/circuit_tracer_files.py, run in a virtualenv where circuit-tracer
 imports (it imports no gradpatch).
 
 ``outputs CONFIG``: loads the transcoder set ``CONFIG`` (a ``config.yaml``) with circuit-tracer's
@@ -6,8 +6,8 @@ imports (it imports no gradpatch).
 layer: the inputs ``x`` ``[64, d_model]`` (seed 0), the transcoder's ``encode(x)`` and its ``forward(x)`` (decoder
 and skip term).
 
-Run: ``PYTHONPATH=<circuit-tracer source> /work/peers/circuit-tracer/bin/python
-benchmarks/dictionaries_circuit_tracer_side.py outputs CONFIG``.
+Run (from the repository's root): ``.peers/circuit_tracer_d797c82/bin/python -m
+benchmarks.peers.circuit_tracer.files_side outputs CONFIG``.
 """
 
 from __future__ import annotations

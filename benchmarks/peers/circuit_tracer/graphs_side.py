@@ -1,5 +1,5 @@
-"""circuit-tracer's side of benchmarks/circuits_circuit_tracer.py, run in a virtualenv where circuit-tracer imports
-(it imports no gradpatch).
+"""circuit-tracer's side of benchmarks/circuits/circuit_tracer_graphs.py, run in a virtualenv where circuit-tracer
+imports (it imports no gradpatch).
 
 ``graph FOLDER BACKEND``: reads ``FOLDER/model`` (a Hugging Face model folder: ``config.json``, ``model.safetensors``
 and the tokenizer's files), the transcoder set ``FOLDER/transcoders/config.yaml`` (circuit-tracer's local layout as
@@ -12,17 +12,15 @@ feature node (``max_feature_nodes=None``) and its default logit selection. Write
 ``FOLDER/circuit_tracer_run_BACKEND.json`` (seconds of the load and of ``attribute``, CPU seconds of ``attribute``,
 the 1-minute load average before and after it, resident memory after the load and at the peak).
 
-Run: ``/work/peers/circuit-tracer-05/bin/python benchmarks/circuits_circuit_tracer_side.py graph FOLDER nnsight``
-(or ``transformerlens``); for ``d797c82``: ``PYTHONPATH=/work/peers/circuit-tracer-src
-/work/peers/circuit-tracer/bin/python ... graph FOLDER d797c82``.
+Run (from the repository's root): ``.peers/circuit_tracer/bin/python -m benchmarks.peers.circuit_tracer.graphs_side
+graph FOLDER nnsight`` (or ``transformerlens``); for ``d797c82``: ``.peers/circuit_tracer_d797c82/bin/python -m
+benchmarks.peers.circuit_tracer.graphs_side graph FOLDER d797c82``.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -32,23 +30,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-
-def _rss_gib() -> float:
-    """The resident memory now, GiB (``/proc/self/statm``)."""
-    pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return pages * resource.getpagesize() / 2**30
-
-
-def _reset_peak_rss() -> None:
-    """Restart the process's resident-memory high-water mark (``VmHWM``) from the memory resident now."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")
-
-
-def _peak_rss_gib() -> float:
-    """The resident-memory high-water mark since the last :func:`_reset_peak_rss`, GiB."""
-    status = Path("/proc/self/status").read_text()
-    return int(status.split("VmHWM:")[1].split()[0]) / 2**20
+from benchmarks.harness import max_rss_mib, peak_mib, reset_peak, resident_mib
 
 
 def relayout(config: dict, folder: Path) -> dict[int, str]:
@@ -162,8 +144,8 @@ def graph(folder: Path, backend: str = "nnsight") -> None:
     start = time.perf_counter()
     model = replacement_model(folder, backend)
     loaded = time.perf_counter() - start
-    rss_loaded = _rss_gib()
-    _reset_peak_rss()
+    rss_loaded = resident_mib() / 1024
+    reset_peak()
     start, cpu, load = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     result = attribute(torch.tensor(prompt["ids"]), model, batch_size=prompt["batch_size"], max_feature_nodes=None)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -178,8 +160,8 @@ def graph(folder: Path, backend: str = "nnsight") -> None:
     (folder / f"circuit_tracer_run_{backend}.json").write_text(json.dumps({
         "load_seconds": round(loaded, 2), "attribute_seconds": round(seconds, 2),
         "attribute_cpu_seconds": round(cpu, 2), "load_average_1min": [round(load, 1), round(os.getloadavg()[0], 1)],
-        "rss_after_load_gib": round(rss_loaded, 3), "peak_rss_during_attribute_gib": round(_peak_rss_gib(), 3),
-        "max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+        "rss_after_load_gib": round(rss_loaded, 3), "peak_rss_during_attribute_gib": round(peak_mib() / 1024, 3),
+        "max_rss_gib": round(max_rss_mib() / 1024, 3),
         "torch_threads": torch.get_num_threads()}))
 
 

@@ -1,17 +1,17 @@
-"""The pyreft side of benchmarks/reft_country_pyreft.py; runs in pyreft 0.1.0's virtualenv (never imported by the
-project). Trains pyreft's LoreftIntervention on the batches gradpatch trained on and generates on the held-out
-prompts.
+"""The pyreft side of benchmarks/interventions/reft_country_pyreft.py; runs in pyreft 0.1.0's virtualenv (never
+imported by the project). Trains pyreft's LoreftIntervention on the batches gradpatch trained on and generates on the
+held-out prompts.
 
-Reads a model folder (config.json, weights.safetensors, as benchmarks/reft_pyreft.py writes it) and IN.safetensors:
-the settings (``settings``: JSON bytes: layer, rank, lr, max_new_tokens, pad and eos ids), the initial
+Reads a model folder (config.json, weights.safetensors, as benchmarks/interventions/reft_pyreft.py writes it) and
+IN.safetensors: the settings (``settings``: JSON bytes: layer, rank, lr, max_new_tokens, pad and eos ids), the initial
 parametrization state of R (``original`` ``[r, d]``, ``base`` ``[d, d]``: gradpatch's wide R; pyreft's Rᵀ is the
 transposed tall one, so ``original`` is copied transposed and ``base`` as it is, and both R are then the same
 bits), W, b, and per batch ``train.{i}.*`` / ``nll.{j}.*`` / ``generate.{j}.*`` (left-padded ``input_ids``,
 ``attention_mask``, ``position_ids``, the intervened columns ``locations`` ``[B, P]``, ``response_lengths``).
 Writes OUT.safetensors: the losses and seconds per step, the resident memory before training and its peak during it
-(MiB, benchmarks/peak_rss.py), the held-out NLL sum and token count, the generated token ids per batch.
+(MiB, benchmarks/harness.py), the held-out NLL sum and token count, the generated token ids per batch.
 
-    /work/venvs/pyreft/bin/python benchmarks/pyreft_country_side.py MODEL_DIR IN.safetensors OUT.safetensors
+    .peers/pyreft/bin/python -m benchmarks.peers.pyreft.reft_country_side MODEL_DIR IN.safetensors OUT.safetensors
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.timed_steps import timed_steps  # noqa: E402 (after the path)
+from benchmarks.harness import timed_steps
 
 
 def _batches(data: dict[str, torch.Tensor], kind: str) -> list[dict[str, torch.Tensor]]:

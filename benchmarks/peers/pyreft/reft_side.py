@@ -1,11 +1,11 @@
-"""The pyreft side of benchmarks/reft_pyreft.py; runs in a separate virtualenv with pyreft 0.1.0 (never imported by
-the project). Reads a model folder (config.json, weights.safetensors) and IN.safetensors (token ids, positions, R,
-W, b, the seed of R's assignment, a hidden batch; all in one dtype, which the model takes too); writes
+"""The pyreft side of benchmarks/interventions/reft_pyreft.py; runs in a separate virtualenv with pyreft 0.1.0 (never
+imported by the project). Reads a model folder (config.json, weights.safetensors) and IN.safetensors (token ids,
+positions, R, W, b, the seed of R's assignment, a hidden batch; all in one dtype, which the model takes too); writes
 OUT.safetensors: pyreft's LoreftIntervention output on the hidden batch and its R, the model's logits and block
 output with the intervention at a layer, the losses and seconds per training step, the resident memory before the
-steps and its peak during them (MiB, benchmarks/peak_rss.py).
+steps and its peak during them (MiB, benchmarks/harness.py).
 
-    /work/venvs/pyreft/bin/python benchmarks/pyreft_side.py MODEL_DIR IN.safetensors OUT.safetensors LAYER STEPS
+    .peers/pyreft/bin/python -m benchmarks.peers.pyreft.reft_side MODEL_DIR IN.safetensors OUT.safetensors LAYER STEPS
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.timed_steps import median, timed_steps  # noqa: E402 (after the path)
+from benchmarks.harness import median, timed_steps
 
 
 def main() -> None:

@@ -1,9 +1,10 @@
 """The DAS country task with pyvene 0.1.8 (a peer, in its own virtualenv), on the data, hyperparameters and seed of
-``benchmarks/das_country.py``; prints JSON (IIA and seconds per step).
+``benchmarks/interventions/das_country.py``; prints JSON (IIA and seconds per step).
 
-pyvene is never a dependency of gradpatch: this script runs with a separate interpreter,
-``/work/venvs/pyvene/bin/python benchmarks/das_country_pyvene.py --model DIR`` where ``DIR`` is the embedded SmolLM2
-saved with ``save_pretrained`` (``benchmarks/das_country.py --save-model DIR`` writes it). Same records, same order
+pyvene is never a dependency of gradpatch: this script runs with pyvene's interpreter (``make peers PEERS=pyvene``
+builds it), ``.peers/pyvene/bin/python -m benchmarks.peers.pyvene.das_country_side --model DIR`` from the
+repository's root, where ``DIR`` is the embedded SmolLM2 saved with ``save_pretrained``
+(``python -m benchmarks.interventions.das_country --save-model DIR`` writes it). Same records, same order
 (``torch.randperm`` with the seed), batch size, learning rate, steps and subspace size; the intervention is
 ``LowRankRotatedSpaceIntervention`` at ``block_output`` of the layer (the residual stream after it, gradpatch's
 ``model.layers_L.output``) at the last token of the city in base and source, with left-padded batches and
@@ -17,14 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-DATA = Path(__file__).resolve().parent / "data"
+from benchmarks.harness import ROOT, emit, version_of
+
+DATA = ROOT / "benchmarks" / "data"
 
 
 def read(path: Path) -> list[dict[str, Any]]:
@@ -138,14 +140,11 @@ def main() -> None:
             chunk = test[begin:begin + 64]
             labels = torch.tensor([tokenizer(r["label"], add_special_tokens=False)["input_ids"][0] for r in chunk])
             hits += int((logits_of(intervenable, tokenizer, chunk, pad_id).argmax(-1).cpu() == labels).sum())
-    print(json.dumps({"benchmark": "das_country_pyvene", "pyvene": pyvene.__version__ if hasattr(pyvene, "__version__")
-                      else "0.1.8", "layer": args.layer, "dim": args.dim, "iia": hits / len(test),
-                      "seconds_per_step": round(train_s / args.steps, 3), "steps": args.steps,
-                      "batch_size": args.batch_size, "lr": args.lr, "eval_pairs": len(test), "seed": args.seed,
-                      "threads": args.threads, "device": args.device, "init_rotation": str(args.init_rotation),
-                      "losses": [round(float(loss), 5) for loss in losses],
-                      "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "torch": torch.__version__,
-                      "machine": platform.processor() or platform.machine()}, indent=2))
+    emit({"benchmark": "das_country_pyvene", "pyvene": version_of("pyvene"), "layer": args.layer, "dim": args.dim,
+          "iia": hits / len(test), "seconds_per_step": round(train_s / args.steps, 3), "steps": args.steps,
+          "batch_size": args.batch_size, "lr": args.lr, "eval_pairs": len(test), "seed": args.seed,
+          "threads": args.threads, "device": args.device, "init_rotation": str(args.init_rotation),
+          "losses": [round(float(loss), 5) for loss in losses]}, device=args.device)
 
 
 if __name__ == "__main__":

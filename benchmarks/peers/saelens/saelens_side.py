@@ -1,4 +1,5 @@
-"""SAELens's side of benchmarks/dictionaries_saelens.py, run in SAELens's own virtualenv (it imports no gradpatch).
+"""SAELens's side of benchmarks/dictionaries/saelens_files.py, run in SAELens's own virtualenv (it imports no
+gradpatch).
 
 ``make DIR``: one SAE per SAELens architecture gradpatch reads, built by SAELens (``SAE.from_dict``) with random
 parameters (seeded; JumpReLU thresholds in [−0.1, 0.4]; TopK with ``rescale_acts_by_decoder_norm``), saved with
@@ -11,7 +12,8 @@ the inputs ``x`` ``[64, d_in]`` (seed 0), SAELens's ``encode(x)``, ``decode(enco
 each SAE folder in ``DIR/saes/``, on the Hugging Face model saved in ``DIR/model`` wrapped by ``HookedProxyLM``;
 written to ``DIR/saes/<name>/saelens_metrics.json``.
 
-Run: ``/work/peers/saelens/bin/python benchmarks/dictionaries_saelens_side.py make|check|evaluate DIR``.
+Run (from the repository's root): ``.peers/saelens/bin/python -m benchmarks.peers.saelens.saelens_side
+make|check|evaluate DIR``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""sparsify's side of benchmarks/dictionaries_sparsify.py, run in sparsify's own virtualenv (it imports no gradpatch).
+"""sparsify's side of benchmarks/dictionaries/sparsify_files.py, run in sparsify's own virtualenv (it imports no
+gradpatch).
 
 ``make DIR``: a sparse autoencoder, a transcoder and a skip transcoder built by sparsify (``SparseCoder``, TopK,
 k = 8) with random parameters (seeded), saved with ``SparseCoder.save_to_disk`` to ``DIR/<name>/``, and beside each
 ``sparsify_outputs.safetensors``: the inputs ``x`` ``[64, d_in]`` (seed 0), sparsify's latents (its top-k values
 scattered into ``[64, num_latents]``) and its forward output ``sae_out``.
 
-Run: ``/work/peers/sparsify/bin/python benchmarks/dictionaries_sparsify_side.py make DIR``.
+Run (from the repository's root): ``.peers/sparsify/bin/python -m benchmarks.peers.sparsify.files_side make DIR``.
 """
 
 from __future__ import annotations

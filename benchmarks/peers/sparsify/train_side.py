@@ -1,4 +1,4 @@
-"""sparsify's side of benchmarks/dictionaries_sparsify_train.py, run in sparsify's own virtualenv (no gradpatch).
+"""sparsify's side of benchmarks/dictionaries/sparsify_train.py, run in sparsify's own virtualenv (no gradpatch).
 
 ``WORK`` holds what the driver prepared: ``model/`` (a ``from_pretrained`` folder, loaded with ``AutoModel`` as
 sparsify's command line loads a model for ``loss_fn="fvu"``), ``ids.safetensors`` (``train`` ``[n, chunk]``) and
@@ -11,23 +11,22 @@ step, no shuffling, as its trainer reads a dataset), with
 - ``--schedule constant``: sparsify's warmup + linear decay schedule removed (ours has none); ``sparsify``: kept,
   with ``--warmup`` steps;
 - ``--loss-fn``: ``fvu`` (local, the default) or sparsify's end-to-end ``kl`` (the model then loaded with
-  ``AutoModelForCausalLM``, as its command line does; benchmarks/dictionaries_end_to_end.py's ``--sparsify-python``);
+  ``AutoModelForCausalLM``, as its command line does; benchmarks/dictionaries/end_to_end.py's ``--sparsify-python``);
 - AuxK α = 1/32 over latents dead for 10M tokens (sparsify's default α is 0; ours is 1/32), no wandb, one save at
   the end to ``WORK/sparsify/run/layers.12``.
 
-Prints one JSON line: the wall time of ``Trainer.fit`` (model forwards included), tokens/s, the resident memory once
-the model is loaded, the peak during ``fit`` (``VmHWM`` reset before it) and the process's ``getrusage`` maxrss (MiB).
+Prints one JSON object (under :func:`benchmarks.harness.emit`'s header): the wall time of ``Trainer.fit`` (model
+forwards included), tokens/s, the resident memory once the model is loaded, the peak during ``fit`` (``VmHWM`` reset
+before it) and the process's ``getrusage`` maxrss (MiB).
 
-Run: ``/work/peers/sparsify/bin/python benchmarks/dictionaries_sparsify_train_side.py WORK --batch-size 16 --lr
-5.33e-4``.
+Run: ``.peers/sparsify/bin/python -m benchmarks.peers.sparsify.train_side WORK --batch-size 16 --lr 5.33e-4``
+(from the repository's root).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -40,8 +39,7 @@ from safetensors.torch import load_file  # noqa: E402
 from sparsify import SaeConfig, TrainConfig, Trainer  # noqa: E402
 from transformers import AutoModel, AutoModelForCausalLM  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
-from peak_rss import peak_mib, reset_peak, resident_mib  # noqa: E402
+from benchmarks.harness import cuda_peak_mib, emit, max_rss_mib, peak_mib, reset_peak, resident_mib  # noqa: E402
 
 HOOKPOINT = "layers.12"
 
@@ -83,13 +81,10 @@ def main() -> None:
     if args.device == "cuda":
         torch.cuda.synchronize()
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    print(json.dumps({"seconds": seconds, "tokens": int(train.numel()), "tokens_per_s": train.numel() / seconds,
-                      "cpu_seconds": cpu, "tokens_per_cpu_s": train.numel() / cpu,
-                      "optimizer_steps": int(trainer.global_step), "resident_after_load_mib": loaded,
-                      "peak_during_fit_mib": peak_mib(),
-                      "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "cuda_peak_allocated_mib": torch.cuda.max_memory_allocated() / 2 ** 20 if args.device == "cuda"
-                      else None}))
+    emit({"seconds": seconds, "tokens": int(train.numel()), "tokens_per_s": train.numel() / seconds,
+          "cpu_seconds": cpu, "tokens_per_cpu_s": train.numel() / cpu, "optimizer_steps": int(trainer.global_step),
+          "resident_after_load_mib": loaded, "peak_during_fit_mib": peak_mib(), "maxrss_mib": max_rss_mib(),
+          "cuda_peak_allocated_mib": cuda_peak_mib(args.device)}, device=args.device, indent=None)
 
 
 if __name__ == "__main__":
