@@ -1,15 +1,18 @@
-"""evaluate_dictionary on the tiny Llama: SAELens's metrics against the same quantities computed by hand, and a
-dictionary that reconstructs exactly."""
+"""evaluate_dictionary on the tiny Llama: SAELens's metrics against the same quantities computed by hand (through
+gradpatch's patches, and through plain forward hooks on the Hugging Face model), and a dictionary that reconstructs
+exactly."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from gradpatch import ProbePatch, ZeroPatch, testing
-from gradpatch.dictionaries import SparseAutoencoder, Transcoder, evaluate_dictionary, splice
+from gradpatch import PatchableGraph, ProbePatch, ZeroPatch, testing
+from gradpatch.dictionaries import SAELENS_NAMES, SparseAutoencoder, Transcoder, evaluate_dictionary, splice
 
 BATCHES = [testing.random_prompt_batch(seed=seed).clean for seed in (1, 2)]  # two batches [3, 6]
 NODE = "model.layers_0.output"
@@ -49,13 +52,65 @@ def test_metrics_equal_the_definitions_computed_by_hand(llama_graph) -> None:
     for name in ce:
         assert math.isclose(getattr(metrics, f"ce_loss_{'zero_ablation' if name == 'zero' else name}"), ce[name],
                             rel_tol=1e-5)
-    recovered = (metrics.ce_loss_zero_ablation - metrics.ce_loss_spliced) / (metrics.ce_loss_zero_ablation
-                                                                             - metrics.ce_loss_original)
-    assert metrics.ce_loss_recovered == recovered  # the CEs are close to ln 100 here, so only the formula is compared
     assert math.isclose(metrics.kl, kl / 36, rel_tol=1e-4)
     assert set(metrics.to_dict()) == {"fvu", "explained_variance", "l0", "dead_fraction", "ce_loss_original",
                                       "ce_loss_spliced", "ce_loss_zero_ablation", "ce_loss_recovered", "kl",
-                                      "n_tokens"}
+                                      "n_tokens", *SAELENS_NAMES}
+    for saelens, ours in SAELENS_NAMES.items():  # SAELens's names are the same numbers
+        assert metrics.to_dict()[saelens] == metrics.to_dict()[ours]
+
+
+def _hooked_losses(model: torch.nn.Module, replace: Callable[[torch.Tensor], torch.Tensor] | None,
+                   first: int = 0) -> tuple[float, torch.Tensor]:
+    """Without gradpatch: the summed next-token CE over :data:`BATCHES` and their log-probabilities ``[2, 3, 6,
+    vocab]``, with layer 0's output hidden states at positions ``first..`` replaced by ``replace`` (a plain forward
+    hook on the Hugging Face module; ``None``: the model as it is)."""
+    def hook(module: torch.nn.Module, inputs: Any, output: Any) -> Any:
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden = torch.cat([hidden[:, :first], replace(hidden[:, first:])], dim=1)
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    handle = model.model.layers[0].register_forward_hook(hook) if replace is not None else None
+    try:
+        with torch.no_grad():
+            logits = torch.stack([model(ids).logits for ids in BATCHES])
+    finally:
+        if handle is not None:
+            handle.remove()
+    ce = sum(float(_ce(batch_logits, ids)) for batch_logits, ids in zip(logits, BATCHES))
+    return ce, logits.log_softmax(-1)
+
+
+def test_ce_loss_recovered_equals_a_splice_by_forward_hooks() -> None:
+    """CE loss recovered against the same quantities computed with plain forward hooks on a tiny Llama whose
+    next-token CE is far from ln 100 (initialisation 0.3), so that the ratio is well conditioned."""
+    model = testing.tiny_llama(100, hidden=64, intermediate=128, init_std=0.3, max_position_embeddings=128,
+                               pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    pg = PatchableGraph(model, BATCHES[0], use_cache=False)
+    sae = SparseAutoencoder(64, 128, "topk", k=1, node=NODE, generator=torch.Generator().manual_seed(0))
+    metrics = evaluate_dictionary(pg, sae, BATCHES)
+    original, _ = _hooked_losses(model, None)
+    spliced, _ = _hooked_losses(model, sae)
+    zero, _ = _hooked_losses(model, torch.zeros_like)
+    recovered = (zero - spliced) / (zero - original)
+    assert abs(zero - original) > 1 and 0.5 < recovered < 0.99  # a ratio the test can tell from 0, 1 or its inverse
+    assert math.isclose(metrics.ce_loss_recovered, recovered, rel_tol=1e-5)
+
+
+def test_kl_averages_over_every_position_with_excluded_first_positions() -> None:
+    """With ``exclude_first_positions`` 2 the KL is averaged over every position (the first two, unspliced, add 0
+    to its sum), as the CE losses are, not over the positions the activation metrics count."""
+    model = testing.tiny_llama(100, hidden=64, intermediate=128, init_std=0.3, max_position_embeddings=128,
+                               pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    pg = PatchableGraph(model, BATCHES[0], use_cache=False)
+    sae = SparseAutoencoder(64, 128, "topk", k=4, node=NODE, exclude_first_positions=2,
+                            generator=torch.Generator().manual_seed(0))
+    metrics = evaluate_dictionary(pg, sae, BATCHES)
+    _, p = _hooked_losses(model, None)
+    _, q = _hooked_losses(model, sae, first=2)
+    kl = (p.exp() * (p - q)).sum(-1)  # [2, 3, 6]
+    assert float(kl[..., :2].abs().max()) < 1e-6 and metrics.n_tokens == 2 * 3 * 4
+    assert math.isclose(metrics.kl, float(kl.mean()), rel_tol=1e-4)
 
 
 def test_an_exact_dictionary_recovers_all_of_the_loss(llama_graph) -> None:

@@ -120,3 +120,36 @@ def test_config_round_trip_and_bad_configurations() -> None:
         DictionaryConfig.from_dict({**config.to_dict(), "colour": 1})
     with pytest.raises(DictionaryShapeError, match="last dimension 7"):
         SparseAutoencoder(8, 16, "relu")(torch.zeros(2, 7))
+
+
+def test_auxk_loss_normalised_by_the_target_variance_as_sparsify() -> None:
+    """``target`` given: Σ‖ê − e‖² / Σ‖y − mean(y)‖² (sparsify's divisor) instead of the residual's variance."""
+    g = torch.Generator().manual_seed(5)
+    h, target = torch.randn(20, 16, generator=g), torch.randn(20, 6, generator=g)
+    residual = 0.1 * torch.randn(20, 6, generator=g)
+    W_dec = unit_norm_rows(torch.randn(16, 6, generator=g))  # noqa: N806
+    dead = torch.zeros(16, dtype=torch.bool)
+    dead[[1, 5]] = True
+    estimate = torch.zeros(20, 16)
+    estimate[:, [1, 5]] = h[:, [1, 5]].relu()
+    error = (estimate @ W_dec - residual).pow(2).sum()
+    expected = 0.5 * error / (target - target.mean(0)).pow(2).sum()
+    assert torch.allclose(auxk_loss(h, residual, W_dec, dead, 4, target=target), expected)
+    by_residual = auxk_loss(h, residual, W_dec, dead, 4)  # the default, Gao et al.'s: ~100× here (|e| ≈ 0.1 |y|)
+    assert torch.allclose(by_residual, 0.5 * error / (residual - residual.mean(0)).pow(2).sum())
+    with pytest.raises(ValueError, match="target"):
+        auxk_loss(h, residual, W_dec, dead, 4, target=target[:5])
+
+
+def test_apply_b_dec_to_input_has_one_default() -> None:
+    """One default: an SAE subtracts b_dec before encoding (Gao et al.'s b_pre) whether built as a class or from a
+    config; a transcoder never does; an explicit value is kept through a round trip."""
+    built = SparseAutoencoder(8, 16, "topk", k=2).config
+    assert built.apply_b_dec_to_input is True
+    assert DictionaryConfig("sae", "topk", 8, 16, k=2).apply_b_dec_to_input is True
+    assert DictionaryConfig("transcoder", "topk", 8, 16, k=2).apply_b_dec_to_input is False
+    assert Transcoder(8, 16, activation="relu").config.apply_b_dec_to_input is False
+    fields = {key: value for key, value in built.to_dict().items() if key != "apply_b_dec_to_input"}
+    assert DictionaryConfig.from_dict(fields).apply_b_dec_to_input is True
+    explicit = SparseAutoencoder(8, 16, "relu", apply_b_dec_to_input=False).config
+    assert DictionaryConfig.from_dict(explicit.to_dict()).apply_b_dec_to_input is False

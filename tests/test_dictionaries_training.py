@@ -3,16 +3,20 @@ decoder rows stay unit norm, the buffer fills before the first step and the dict
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loops.optimization.automatic import Closure
+from lightning.pytorch.trainer.connectors import data_connector
 from torch.utils.data import DataLoader
 
 from gradpatch.dictionaries import SparseAutoencoder, Transcoder, load_dictionary
 from gradpatch.errors import NonFiniteError
-from recipes.dictionary import ActivationBuffer, DictionaryModule, EndToEndDictionaryModule
+from recipes.dictionary import ActivationBuffer, DictionaryDataModule, DictionaryModule, EndToEndDictionaryModule
 from recipes.errors import RecipeConfigError
 
 CHUNKS = torch.randint(3, 100, (48, 8), generator=torch.Generator().manual_seed(0))  # 48 sequences of 8 tokens
@@ -130,3 +134,71 @@ def test_a_diverged_dictionary_stops_training_and_writes_nothing(llama_graph, tm
     with pytest.raises(NonFiniteError, match=r"'fvu'.*non-finite at step 0.*no dictionary was written"):
         _fit(DictionaryModule(llama_graph, sae, buffer_rows=32), tmp_path, steps=4)
     assert not (tmp_path / "dictionary").exists()
+
+
+def _sae(first: int = 0) -> SparseAutoencoder:
+    return SparseAutoencoder(64, 128, "topk", k=8, node="model.layers_0.output", exclude_first_positions=first,
+                             generator=torch.Generator().manual_seed(0))
+
+
+def _chunks() -> DictionaryDataModule:
+    """A :class:`DictionaryDataModule` holding :data:`CHUNKS` (48 chunks of 8 tokens, batches of 4), no corpus."""
+    data = DictionaryDataModule(train_tokens=384, chunk_length=8, batch_size=4)
+    data.chunks = CHUNKS
+    return data
+
+
+def _trainer(root: Path, **options: object) -> Trainer:
+    settings = {"max_epochs": 1, "accelerator": "cpu", "logger": False, "enable_checkpointing": False,
+                "enable_progress_bar": False, "enable_model_summary": False, "default_root_dir": str(root), **options}
+    return Trainer(**settings)
+
+
+def test_fit_hides_the_fill_steps_warning_without_leaving_a_filter(llama_graph, tmp_path: Path) -> None:
+    """The steps that fill the buffer return ``None`` on purpose: Lightning's warning about it is hidden during
+    those steps, and no filter is left in the process's ``warnings.filters`` (setup used to add one per call)."""
+    Closure.warning_cache.clear()  # Lightning warns once per process: forget earlier tests' runs
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fvus = _fit(DictionaryModule(llama_graph, _sae(), buffer_rows=96, lr=1e-2), tmp_path, steps=4)
+        left = [entry for entry in warnings.filters if entry[1] is not None and "training_step" in entry[1].pattern]
+    assert len(fvus) == 2 and not left
+    assert not [w for w in caught if "returned `None`" in str(w.message)]
+
+
+@pytest.mark.parametrize("case", ["buffer", "positions"])
+def test_a_run_whose_buffer_never_fills_is_refused_before_it_starts(llama_graph, tmp_path: Path, case: str) -> None:
+    """2 epochs of 48 chunks of 8 tokens push 768 rows, fewer than a buffer of 4096 (or none when the first 8
+    positions are left out): the buffer would never fill and no optimizer step would run."""
+    module = (DictionaryModule(llama_graph, _sae(), buffer_rows=4096) if case == "buffer" else
+              DictionaryModule(llama_graph, _sae(first=8), buffer_rows=32))
+    expected = {"buffer": r"768 activation rows .* buffer_rows=4096.* --data.train_tokens to at least 2048 .*"
+                          r"--model.buffer_rows",
+                "positions": r"chunk_length=8 .* exclude_first_positions=8.* --data.chunk_length"}[case]
+    with pytest.raises(RecipeConfigError, match=expected):
+        _trainer(tmp_path, max_epochs=2).fit(module, datamodule=_chunks())
+    assert module.global_step == 0 and not (tmp_path / "dictionary").exists()
+
+
+def test_resuming_from_the_data_module_does_not_warn_that_its_loader_is_not_resumable(
+        llama_graph, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning warns that a loader without ``state_dict`` makes a mid-epoch resume unreliable, and (on a machine
+    with more cores than this one: patched) that it has few workers; the data module checkpoints its position and
+    holds its batches in memory, so both warnings are hidden, during that fit only."""
+    monkeypatch.setattr(data_connector, "suggested_max_num_workers", lambda devices: 8)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=3, save_top_k=-1)
+    _trainer(tmp_path / "first", enable_checkpointing=True, callbacks=[checkpoint]).fit(
+        DictionaryModule(llama_graph, _sae(), buffer_rows=32), datamodule=_chunks())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        before = list(warnings.filters)
+        _trainer(tmp_path / "resumed").fit(DictionaryModule(llama_graph, _sae(), buffer_rows=32), datamodule=_chunks(),
+                                           ckpt_path=tmp_path / "checkpoints" / "epoch=0-step=3.ckpt")
+        after = list(warnings.filters)
+    assert not [w for w in caught if "not resumable" in str(w.message) or "many workers" in str(w.message)]
+    assert after == before
+    with warnings.catch_warnings(record=True) as caught:  # a plain loader, not the data module: Lightning warns
+        warnings.simplefilter("always")
+        _trainer(tmp_path / "plain", max_steps=1).fit(DictionaryModule(llama_graph, _sae(), buffer_rows=32),
+                                                      DataLoader(CHUNKS, batch_size=4))
+    assert [w for w in caught if "many workers" in str(w.message)]

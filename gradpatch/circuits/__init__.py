@@ -14,7 +14,8 @@ See docs/circuits.md.
 
 from .attribute import AttributionGraph, attribute, salient_logits
 from .complete import Completeness, check_completeness, completeness, default_tolerance
-from .errors import CircuitError, FrozenNodesNotFoundError, IncompleteGraphError, MemoryBoundError, NoPathError
+from .errors import (CircuitError, FeatureIndexError, FrozenNodesNotFoundError, IncompleteGraphError, MemoryBoundError,
+                     NoPathError)
 from .files import frontend_graph, node_records, save_graph
 from .freeze import FrozenLayerNorm, FrozenNodes, LinearisedOp, find_frozen_nodes
 from .html import graph_html, node_label
@@ -32,6 +33,7 @@ __all__ = [
     "Completeness",
     "EDIT_KINDS",
     "FeatureEdit",
+    "FeatureIndexError",
     "FrozenLayerNorm",
     "FrozenNodes",
     "FrozenNodesNotFoundError",

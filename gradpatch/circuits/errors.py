@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..dictionaries.errors import DictionaryConfigError
 from ..errors import GradpatchError
 
 
@@ -29,3 +30,10 @@ class IncompleteGraphError(CircuitError):
     """An attribution graph whose target rows do not sum to the targets' values (its edges plus its bias): the
     replacement model is not affine from the sources to that target, because a nonlinearity on the way is neither
     frozen nor linearised; the message names the node and the error."""
+
+
+class FeatureIndexError(CircuitError, DictionaryConfigError):
+    """An edit of a feature outside its transcoder's latents ``0..d_sae − 1``, raised alike by
+    :func:`~gradpatch.circuits.intervene` and :func:`~gradpatch.circuits.intervene_direct` before any forward pass. Both a :class:`CircuitError` and a
+    :class:`~gradpatch.dictionaries.DictionaryConfigError` (what ``splice`` raises for a latent out of range), so
+    either ``except`` catches it; the message names the valid range."""

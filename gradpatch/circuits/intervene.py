@@ -29,14 +29,15 @@ from typing import Any
 
 import torch
 
-from ..dictionaries import SparseDictionary, splice
+from ..dictionaries import DictionaryConfigError, SparseDictionary, splice
 from ..patchable_graph import PatchableGraph
 from ..patches import Patch, ProbePatch, ReplacePatch
-from .errors import CircuitError
+from .errors import CircuitError, FeatureIndexError
 from .freeze import find_frozen_nodes
 from .replacement import ReplacementModel
 
-__all__ = ["EDIT_KINDS", "FeatureEdit", "InterventionResult", "intervene", "intervene_direct", "top_logits"]
+__all__ = ["EDIT_KINDS", "FeatureEdit", "InterventionResult", "intervene", "intervene_direct",
+           "top_logits"]
 
 #: What an edit does to a_f: ``ablate`` sets it to 0, ``scale`` multiplies it by ``value``, ``clamp`` sets it to
 #: ``value``, ``steer`` adds ``value · W_dec[f]`` to the MLP output (a_f unchanged).
@@ -79,7 +80,8 @@ def top_logits(logits: torch.Tensor, k: int = 10) -> list[tuple[int, float]]:
 
 
 def _check(edits: Sequence[FeatureEdit], transcoders: Mapping[int, SparseDictionary], seq: int) -> None:
-    """Raise :class:`CircuitError` for an edit of an unknown kind or layer, or a position outside the prompt."""
+    """Raise :class:`CircuitError` for an edit of an unknown kind or layer, or a position outside the prompt, and
+    :class:`FeatureIndexError` for a feature outside its transcoder's latents."""
     for edit in edits:
         if edit.kind not in EDIT_KINDS:
             raise CircuitError(f"{edit}: kind {edit.kind!r} is not one of {EDIT_KINDS}")
@@ -89,6 +91,10 @@ def _check(edits: Sequence[FeatureEdit], transcoders: Mapping[int, SparseDiction
         if not -seq <= edit.position < seq:
             raise CircuitError(f"{edit}: position {edit.position} is outside the prompt of {seq} tokens; give "
                                f"0..{seq - 1} (or a negative position from the end)")
+        d_sae = transcoders[edit.layer].d_sae
+        if not 0 <= edit.feature < d_sae:
+            raise FeatureIndexError(f"{edit}: feature {edit.feature} is outside 0..{d_sae - 1}, the latents of the "
+                                    f"transcoder at layer {edit.layer} (d_sae={d_sae}); give a feature in that range")
 
 
 def _splices(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], edits: Sequence[FeatureEdit],
@@ -129,7 +135,8 @@ def intervene(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], i
     Raises:
         CircuitError: ``ids`` of more than one row, an edit of an unknown kind, of a layer without a transcoder, or
             at a position outside the prompt.
-        DictionaryConfigError: a feature index outside the transcoder's latents.
+        FeatureIndexError: a feature index outside the transcoder's latents (a ``CircuitError`` and a
+            ``DictionaryConfigError``).
         FrozenNodesNotFoundError: ``freeze_attention`` on a graph without attention nodes.
     """
     if ids.dim() != 2 or ids.shape[0] != 1:
@@ -168,7 +175,9 @@ def intervene_direct(model: ReplacementModel, edits: Sequence[FeatureEdit], *, t
 
     Raises:
         CircuitError: an edit of an unknown kind, of a layer without a transcoder, or at a position outside the
-            prompt, or of a feature outside the transcoder's latents.
+            prompt.
+        FeatureIndexError: a feature index outside the transcoder's latents (a ``CircuitError`` and a
+            ``DictionaryConfigError``).
     """
     seq = model.ids.shape[1]
     _check(edits, {layer: spliced.transcoder for layer, spliced in model.layers.items()}, seq)
@@ -177,8 +186,6 @@ def intervene_direct(model: ReplacementModel, edits: Sequence[FeatureEdit], *, t
     activations = []
     for edit in edits:
         spliced, position = model.layers[edit.layer], edit.position % seq
-        if not 0 <= edit.feature < spliced.transcoder.d_sae:
-            raise CircuitError(f"{edit}: feature {edit.feature} is outside 0..{spliced.transcoder.d_sae - 1}")
         key = (edit.layer, position, edit.feature)
         activation = current.get(key, float(spliced.activations[0, position, edit.feature]))
         activations.append(activation)

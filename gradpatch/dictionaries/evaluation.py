@@ -10,12 +10,19 @@ all tokens (positions where the attention mask is 1):
 - ``ce_loss_original``, ``ce_loss_spliced``, ``ce_loss_zero_ablation``: the mean next-token cross-entropy over every
   position that has a next token; ``ce_loss_recovered`` = (CE_zero − CE_spliced) / (CE_zero − CE_original), SAELens's
   definition (NaN when zero ablation does not change the loss);
-- ``kl``: mean over all tokens of KL(p_original ‖ p_spliced) (the last position included, as SAELens averages it);
-- ``n_tokens``: the tokens counted in the activation metrics.
+- ``kl``: mean of KL(p_original ‖ p_spliced) over every position of every sequence (the attention mask's), the CE
+  losses' positions plus each sequence's last one, whose KL is defined without a next token (SAELens's
+  ``kl_div_with_sae`` averages over the same positions);
+- ``n_tokens``: the tokens counted in the activation metrics (``fvu`` .. ``dead_fraction``).
 
 A dictionary whose config has ``exclude_first_positions`` n > 0 is spliced, and the node zero-ablated, at positions
 n.. only (:func:`~gradpatch.dictionaries.trained_positions`; the first n keep the model's values), and its activation
-metrics count those positions only; the CE losses and the KL still average over every position.
+metrics count those positions only. The CE losses and the KL still average over every position, the first n
+included (there the spliced model is the model: they add 0 to the KL's sum and the same loss to each CE), so that
+they compare with SAELens's and with runs that exclude nothing.
+
+:meth:`DictionaryMetrics.to_dict` (``metrics.json``) holds each metric under our name and, for the five SAELens
+reports, under SAELens's name too (:data:`SAELENS_NAMES`): the same numbers.
 """
 
 from __future__ import annotations
@@ -31,7 +38,13 @@ from ..patches import ProbePatch, ZeroPatch
 from .modules import SparseDictionary
 from .splice import Splice, splice, trained_positions
 
-__all__ = ["DictionaryMetrics", "evaluate_dictionary"]
+__all__ = ["DictionaryMetrics", "SAELENS_NAMES", "evaluate_dictionary"]
+
+#: SAELens's name of a metric (``sae_lens.evals.get_downstream_reconstruction_metrics``) -> our field of the same
+#: number.
+SAELENS_NAMES: dict[str, str] = {"ce_loss_without_sae": "ce_loss_original", "ce_loss_with_sae": "ce_loss_spliced",
+                                 "ce_loss_with_ablation": "ce_loss_zero_ablation", "ce_loss_score": "ce_loss_recovered",
+                                 "kl_div_with_sae": "kl"}
 
 
 @dataclass
@@ -50,7 +63,9 @@ class DictionaryMetrics:
     n_tokens: int
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields by name, then the same numbers under SAELens's names (:data:`SAELENS_NAMES`)."""
+        fields = asdict(self)
+        return {**fields, **{saelens: fields[ours] for saelens, ours in SAELENS_NAMES.items()}}
 
 
 class _Sums:
@@ -66,6 +81,7 @@ class _Sums:
         self.losses = {"original": 0.0, "spliced": 0.0, "zero": 0.0}
         self.positions = 0
         self.kl = 0.0
+        self.kl_positions = 0
 
     def add_activations(self, target: torch.Tensor, output: torch.Tensor, latents: torch.Tensor) -> None:
         target, output = target.double(), output.double()
@@ -87,7 +103,7 @@ class _Sums:
             dead_fraction=float((~self.fired).double().mean()), ce_loss_original=ce["original"],
             ce_loss_spliced=ce["spliced"], ce_loss_zero_ablation=ce["zero"],
             ce_loss_recovered=(ce["zero"] - ce["spliced"]) / span if span != 0 else float("nan"),
-            kl=self.kl / max(self.tokens, 1), n_tokens=self.tokens)
+            kl=self.kl / max(self.kl_positions, 1), n_tokens=self.tokens)
 
 
 def _next_token_losses(logits: torch.Tensor, ids: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
@@ -152,3 +168,4 @@ def _add_batch(pg: Any, spliced: Splice, inputs: dict[str, Any], sums: _Sums) ->
         log_p, log_q = F.log_softmax(original.float(), -1), F.log_softmax(logits.float(), -1)
         sums.kl += float(((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum())
         sums.positions += int(scored.sum())
+        sums.kl_positions += int(mask.sum())

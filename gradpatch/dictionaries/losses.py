@@ -7,7 +7,9 @@ pre-activations ``[..., m]``, decoder ``W_dec`` ``[m, d]``.
   2024 (arXiv 2406.04093, section 2.1) and sparsify train on; 1 for the mean predictor.
 - :func:`auxk_loss`: Gao et al.'s auxiliary loss for dead latents (appendix A.2): the residual e = x − x̂ is
   reconstructed from the ``k_aux`` largest pre-activations of the dead latents only, ê = TopK_aux(h_dead) W_dec;
-  the loss is normalized_mse(ê, e), scaled by min(n_dead / k_aux, 1) as sparsify does.
+  the loss is Σ‖ê − e‖² divided by the residual's variance Σ‖e − mean(e)‖² (normalized_mse(ê, e), the default) or,
+  given the target y, by the target's Σ‖y − mean(y)‖² as sparsify divides it; scaled by min(n_dead / k_aux, 1) as
+  sparsify does.
 - :func:`l1_penalty`: Σ_i |z_i| ‖W_dec[i]‖ per token, averaged (ReLU SAEs; the decoder norm keeps the penalty from
   being dodged by shrinking z and growing W_dec, Anthropic's April 2024 update).
 - :func:`jumprelu_l0`: Σ_i H(h_i − θ_i) per token, averaged, with the straight-through θ gradient of Rajamanoharan
@@ -42,8 +44,12 @@ def normalized_mse(reconstruction: torch.Tensor, target: torch.Tensor) -> torch.
 
 
 def auxk_loss(pre_activations: torch.Tensor, residual: torch.Tensor, W_dec: torch.Tensor,  # noqa: N803
-              dead: torch.Tensor, k_aux: int) -> torch.Tensor:
+              dead: torch.Tensor, k_aux: int, target: torch.Tensor | None = None) -> torch.Tensor:
     """Gao et al.'s AuxK loss (appendix A.2), scaled by min(n_dead / k_aux, 1) (0 when no latent is dead).
+
+    The two normalisations differ by the main loss's FVU: Σ‖e − mean(e)‖² ≈ FVU · Σ‖y − mean(y)‖², so at the same
+    coefficient α the residual's divisor weighs AuxK 1 / FVU times more than sparsify's (10× at an FVU of 0.1), and
+    its weight grows as the reconstruction improves. (sparsify's ê also adds b_dec; ours has no bias term.)
 
     Args:
         pre_activations: h ``[..., m]``.
@@ -51,10 +57,19 @@ def auxk_loss(pre_activations: torch.Tensor, residual: torch.Tensor, W_dec: torc
         W_dec: ``[m, d]``.
         dead: ``[m]`` booleans, the latents that fired on none of the last many tokens.
         k_aux: dead latents used per token (Gao et al.: 512 for d = 768; sparsify: d / 2).
+        target: y ``[..., d]``, the main loss's target, as many tokens as ``residual``: divide by its variance
+            Σ‖y − mean(y)‖² (sparsify's ``total_variance``) instead of the residual's (``None``, the default:
+            normalized_mse(ê, e)).
 
     Returns:
         A scalar.
+
+    Raises:
+        ValueError: ``target`` of another shape than ``residual`` (flattened to tokens).
     """
+    if target is not None and _tokens(target).shape != _tokens(residual).shape:
+        raise ValueError(f"auxk_loss: target {tuple(target.shape)} must have the residual's tokens and width "
+                         f"{tuple(_tokens(residual).shape)}; pass the main loss's target")
     count = int(dead.sum())
     if count == 0:
         return pre_activations.new_zeros(())
@@ -63,7 +78,12 @@ def auxk_loss(pre_activations: torch.Tensor, residual: torch.Tensor, W_dec: torc
     values, indices = masked.topk(k, dim=-1, sorted=False)
     latents = torch.zeros_like(masked).scatter(-1, indices, values.relu())
     estimate = latents @ W_dec
-    return min(count / k_aux, 1.0) * normalized_mse(estimate, _tokens(residual).detach())
+    scale = min(count / k_aux, 1.0)
+    if target is None:
+        return scale * normalized_mse(estimate, _tokens(residual).detach())
+    y = _tokens(target).detach()
+    variance = (y - y.mean(0)).pow(2).sum().clamp_min(torch.finfo(y.dtype).tiny)
+    return scale * (estimate - _tokens(residual).detach()).pow(2).sum() / variance
 
 
 def l1_penalty(latents: torch.Tensor, W_dec: torch.Tensor) -> torch.Tensor:  # noqa: N803

@@ -50,7 +50,11 @@ class DictionaryConfig:
         d_out: the width of the node written (``d_in`` for an SAE; ``None`` means ``d_in``).
         k: active latents per token (TopK, BatchTopK), ``None`` otherwise.
         bandwidth: ε of JumpReLU's straight-through estimator.
-        apply_b_dec_to_input: subtract ``b_dec`` before encoding (SAEs only).
+        apply_b_dec_to_input: subtract ``b_dec`` before encoding (SAEs only). ``None`` (the default) resolves to
+            the kind's one default: ``True`` for an SAE (Gao et al.'s b_pre = b_dec, as sparsify and SAELens default
+            to), ``False`` for a transcoder (whose ``b_dec`` lives in the output space). Every ``dictionary.json``
+            :func:`~gradpatch.dictionaries.save_dictionary` writes holds the resolved value, so saved files load as
+            they were saved.
         input_node: the NodePath read, if known.
         output_node: the NodePath written (an SAE's is its ``input_node``), if known.
         model_fingerprint: :func:`gradpatch.model_fingerprint` of the model it was trained on, if known.
@@ -70,7 +74,7 @@ class DictionaryConfig:
     d_out: int | None = None
     k: int | None = None
     bandwidth: float = 0.001
-    apply_b_dec_to_input: bool = False
+    apply_b_dec_to_input: bool | None = None
     input_node: str | None = None
     output_node: str | None = None
     model_fingerprint: str | None = None
@@ -81,6 +85,8 @@ class DictionaryConfig:
             self.d_out = self.d_in
         if self.kind == "sae" and self.output_node is None:
             self.output_node = self.input_node
+        if self.apply_b_dec_to_input is None:
+            self.apply_b_dec_to_input = self.kind == "sae"
         self.validate()
 
     def validate(self) -> None:
@@ -256,7 +262,8 @@ class SparseAutoencoder(SparseDictionary):
         activation: ``"topk"`` (default), ``"batchtopk"``, ``"jumprelu"`` or ``"relu"`` (train with an L1 penalty).
         k: active latents per token for TopK / BatchTopK.
         node: the NodePath it reads and reconstructs, if known.
-        apply_b_dec_to_input: subtract ``b_dec`` before encoding (Gao et al.'s b_pre).
+        apply_b_dec_to_input: subtract ``b_dec`` before encoding (Gao et al.'s b_pre); ``None`` (default): the
+            config's default for an SAE, ``True``.
         bandwidth: JumpReLU's ε.
         exclude_first_positions: positions left out of training and evaluation (:class:`DictionaryConfig`).
         generator: random generator of the initial weights.
@@ -266,7 +273,7 @@ class SparseAutoencoder(SparseDictionary):
     """
 
     def __init__(self, d_in: int, d_sae: int, activation: str = "topk", k: int | None = None, *,
-                 node: str | None = None, apply_b_dec_to_input: bool = True, bandwidth: float = 0.001,
+                 node: str | None = None, apply_b_dec_to_input: bool | None = None, bandwidth: float = 0.001,
                  exclude_first_positions: int = 0, generator: torch.Generator | None = None) -> None:
         super().__init__(DictionaryConfig("sae", activation, d_in, d_sae, k=k, bandwidth=bandwidth,
                                           apply_b_dec_to_input=apply_b_dec_to_input, input_node=node,

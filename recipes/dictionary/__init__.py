@@ -23,6 +23,7 @@ from ..lazy import recipe_exports
 #: Public name -> submodule that defines it.
 _EXPORTS: dict[str, str] = {
     "AUXK_COEFFICIENT": "module",
+    "AuxKNormalization": "module",
     "BDecInit": "module",
     "ActivationBuffer": "buffer",
     "DictionaryDataModule": "fit",

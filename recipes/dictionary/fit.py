@@ -22,16 +22,19 @@ training, ``recipes/configs/sae_smollm2_e2e.yaml``).
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Sampler
 
 from editors import editable_graph
-from editors.passes import node_activations
+from gradpatch.capture import node_activations
 from gradpatch.dictionaries import SkipTranscoder, SparseAutoencoder, SparseDictionary, Transcoder
 from gradpatch.model_io import model_device
 
@@ -39,10 +42,22 @@ from ..errors import RecipeConfigError
 from ..training.frozen import DtypeName, EMBEDDED_MODEL_LABEL, OptimizerName
 from .corpus import packed_chunks, read_documents, tokenize_documents
 from .end_to_end import EndToEndDictionaryModule, downstream_residual_nodes
-from .module import AUXK_COEFFICIENT, BDecInit, DictionaryModule
+from .module import AUXK_COEFFICIENT, AuxKNormalization, BDecInit, DictionaryModule
 
 __all__ = ["DictionaryDataModule", "DictionaryFitModule", "DictionarySpec", "EndToEndDictionaryFitModule",
-           "build_dictionaries", "build_dictionary", "load_graph"]
+           "UNACTIONABLE_WARNINGS", "build_dictionaries", "build_dictionary", "load_graph"]
+
+#: Lightning's warnings (``PossibleUserWarning``s, by message) that :class:`DictionaryDataModule` hides during its
+#: stages, since a user of it can do nothing about them:
+#:
+#: - resuming mid-epoch from a loader without ``state_dict`` "can cause unreliable results": the data module
+#:   checkpoints the batches done and starts after them, so the resume is exact (tests/test_dictionaries_cli.py);
+#: - the loader "does not have many workers": its batches are slices of a tensor already in memory (workers would
+#:   only copy them between processes), and it has no ``num_workers`` setting to raise.
+UNACTIONABLE_WARNINGS = (
+    r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable",
+    r"The 'train_dataloader' does not have many workers",
+)
 
 
 @dataclass
@@ -122,8 +137,8 @@ class DictionaryFitModule(DictionaryModule):
         model_path: a ``save_pretrained`` directory or ``.gguf`` file; ``None`` for the embedded SmolLM2-135M-Instruct.
         dtype: the model's dtype (the dictionary trains in float32).
         buffer_rows, lr, optimizer, sparsity_coefficient, auxk_coefficient, dead_after_tokens, unit_norm_decoder,
-            seed, density_every_n_steps, ce_every_n_steps, b_dec_init: as :class:`DictionaryModule` (``seed`` also
-            seeds the initial weights).
+            seed, density_every_n_steps, ce_every_n_steps, b_dec_init, auxk_normalization: as
+            :class:`DictionaryModule` (``seed`` also seeds the initial weights).
 
     Raises:
         RecipeConfigError, NodePathError, DictionaryConfigError: as :func:`build_dictionary` and
@@ -135,13 +150,15 @@ class DictionaryFitModule(DictionaryModule):
                  optimizer: OptimizerName = "adam", sparsity_coefficient: float = 1e-3,
                  auxk_coefficient: float = AUXK_COEFFICIENT, dead_after_tokens: int = 10_000_000,
                  unit_norm_decoder: bool = True, seed: int = 0, density_every_n_steps: int = 50,
-                 ce_every_n_steps: int = 50, b_dec_init: BDecInit = "mean") -> None:
+                 ce_every_n_steps: int = 50, b_dec_init: BDecInit = "mean",
+                 auxk_normalization: AuxKNormalization = "residual") -> None:
         pg, tokenizer = load_graph(model_path, dtype)
         super().__init__(pg, build_dictionaries(pg, dictionary, seed), buffer_rows=buffer_rows, lr=lr,
                          optimizer=optimizer, sparsity_coefficient=sparsity_coefficient,
                          auxk_coefficient=auxk_coefficient, dead_after_tokens=dead_after_tokens,
                          unit_norm_decoder=unit_norm_decoder, seed=seed, density_every_n_steps=density_every_n_steps,
-                         ce_every_n_steps=ce_every_n_steps, b_dec_init=b_dec_init)
+                         ce_every_n_steps=ce_every_n_steps, b_dec_init=b_dec_init,
+                         auxk_normalization=auxk_normalization)
         self.tokenizer = tokenizer
         self.model_label = model_path or EMBEDDED_MODEL_LABEL
 
@@ -210,9 +227,16 @@ class DictionaryDataModule(LightningDataModule):
         eval_tokens: held-out tokens scored after training.
         max_length: tokens per document at most.
 
+    From :meth:`setup` to :meth:`teardown` (or :meth:`on_exception`) Lightning's warnings that a user of this data
+    module cannot act on are hidden (:data:`UNACTIONABLE_WARNINGS`: "dataloader is not resumable" when its resume is
+    exact, "does not have many workers" for batches already in memory), and the filters restored after.
+
     Raises:
-        RecipeConfigError: a count below 1 (``eval_tokens``, ``max_length`` below 2), or (at setup) a corpus too
-            short for one chunk.
+        RecipeConfigError: a count below 1 (``eval_tokens``, ``max_length`` below 2), or at setup: a corpus too
+            short for one chunk, or a run that could not take one optimizer step (a ``chunk_length`` within the
+            dictionaries' ``exclude_first_positions``, or fewer rows over the run than a
+            :class:`DictionaryModule`'s ``buffer_rows``, so that its shuffle buffer never fills; the message names
+            the ``train_tokens`` needed).
         FileNotFoundError: at setup, a corpus file that does not exist.
     """
 
@@ -229,16 +253,74 @@ class DictionaryDataModule(LightningDataModule):
         self.eval_documents: list[list[int]] = []
         #: From a checkpoint: ``{"epoch", "batches"}`` done (:meth:`load_state_dict`).
         self.resume: dict[str, int] = {}
+        #: The warning filters of the current stage (:meth:`setup` to :meth:`teardown`), ``None`` outside one.
+        self.warning_filters: warnings.catch_warnings | None = None
 
     def setup(self, stage: str) -> None:
-        """Read and tokenize the corpus (once)."""
-        if self.chunks is not None:
+        """Read and tokenize the corpus (once); for ``fit``, refuse a run without an optimizer step
+        (:meth:`check_steps`); then hide :data:`UNACTIONABLE_WARNINGS` until :meth:`teardown`."""
+        if self.chunks is None:
+            tokenizer = self.trainer.lightning_module.tokenizer
+            documents = read_documents(self.corpus)
+            self.eval_documents, read = tokenize_documents(tokenizer, documents, self.eval_tokens, self.max_length)
+            self.chunks = packed_chunks(tokenizer, documents[read:], max(self.train_tokens // self.chunk_length, 1),
+                                        self.chunk_length, self.max_length)
+        if stage == "fit":
+            self.check_steps()
+        if self.warning_filters is None:
+            self.warning_filters = warnings.catch_warnings()
+            self.warning_filters.__enter__()  # left in teardown or on_exception: the filters last this stage only
+            for message in UNACTIONABLE_WARNINGS:
+                warnings.filterwarnings("ignore", message=message, category=PossibleUserWarning)
+
+    def teardown(self, stage: str) -> None:
+        """Restore the warning filters :meth:`setup` changed."""
+        if self.warning_filters is not None:
+            self.warning_filters.__exit__(None, None, None)
+            self.warning_filters = None
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Restore the warning filters when the stage fails (Lightning calls no ``teardown`` then)."""
+        self.teardown("fit")
+
+    def check_steps(self) -> None:
+        """Refuse a run in which a :class:`DictionaryModule` could take no optimizer step: its shuffle buffer fills
+        only once it holds ``buffer_rows`` rows, and each chunk gives ``chunk_length − exclude_first_positions``
+        rows, on each DDP rank (Lightning's sampler gives each the same number of chunks), over
+        ``trainer.max_epochs`` epochs (no check when unbounded: ``max_steps`` then ends a run that fills first)
+        and within ``limit_train_batches``. An end-to-end module's one-row buffer fills on any batch.
+
+        Raises:
+            RecipeConfigError: no position left to train on, or fewer rows than ``buffer_rows`` (the message names
+                the ``train_tokens`` that fill the buffer).
+        """
+        module, trainer = self.trainer.lightning_module, self.trainer
+        if not isinstance(module, DictionaryModule) or self.chunks is None:
             return
-        tokenizer = self.trainer.lightning_module.tokenizer
-        documents = read_documents(self.corpus)
-        self.eval_documents, read = tokenize_documents(tokenizer, documents, self.eval_tokens, self.max_length)
-        self.chunks = packed_chunks(tokenizer, documents[read:], max(self.train_tokens // self.chunk_length, 1),
-                                    self.chunk_length, self.max_length)
+        excluded = module.exclude_first_positions
+        rows_per_chunk = self.chunk_length - excluded
+        if rows_per_chunk < 1:
+            raise RecipeConfigError(f"data.chunk_length={self.chunk_length} leaves no position to train on: the "
+                                    f"dictionaries leave out their first exclude_first_positions={excluded}; raise "
+                                    f"--data.chunk_length above {excluded}")
+        epochs = trainer.max_epochs
+        if epochs is None or epochs < 0:
+            return
+        chunks = math.ceil(len(self.chunks) / trainer.world_size)
+        limit = trainer.limit_train_batches
+        batches = math.ceil(chunks / self.batch_size)
+        batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+        rows = epochs * min(chunks, batches * self.batch_size) * rows_per_chunk
+        capacity = module.buffer.capacity
+        if rows < capacity:
+            needed = math.ceil(capacity / (epochs * rows_per_chunk)) * trainer.world_size * self.chunk_length
+            raise RecipeConfigError(
+                f"the run would push {rows} activation rows into a shuffle buffer of buffer_rows={capacity} "
+                f"({len(self.chunks)} chunks of {self.chunk_length} tokens, {rows_per_chunk} rows each after "
+                f"exclude_first_positions={excluded}, over {trainer.world_size} rank(s), {epochs} epoch(s), "
+                f"limit_train_batches={limit}): the buffer would never fill and no optimizer step would be taken; "
+                f"raise --data.train_tokens to at least {needed} (or lower --model.buffer_rows to at most {rows}, "
+                f"or raise --trainer.max_epochs)")
 
     def train_dataloader(self) -> DataLoader:
         """The chunks ``[batch_size, chunk_length]`` in corpus order; resumed from a checkpoint taken in this epoch,

@@ -1,6 +1,16 @@
 """``metrics.json`` of a dictionary: :func:`gradpatch.dictionaries.evaluate_dictionary` on tokenized documents, one
 document per forward pass (no padding), written atomically. Both ``gradpatch dictionary eval`` and the end of
-``gradpatch fit`` on a dictionary config write it."""
+``gradpatch fit`` on a dictionary config write it.
+
+One schema whatever the number of dictionaries: ``"dictionaries"`` maps each dictionary's written NodePath to its
+:meth:`~gradpatch.dictionaries.DictionaryMetrics.to_dict` (our names, and SAELens's for the five metrics it
+reports); the top level is left to records about the run (``gradpatch dictionary eval`` adds ``"provenance"``)::
+
+    {"dictionaries": {"model.layers_12.output": {"fvu": 0.44, ..., "kl": 1.38, "n_tokens": 2006,
+                                                 "ce_loss_without_sae": 3.00, "ce_loss_with_sae": 4.15,
+                                                 "ce_loss_with_ablation": 12.23, "ce_loss_score": 0.88,
+                                                 "kl_div_with_sae": 1.38}}}
+"""
 
 from __future__ import annotations
 
@@ -15,17 +25,19 @@ from gradpatch.dictionaries import DictionaryMetrics, SparseDictionary, evaluate
 from gradpatch.files.atomic import atomic_write_text
 from gradpatch.model_io import model_device
 
-__all__ = ["METRICS_NAME", "write_dictionary_metrics"]
+__all__ = ["METRICS_KEY", "METRICS_NAME", "write_dictionary_metrics"]
 
 METRICS_NAME = "metrics.json"
+#: The key of ``metrics.json`` that maps each written NodePath to its metrics.
+METRICS_KEY = "dictionaries"
 
 
 def write_dictionary_metrics(pg: Any, dictionary: SparseDictionary | Sequence[SparseDictionary],
                              documents: list[list[int]], folder: str | Path, node: str | None = None,
                              output_node: str | None = None) -> dict[str, DictionaryMetrics]:
-    """Evaluate ``dictionary`` spliced into ``pg`` (without its error term) on ``documents`` and write the metrics
-    to ``folder/metrics.json`` (the keys of :meth:`~gradpatch.dictionaries.DictionaryMetrics.to_dict`). Several
-    dictionaries are each evaluated alone, and the file holds one such object per written node.
+    """Evaluate ``dictionary`` spliced into ``pg`` (without its error term) on ``documents`` and write
+    ``folder/metrics.json``: ``{"dictionaries": {written node: metrics.to_dict()}}`` (the module docstring), one
+    entry per dictionary (several are each evaluated alone), the same shape for one dictionary as for several.
 
     Args:
         pg: the :class:`gradpatch.PatchableGraph`.
@@ -47,7 +59,6 @@ def write_dictionary_metrics(pg: Any, dictionary: SparseDictionary | Sequence[Sp
     for one in dictionaries:
         written = output_node or node or one.config.output_node or one.config.input_node
         scores[str(written)] = evaluate_dictionary(pg, one.to(device), batches, node=node, output_node=output_node)
-    document = (next(iter(scores.values())).to_dict() if len(scores) == 1 else
-                {name: metrics.to_dict() for name, metrics in scores.items()})
+    document = {METRICS_KEY: {name: metrics.to_dict() for name, metrics in scores.items()}}
     atomic_write_text(Path(folder) / METRICS_NAME, json.dumps(document, indent=2) + "\n")
     return scores

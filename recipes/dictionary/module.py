@@ -6,7 +6,7 @@ by side in the buffer, their losses summed). Each training batch is token ids ``
 (packed chunks of a corpus, what SAELens and sparsify train on; every position counts); the step
 
 1. reads the dictionary's input node (and a transcoder's output node) in one forward pass of the frozen graph that
-   stops after the deepest node read (:func:`editors.passes.node_activations`), without gradients;
+   stops after the deepest node read (:func:`gradpatch.capture.node_activations`), without gradients;
 2. pushes those ``batch · seq`` rows (less the first ``exclude_first_positions`` of each sequence, the
    dictionaries' config's) into a bounded shuffle buffer
    (:class:`~recipes.dictionary.buffer.ActivationBuffer`) and, once it holds ``buffer_rows``, trains on as many rows
@@ -16,7 +16,8 @@ by side in the buffer, their losses summed). Each training batch is token ids ``
    - every kind: normalised MSE (FVU) of the prediction against the target (the input for an SAE, the output node's
      value for a transcoder);
    - TopK / BatchTopK: + ``auxk_coefficient`` · AuxK over the dead latents (Gao et al. 2024, appendix A.2;
-     α = 1/32, k_aux = d_out / 2 as sparsify uses);
+     α = 1/32, k_aux = d_out / 2 as sparsify uses; divided by the residual's variance, or with
+     ``auxk_normalization="target"`` by the target's as sparsify divides it: the same α weighs the two differently);
    - ReLU: + ``sparsity_coefficient`` · L1 (Σ |z_i| ‖W_dec[i]‖); JumpReLU: + ``sparsity_coefficient`` · L0 with the
      straight-through θ gradient (Rajamanoharan et al. 2024, eq. 12); logged as ``penalty``;
 4. with ``unit_norm_decoder``, removes each decoder row's parallel gradient component before the optimizer step and
@@ -42,22 +43,27 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
-from editors.passes import node_activations
+from gradpatch.capture import node_activations
 from gradpatch.finite import StepGuard
-from gradpatch.dictionaries import (SparseDictionary, auxk_loss, jumprelu_l0, l1_penalty, normalized_mse,
-                                    remove_parallel_gradient, save_dictionary, unit_norm_rows)
+from gradpatch.dictionaries import (DictionaryConfigError, SparseDictionary, auxk_loss, jumprelu_l0, l1_penalty,
+                                    normalized_mse, remove_parallel_gradient, save_dictionary, unit_norm_rows)
+from gradpatch.dictionaries.splice import dictionary_nodes
 
 from ..errors import RecipeConfigError
 from ..training.frozen import FrozenGraphModule, OptimizerName
 from .buffer import ActivationBuffer
 from .spliced import spliced_ce_increase
 
-__all__ = ["AUXK_COEFFICIENT", "BDecInit", "DictionaryModule"]
+__all__ = ["AUXK_COEFFICIENT", "AuxKNormalization", "BDecInit", "DictionaryModule"]
 
 #: α of the AuxK term (Gao et al. 2024, appendix A.2).
 AUXK_COEFFICIENT = 1 / 32
 #: How training sets the decoder bias before its first step: ``"mean"`` of the first step's targets, or ``"keep"``.
 BDecInit = Literal["mean", "keep"]
+#: What AuxK is divided by: the residual's variance (Gao et al.) or the target's (sparsify).
+AuxKNormalization = Literal["residual", "target"]
+#: Lightning's warning when ``training_step`` returns ``None``: the steps that fill the buffer do, on purpose.
+_NO_STEP_WARNING = r"`training_step` returned `None`"
 
 
 class DictionaryModule(FrozenGraphModule):
@@ -78,6 +84,11 @@ class DictionaryModule(FrozenGraphModule):
         lr, optimizer: as :class:`~recipes.training.frozen.FrozenGraphModule` (Adam, 2e-4 by default).
         sparsity_coefficient: λ of the L1 (ReLU) or L0 (JumpReLU) penalty.
         auxk_coefficient: α of AuxK (TopK, BatchTopK).
+        auxk_normalization: ``"residual"`` (default): AuxK divided by the residual's variance Σ‖e − mean(e)‖²
+            (normalized_mse(ê, e), Gao et al.'s normalised MSE of the residual); ``"target"``: by the target's
+            Σ‖y − mean(y)‖², as sparsify divides it. The residual's variance is about FVU times the target's, so at
+            the same α the default weighs AuxK 1 / FVU times more than sparsify
+            (:func:`gradpatch.dictionaries.auxk_loss`); use ``"target"`` to compare with sparsify at its α.
         dead_after_tokens: a latent unfired for this many training tokens is dead.
         unit_norm_decoder: keep the decoder rows at unit norm.
         seed: the buffer's random draws.
@@ -95,17 +106,21 @@ class DictionaryModule(FrozenGraphModule):
         RecipeConfigError: no dictionary, a dictionary whose config names no input node (or no output node for a
             transcoder), two writing the same node or leaving out different first positions, a non-positive
             ``buffer_rows`` or ``dead_after_tokens``, a negative ``density_every_n_steps`` or ``ce_every_n_steps``, a
-            ``b_dec_init`` other than ``"mean"`` or ``"keep"``.
+            ``b_dec_init`` other than ``"mean"`` or ``"keep"``, an ``auxk_normalization`` other than ``"residual"``
+            or ``"target"``.
     """
 
     def __init__(self, pg: Any, dictionary: SparseDictionary | Sequence[SparseDictionary], buffer_rows: int = 65536,
                  lr: float = 2e-4, optimizer: OptimizerName = "adam", sparsity_coefficient: float = 1e-3,
                  auxk_coefficient: float = AUXK_COEFFICIENT, dead_after_tokens: int = 10_000_000,
                  unit_norm_decoder: bool = True, seed: int = 0, density_every_n_steps: int = 50,
-                 ce_every_n_steps: int = 50, b_dec_init: BDecInit = "mean") -> None:
+                 ce_every_n_steps: int = 50, b_dec_init: BDecInit = "mean",
+                 auxk_normalization: AuxKNormalization = "residual") -> None:
         super().__init__(lr=lr, optimizer=optimizer)
         if b_dec_init not in ("mean", "keep"):
             raise RecipeConfigError(f"b_dec_init must be 'mean' or 'keep', got {b_dec_init!r}")
+        if auxk_normalization not in ("residual", "target"):
+            raise RecipeConfigError(f"auxk_normalization must be 'residual' or 'target', got {auxk_normalization!r}")
         dictionaries = [dictionary] if isinstance(dictionary, SparseDictionary) else list(dictionary)
         written = [_nodes(d)[-1] for d in dictionaries]
         if not dictionaries or len(set(written)) < len(written):
@@ -127,6 +142,7 @@ class DictionaryModule(FrozenGraphModule):
         self.nodes: list[str] = list(dict.fromkeys(node for d in dictionaries for node in _nodes(d)))
         self.sparsity_coefficient = float(sparsity_coefficient)
         self.auxk_coefficient = float(auxk_coefficient)
+        self.auxk_normalization: AuxKNormalization = auxk_normalization
         self.dead_after_tokens = int(dead_after_tokens)
         self.unit_norm_decoder = unit_norm_decoder
         self.buffer = ActivationBuffer(buffer_rows, torch.Generator().manual_seed(seed))
@@ -158,11 +174,6 @@ class DictionaryModule(FrozenGraphModule):
         return StepGuard(type(self).__name__, f"lower the learning rate (lr={self.lr:g}) or check the dictionary's "
                                               f"starting weights; no dictionary was written")
 
-    def setup(self, stage: str) -> None:
-        """Silence Lightning's warning about steps that return ``None``: the steps that fill the buffer do."""
-        super().setup(stage)
-        warnings.filterwarnings("ignore", message=r"`training_step` returned `None`")
-
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any] | None:
         """Stream one batch of token ids into the buffer; train on as many buffered rows once it is full (``None``,
         no optimizer step, while it fills)."""
@@ -191,8 +202,7 @@ class DictionaryModule(FrozenGraphModule):
 
     def nodes_of(self, index: int) -> tuple[str, str]:
         """Dictionary ``index``'s (input node, target node); the same node twice for an SAE."""
-        nodes = _nodes(self.dictionaries[index])
-        return nodes[0], nodes[-1]
+        return _nodes(self.dictionaries[index])
 
     def columns(self, rows: torch.Tensor, node: str) -> torch.Tensor:
         """``node``'s columns of ``rows`` ``[n, Σ widths]`` (the nodes in :attr:`nodes` order)."""
@@ -228,7 +238,8 @@ class DictionaryModule(FrozenGraphModule):
         dead = self.track_firing(index, z)
         terms = {"fvu": fvu, **self.sparsity_terms(index, h, z)}
         if dictionary.config.activation in ("topk", "batchtopk"):
-            terms["auxk"] = auxk_loss(h, target - prediction, dictionary.W_dec, dead, max(dictionary.d_out // 2, 1))
+            terms["auxk"] = auxk_loss(h, target - prediction, dictionary.W_dec, dead, max(dictionary.d_out // 2, 1),
+                                      target=target if self.auxk_normalization == "target" else None)
             terms["loss"] = fvu + self.auxk_coefficient * terms["auxk"]
         else:
             terms["loss"] = fvu + self.sparsity_coefficient * terms["penalty"]
@@ -276,8 +287,15 @@ class DictionaryModule(FrozenGraphModule):
                 W_dec.grad = remove_parallel_gradient(W_dec.detach(), W_dec.grad)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        """The checked optimizer step, then the decoder rows back to unit norm."""
-        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        """The checked optimizer step, then the decoder rows back to unit norm.
+
+        The step runs Lightning's closure (``training_step``), which warns when the step returns ``None``: the steps
+        that fill the buffer do so on purpose, so that warning (and only it) is hidden here, for this call only.
+        (With ``accumulate_grad_batches`` > 1 Lightning runs the closure of the batches it accumulates outside this
+        method, and warns once.)"""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NO_STEP_WARNING, category=UserWarning)
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         if self.unit_norm_decoder:
             with torch.no_grad():
                 for dictionary in self.dictionaries:
@@ -354,15 +372,14 @@ class DictionaryModule(FrozenGraphModule):
             self.saved_to = folder.resolve()
 
 
-def _nodes(dictionary: SparseDictionary) -> list[str]:
-    """The NodePaths ``dictionary`` reads and writes: ``[input]`` for an SAE, ``[input, output]`` for a transcoder.
+def _nodes(dictionary: SparseDictionary) -> tuple[str, str]:
+    """The NodePaths ``dictionary`` reads and writes (:func:`~gradpatch.dictionaries.splice.dictionary_nodes`): the
+    same node twice for an SAE.
 
     Raises:
         RecipeConfigError: the config names no input node, or a transcoder's no output node.
     """
-    config = dictionary.config
-    nodes = [config.input_node] + ([config.output_node] if config.kind != "sae" else [])
-    if any(node is None for node in nodes):
-        raise RecipeConfigError(f"the {config.kind}'s config names no node to train on: build it with "
-                                f"node=... (SAE) or input_node=... and output_node=... (transcoder)")
-    return [str(node) for node in nodes]
+    try:
+        return dictionary_nodes(dictionary)
+    except DictionaryConfigError as error:  # a recipe configuration error to the recipe's callers
+        raise RecipeConfigError(str(error)) from error
