@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gradpatch.errors import GradpatchError
 
-__all__ = ["PartialSumsWarning", "RecipeConfigError", "RecipeError", "StatisticsJobError"]
+__all__ = ["OutputExistsError", "PartialSumsWarning", "RecipeConfigError", "RecipeError", "StatisticsJobError"]
 
 
 class RecipeError(GradpatchError):
@@ -13,6 +13,10 @@ class RecipeError(GradpatchError):
 
 class RecipeConfigError(RecipeError, ValueError):
     """A recipe configuration that cannot work (the message names the fix)."""
+
+
+class OutputExistsError(RecipeError, FileExistsError):
+    """A command's ``--out`` holds an earlier run and ``--overwrite`` was not given (the message names both)."""
 
 
 class StatisticsJobError(RecipeError, ValueError):

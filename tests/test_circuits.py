@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from gradpatch import PatchableGraph, testing
 from gradpatch.circuits import (AttributionGraph, CircuitError, FrozenNodesNotFoundError, ReplacementModel,
-                                attribute, compute_influence, find_frozen_nodes, graph_influence, graph_scores,
-                                normalize_matrix, prune_graph, save_graph)
+                                attribute, compute_influence, find_frozen_nodes, frontend_graph, graph_influence,
+                                graph_scores, node_records, normalize_matrix, prune_graph, save_graph)
 from gradpatch.dictionaries import SkipTranscoder, SparseAutoencoder
 from gradpatch.errors import FingerprintMismatchError
 
@@ -43,7 +43,7 @@ MODELS = {"llama": (_llama, "model.layers_{}.mlp.x", "model.layers_{}.mlp.output
 
 def tiny_replacement(name: str, prompt: torch.Tensor) -> ReplacementModel:
     """The replacement model of :data:`MODELS`' ``name``: ReLU skip transcoders (64 latents) at both MLPs, random
-    weights (also benchmarks/circuits.py's tiny models)."""
+    weights (also benchmarks/circuits/scale.py's tiny models)."""
     build, read, write = MODELS[name]
     pg = PatchableGraph(build(), prompt, use_cache=False)
     generator = torch.Generator().manual_seed(0)
@@ -271,3 +271,33 @@ def test_files(graph, tmp_path) -> None:
     kinds = {node["feature_type"] for node in frontend["nodes"]}
     assert {"embedding", "logit", "cross layer transcoder"} <= kinds
     assert sum(node["is_target_logit"] for node in frontend["nodes"]) == 1
+
+
+def _hand_built(nodes: list[str] | None = None) -> AttributionGraph:
+    """A graph built by hand, without NodePaths: 2 features, 1 layer × 3 positions of errors, 3 tokens, 2 logits."""
+    adjacency = torch.zeros(10, 10)
+    adjacency[0, 5], adjacency[1, 0], adjacency[8, 1], adjacency[9, 6], adjacency[8, 7] = 0.5, 2.0, 1.0, 0.3, 0.2
+    return AttributionGraph(input_tokens=torch.tensor([4, 5, 6]), layers=[0],
+                            active_features=torch.tensor([[0, 1, 7], [0, 2, 3]]), activations=torch.tensor([1.0, 2.0]),
+                            logit_tokens=torch.tensor([8, 9]), logit_probabilities=torch.tensor([0.7, 0.2]),
+                            adjacency=adjacency, nodes=nodes or [])
+
+
+def test_a_graph_built_by_hand_has_a_record_per_node_and_a_frontend_graph() -> None:
+    """``nodes`` left at its default ``[]``: every node still gets its record (``node_path`` ``None``), and the
+    frontend graph is drawn from them (it raised IndexError on no records)."""
+    graph = _hand_built()
+    records = node_records(graph)
+    assert [r["kind"] for r in records] == ["feature"] * 2 + ["error"] * 3 + ["token"] * 3 + ["logit"] * 2
+    assert [r["index"] for r in records] == list(range(10)) and {r["node_path"] for r in records} == {None}
+    frontend = frontend_graph(graph, node_threshold=1.0, edge_threshold=1.0)
+    assert {"0_7_1", "0_3_2", "E_4_0", "2_8_2"} <= {node["node_id"] for node in frontend["nodes"]}
+
+
+def test_node_records_name_what_to_set_when_the_graph_does_not_add_up() -> None:
+    with pytest.raises(CircuitError, match=r"graph.nodes holds 2 NodePaths for 10 nodes; set one per node"):
+        node_records(_hand_built(["a", "b"]))
+    graph = dataclasses.replace(_hand_built(), adjacency=torch.zeros(9, 9))
+    with pytest.raises(CircuitError, match=r"the adjacency is \(9, 9\), but the graph has 10 nodes .* set adjacency "
+                                           r"to \[10, 10\]"):
+        node_records(graph)

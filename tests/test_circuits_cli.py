@@ -72,7 +72,7 @@ def _replacement(saved: dict[str, Path], keep_first_position: bool = False) -> t
 def test_circuit_writes_the_graph_html_and_tensorboard(saved: dict[str, Path]) -> None:
     out = saved["out"]
     assert {p.name for p in out.iterdir()} == {"adjacency.safetensors", "nodes.json", "graph.json", "graph.html",
-                                               "interventions.json", "tensorboard"}
+                                               "interventions.json", "tensorboard", "provenance.json"}
     replacement, tokenizer = _replacement(saved)
     expected = attribute(replacement)
     tensors = load_file(out / "adjacency.safetensors")
@@ -400,3 +400,44 @@ def test_bad_input_exits_with_status_2_and_writes_nothing(saved: dict[str, Path]
                 "threshold": "--node-threshold 1.5", "no_path": "does not depend on the token embeddings"}[case]
     assert expected in capsys.readouterr().err
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def test_an_earlier_run_is_refused_then_replaced_whole_with_provenance(saved: dict[str, Path], tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    """An --out holding an earlier run (with interventions.json) is refused, naming --overwrite, and left as it was;
+    with --overwrite it is replaced whole: no interventions.json of the earlier run beside the new graph, every JSON
+    file records the prompt, the dictionaries, the command line and the versions, provenance.json lists every file,
+    the folder has the user's umask, and a progress bar counts the steps on stderr (none with --quiet)."""
+    out = tmp_path / "run"
+    shutil.copytree(saved["out"], out)
+    before = sorted(path.name for path in out.iterdir())
+    prompt = "the capital of Italy is"
+    args = ["circuit", "--prompt", prompt, "--dictionaries", str(saved["dictionaries"]), "--model",
+            str(saved["model"]), "--device", "cpu", "--batch-size", "64", "--out", str(out)]
+    assert cli.main(args) == 2
+    assert f"--out {out} holds an earlier run; give --overwrite" in capsys.readouterr().err
+    assert sorted(path.name for path in out.iterdir()) == before
+    mask = os.umask(0o022)
+    try:
+        assert cli.main([*args, "--overwrite"]) == 0
+    finally:
+        os.umask(mask)
+    err = capsys.readouterr().err
+    assert "circuit: 100%" in err and "3/3" in err
+    assert {path.name for path in out.iterdir()} == {"adjacency.safetensors", "nodes.json", "graph.json", "graph.html",
+                                                     "tensorboard", "provenance.json"}
+    assert out.stat().st_mode & 0o777 == 0o755 and sorted(path.name for path in tmp_path.iterdir()) == ["run"]
+    from importlib.metadata import version
+
+    for name in ("nodes.json", "graph.json"):
+        record = json.loads((out / name).read_text())["provenance"]
+        assert record["command"] == ["gradpatch", *args, "--overwrite"]
+        assert (record["arguments"]["prompt"], record["arguments"]["dictionaries"]) == (prompt,
+                                                                                         str(saved["dictionaries"]))
+        assert all(record["versions"][name] == version(name) for name in ("gradpatch", "torch", "transformers"))
+    assert json.loads((out / "graph.json").read_text())["metadata"]["prompt"] == prompt
+    listing = json.loads((out / "provenance.json").read_text())
+    assert set(listing["files"]) == {path.relative_to(out).as_posix() for path in out.rglob("*")
+                                     if path.is_file() and path.name != "provenance.json"}
+    assert cli.main([*args, "--overwrite", "--quiet"]) == 0
+    assert "circuit:" not in capsys.readouterr().err

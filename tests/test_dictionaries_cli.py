@@ -20,7 +20,9 @@ from recipes.errors import RecipeConfigError
 from recipes.testing import WORDS, save_tiny_backbone, tiny_tokenizer
 
 KEYS = {"fvu", "explained_variance", "l0", "dead_fraction", "ce_loss_original", "ce_loss_spliced",
-        "ce_loss_zero_ablation", "ce_loss_recovered", "kl", "n_tokens"}
+        "ce_loss_zero_ablation", "ce_loss_recovered", "kl", "n_tokens",
+        # the same numbers under SAELens's names
+        "ce_loss_without_sae", "ce_loss_with_sae", "ce_loss_with_ablation", "ce_loss_score", "kl_div_with_sae"}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def test_fit_writes_the_dictionary_its_metrics_and_tensorboard(trained: dict[str
     model, _ = load_model(trained["model"])
     sae = load_dictionary(root / "dictionary", model=model)  # the fingerprint matches
     assert (sae.config.input_node, sae.d_in, sae.d_sae, sae.config.k) == ("model.layers_1.output", 64, 128, 4)
-    metrics = json.loads((root / "metrics.json").read_text())
+    metrics = json.loads((root / "metrics.json").read_text())["dictionaries"]["model.layers_1.output"]
     assert set(metrics) == KEYS and metrics["n_tokens"] == 96 and 0 < metrics["fvu"] < 1
     assert metrics["l0"] <= 4 and metrics["explained_variance"] == pytest.approx(1 - metrics["fvu"])
     (version,) = (root / "lightning_logs").iterdir()
@@ -75,9 +77,12 @@ def test_eval_writes_metrics_json_over_the_token_budget(trained: dict[str, Path]
     assert cli.main(["dictionary", "eval", "--dictionary", str(trained["root"] / "dictionary"),
                      "--model", str(trained["model"]), "--corpus", str(corpus), "--tokens", "100",
                      "--max-length", "12", "--out", str(out)]) == 0
-    metrics = json.loads((out / "metrics.json").read_text())
+    document = json.loads((out / "metrics.json").read_text())
+    assert set(document) == {"dictionaries", "provenance"}
+    metrics = document["dictionaries"]["model.layers_1.output"]
     documents, _ = tokenize_documents(tiny_tokenizer(), read_documents(corpus), 100, 12)
-    assert set(metrics) == KEYS and metrics["n_tokens"] == sum(map(len, documents)) >= 99  # < 2 tokens left: stop
+    assert set(metrics) == KEYS
+    assert metrics["n_tokens"] == sum(map(len, documents)) >= 99  # < 2 tokens left: stop
     assert metrics["kl"] > 0 and 0 <= metrics["dead_fraction"] < 1
     assert metrics["ce_loss_recovered"] == pytest.approx(
         (metrics["ce_loss_zero_ablation"] - metrics["ce_loss_spliced"])
@@ -90,7 +95,7 @@ def test_eval_leaves_out_the_first_positions_it_is_told(trained: dict[str, Path]
         assert cli.main(["dictionary", "eval", "--dictionary", str(trained["root"] / "dictionary"), "--model",
                          str(trained["model"]), "--corpus", str(trained["corpus"]), "--tokens", "60",
                          "--max-length", "12", "--out", str(out), *extra]) == 0
-        return json.loads((out / "metrics.json").read_text())
+        return json.loads((out / "metrics.json").read_text())["dictionaries"]["model.layers_1.output"]
 
     every, later = metrics(), metrics("--exclude-first-positions", "2")
     documents, _ = tokenize_documents(tiny_tokenizer(), read_documents(trained["corpus"]), 60, 12)
@@ -189,7 +194,7 @@ def test_fit_trains_end_to_end_from_a_config(trained: dict[str, Path], tmp_path:
 
     sae = load_dictionary(root / "dictionary", model=load_model(trained["model"])[0])
     assert (sae.config.input_node, sae.d_sae) == ("model.layers_0.output", 128)
-    metrics = json.loads((root / "metrics.json").read_text())
+    metrics = json.loads((root / "metrics.json").read_text())["dictionaries"]["model.layers_0.output"]
     assert set(metrics) == KEYS and metrics["n_tokens"] == 64
     assert {"kl", "ce_increase", "downstream_mse", "fvu", "l0", "dead_fraction"} <= _scalars(root)
 
@@ -200,7 +205,7 @@ def test_fit_trains_several_dictionaries_in_one_run(trained: dict[str, Path], tm
                        {"node": "model.layers_1.mlp.x", "kind": "transcoder",
                         "output_node": "model.layers_1.mlp.output", "k": 4, "d_sae": 96}],
         "buffer_rows": 32, "lr": 0.01, "ce_every_n_steps": 2})
-    metrics = json.loads((root / "metrics.json").read_text())
+    metrics = json.loads((root / "metrics.json").read_text())["dictionaries"]
     assert set(metrics) == {"model.layers_0.output", "model.layers_1.mlp.output"}
     assert all(set(scores) == KEYS and 0 < scores["fvu"] for scores in metrics.values())
     for node in metrics:
@@ -244,3 +249,67 @@ def test_fit_resumes_mid_run_from_a_checkpoint(trained: dict[str, Path], tmp_pat
         torch.testing.assert_close(tensor, straight.state_dict()[name], rtol=1e-5, atol=1e-6)
     first = torch.load(step3, weights_only=False)["state_dict"]["dictionaries.0.W_enc"]
     assert not torch.allclose(first, straight.W_enc)
+
+
+def test_eval_refuses_an_earlier_run_then_replaces_it_and_records_the_dictionary(
+        trained: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """metrics.json says which dictionary it scored (and the command line, corpus, versions); an --out of an earlier
+    run is refused naming --overwrite and left as it was, then replaced whole; a progress bar counts the documents."""
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "metrics.json").write_text('{"fvu": 0.5}')
+    (out / "notes.txt").write_text("earlier")
+    args = ["dictionary", "eval", "--dictionary", str(trained["root"] / "dictionary"), "--model",
+            str(trained["model"]), "--corpus", str(trained["corpus"]), "--tokens", "40", "--max-length", "12",
+            "--out", str(out)]
+    assert cli.main(args) == 2
+    assert f"--out {out} holds an earlier run; give --overwrite" in capsys.readouterr().err
+    assert (out / "metrics.json").read_text() == '{"fvu": 0.5}' and (out / "notes.txt").is_file()
+    assert cli.main([*args, "--overwrite"]) == 0
+    documents, _ = tokenize_documents(tiny_tokenizer(), read_documents(trained["corpus"]), 40, 12)
+    assert f"{len(documents)}/{len(documents)}" in capsys.readouterr().err
+    assert sorted(path.name for path in out.iterdir()) == ["metrics.json", "provenance.json"]
+    record = json.loads((out / "metrics.json").read_text())["provenance"]
+    assert record["arguments"]["dictionary"] == str(trained["root"] / "dictionary")
+    assert record["arguments"]["format"] == "gradpatch" and record["arguments"]["corpus"] == str(trained["corpus"])
+    assert record["command"] == ["gradpatch", *args, "--overwrite"]
+    assert {"gradpatch", "torch", "transformers"} <= set(record["versions"])
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["eval"]  # no staging folder left
+    assert cli.main([*args, "--overwrite", "--quiet"]) == 0
+    assert f"{len(documents)}/{len(documents)}" not in capsys.readouterr().err
+
+
+def test_eval_names_the_format_flag_for_a_folder_of_another_layout(trained: dict[str, Path], tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    from gradpatch.dictionaries import export_saelens
+
+    folder = tmp_path / "saelens"
+    export_saelens(load_dictionary(trained["root"] / "dictionary", check_fingerprint=False), folder)
+    assert cli.main(["dictionary", "eval", "--dictionary", str(folder), "--model", str(trained["model"]),
+                     "--out", str(tmp_path / "eval")]) == 2
+    err = capsys.readouterr().err
+    assert "give --format saelens --node NODEPATH" in err and "load_saelens" not in err
+    assert not (tmp_path / "eval").exists()
+
+
+@pytest.mark.parametrize("case", ["empty", "missing", "node"])
+def test_fit_refuses_bad_data_or_nodepath_with_status_2_before_lightning_writes(
+        trained: dict[str, Path], tmp_path: Path, case: str, capsys: pytest.CaptureFixture) -> None:
+    corpus, node = tmp_path / "corpus.txt", "model.layers_1.output"
+    if case == "empty":
+        corpus.write_text("")
+    elif case == "node":
+        corpus, node = trained["corpus"], "model.layers_9.output"
+    config = {"trainer": {"accelerator": "cpu", "enable_progress_bar": False},
+              "model": {"dictionary": {"node": node, "k": 4, "expansion_factor": 2}, "buffer_rows": 64},
+              "data": {"corpus": str(corpus), "train_tokens": 64, "chunk_length": 16, "batch_size": 4,
+                       "eval_tokens": 32, "max_length": 32}}
+    (tmp_path / "sae.yaml").write_text(yaml.safe_dump(config))
+    root = tmp_path / "run"
+    assert cli.main(["fit", "--config", str(tmp_path / "sae.yaml"), "--model", str(trained["model"]),
+                     "--trainer.default_root_dir", str(root)]) == 2
+    expected = {"empty": "the corpus gives 0 tokens, fewer than one chunk of 16; give a longer corpus or a smaller "
+                         "--data.chunk_length", "missing": "corpus file not found",
+                "node": "NodePath 'model.layers_9.output' does not exist"}[case]
+    assert "gradpatch fit: " in (err := capsys.readouterr().err) and expected in err and "Traceback" not in err
+    assert not root.exists() and not (tmp_path / "lightning_logs").exists()

@@ -25,6 +25,7 @@ from safetensors.torch import save as save_safetensors
 
 from ..files.atomic import atomic_write_bytes, atomic_write_text
 from .attribute import AttributionGraph
+from .errors import CircuitError
 from .html import graph_html
 from .prune import GraphInfluence, prune_graph
 
@@ -32,7 +33,13 @@ __all__ = ["frontend_graph", "node_records", "save_graph"]
 
 
 def node_records(graph: AttributionGraph) -> list[dict[str, Any]]:
-    """One record per node, in the adjacency's order (module docstring)."""
+    """One record per node, in the adjacency's order (module docstring); ``node_path`` is ``None`` for every node of a
+    graph whose ``nodes`` is empty (one built by hand).
+
+    Raises:
+        CircuitError: ``graph.adjacency`` is not ``[n, n]`` for the n nodes that ``active_features``, ``layers``,
+            ``input_tokens`` and ``logit_tokens`` give, or ``graph.nodes`` is neither empty nor one NodePath per node.
+    """
     records: list[dict[str, Any]] = []
     for layer, position, feature in graph.active_features.tolist():
         records.append({"kind": "feature", "layer": layer, "position": position, "feature": feature})
@@ -42,7 +49,16 @@ def node_records(graph: AttributionGraph) -> list[dict[str, Any]]:
         records.append({"kind": "token", "layer": None, "position": position, "feature": token})
     for token in graph.logit_tokens.tolist():
         records.append({"kind": "logit", "layer": None, "position": graph.n_pos - 1, "feature": token})
-    return [{"index": i, **record, "node_path": path} for i, (record, path) in enumerate(zip(records, graph.nodes))]
+    n = len(records)
+    if tuple(graph.adjacency.shape) != (n, n):
+        raise CircuitError(f"the adjacency is {tuple(graph.adjacency.shape)}, but the graph has {n} nodes "
+                           f"({graph.n_features} features, {len(graph.layers)}×{graph.n_pos} errors, {graph.n_pos} "
+                           f"tokens, {len(graph.logit_tokens)} logits); set adjacency to [{n}, {n}] in that order")
+    if graph.nodes and len(graph.nodes) != n:
+        raise CircuitError(f"graph.nodes holds {len(graph.nodes)} NodePaths for {n} nodes; set one per node, in the "
+                           f"adjacency's order, or leave it empty")
+    paths = graph.nodes or [None] * n
+    return [{"index": i, **record, "node_path": path} for i, (record, path) in enumerate(zip(records, paths))]
 
 
 def frontend_graph(graph: AttributionGraph, decode: Callable[[int], str] = str, slug: str = "gradpatch",

@@ -24,6 +24,7 @@ Building the parser imports no torch (each command imports the library when it r
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 from . import attribute, circuit, dictionary, eval_edit, eval_rome, fit, generate, graph, rome, stats, trace
@@ -53,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         The process exit status (2 for a usage error, with the fix on stderr).
     """
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.command_line = argv  # recorded in the provenance of what the command writes (recipes.cli.outputs)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

@@ -6,7 +6,9 @@
     # writes runs/ioi/scores.json, runs/ioi/heatmap_heads.png and a TensorBoard run runs/ioi/tensorboard/
 
 FILE is JSONL, one ``{"clean", "corrupted", "answer", "foil"}`` per line, every line of one token length; the metric is
-the mean logit difference (answer − foil) at the last position. See docs/attribution.md.
+the mean logit difference (answer − foil) at the last position. ``scores.json`` carries a ``provenance`` record and
+``OUT/provenance.json`` lists the files (:mod:`recipes.cli.outputs`); an ``--out`` that holds an earlier run is
+refused unless ``--overwrite`` is given, and then replaced whole. See docs/attribution.md.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .options import add_device_option, add_model_option, usage_error
+from .outputs import PROVENANCE_NAME, add_output_options, earlier_run, staged_folder
 
 __all__ = ["METHODS", "NAME", "register"]
 
@@ -68,6 +71,9 @@ def _run(args: argparse.Namespace) -> int:
         return usage_error(NAME, f"--verify {args.verify} --method {args.method}: --verify takes a count of at least 1 "
                                  f"and an estimate of node scores (atp, atp-ig, atp-star); exact scores need no "
                                  f"verification, and edge methods are checked with edge patching")
+    problem = earlier_run(args)
+    if problem:
+        return usage_error(NAME, problem)
     try:
         records = _read_prompts(args.prompts)
     except (OSError, ValueError) as error:
@@ -108,7 +114,8 @@ def _run(args: argparse.Namespace) -> int:
     model_name = Path(args.model).name if args.model else EMBEDDED_MODEL_NAME
     extra = {"model": model_name, "prompts": str(args.prompts), "n_prompts": batch.size,
              "tokens": tokenizer.convert_ids_to_tokens(batch.clean[0].tolist())}
-    written = save_attribution(result, args.out, model_name=model_name, extra=extra)
+    with staged_folder(args) as folder:
+        names = [path.name for path in save_attribution(result, folder, model_name=model_name, extra=extra).values()]
     print(f"metric (mean logit difference): clean {result.metric_clean:.4f}, corrupted {result.metric_corrupted:.4f}; "
           f"{len(result.scores)} node scores, {len(result.edges)} edge scores; passes: {result.forward} forward, "
           f"{result.backward} backward, {result.seconds:.1f} s")
@@ -118,8 +125,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  {score.score:+.4f}  {score.node} position {score.position}{head}{measured}")
     if result.faithfulness:
         print("faithfulness of the top-k edges: " + ", ".join(f"k={k}: {f:.3f}" for k, f in result.faithfulness))
-    for path in written.values():
-        print(f"wrote {path}")
+    for name in [*names, PROVENANCE_NAME]:
+        print(f"wrote {Path(args.out) / name}")
     print(f"# model loaded and graph built in {t1 - t0:.1f} s", file=sys.stderr)
     return 0
 
@@ -137,7 +144,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--nodes", default="all", metavar="KIND|NODEPATHS",
                    help=f"{'|'.join(NODE_KINDS)} or comma-separated kinds and NodePaths; edge methods score every "
                         f"edge instead (default: %(default)s)")
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    add_output_options(p, "output folder")
     p.add_argument("--batch-size", type=int, default=32, metavar="N",
                    help="rows per forward pass of the exact sweep (default: %(default)s)")
     p.add_argument("--direction", choices=("noise", "denoise"), default="noise",

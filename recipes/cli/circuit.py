@@ -13,8 +13,10 @@ subset of layers), or a circuit-tracer ``DIR/config.yaml`` whose transcoders rea
 ``OUT/adjacency.safetensors`` + ``OUT/nodes.json`` (the unpruned graph), ``OUT/graph.json`` (the pruned graph in
 circuit-tracer's frontend format), ``OUT/graph.html`` (one self-contained page), ``OUT/tensorboard/`` (scores, top
 nodes and edges as text, a feature-influence image) and, with ``--intervene``, ``OUT/interventions.json`` (the top
-logits before and after). Bad input exits with status 2, the fix on stderr, and writes nothing. See
-docs/circuits.md.
+logits before and after), every JSON file with a ``provenance`` record (the command line, every option, the
+versions) and ``OUT/provenance.json`` listing every file (:mod:`recipes.cli.outputs`). An ``--out`` that holds an
+earlier run is refused unless ``--overwrite`` is given, and then replaced whole. Bad input exits with status 2, the fix
+on stderr, and writes nothing. A progress bar on stderr (off with ``--quiet``) counts the steps. See docs/circuits.md.
 
 Position 0, as circuit-tracer 0.5.0 does: a prompt whose first token is not a special token gets one prepended (the
 tokenizer's BOS, else its pad, EOS or first special token), and position 0 has no feature nodes and its error nodes
@@ -29,9 +31,14 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .options import add_device_option, add_model_option, usage_error
+from .options import add_device_option, add_model_option, other_model_error, usage_error
+from .outputs import PROVENANCE_NAME, add_output_options, earlier_run, staged_folder
+
+if TYPE_CHECKING:
+    from gradpatch.circuits import FeatureEdit
+    from gradpatch.progress import ProgressBar
 
 __all__ = ["NAME", "parse_edit", "register", "with_special_first"]
 
@@ -92,7 +99,7 @@ def _check_numbers(args: argparse.Namespace) -> str | None:
 
 def _run(args: argparse.Namespace) -> int:
     """Run ``gradpatch circuit`` (module docstring); returns the exit status."""
-    problem = _check_numbers(args)
+    problem = _check_numbers(args) or earlier_run(args)
     if problem:
         return usage_error(NAME, problem)
     try:
@@ -100,18 +107,28 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as error:
         return usage_error(NAME, error)
 
+    from gradpatch.files.loaders import default_device
+    from gradpatch.progress import ProgressBar
+
+    t0 = time.perf_counter()
+    device = args.device or default_device()
+    steps = 3 + bool(edits) + (args.max_feature_nodes is not None)  # load, [intervene], attribute, [limit], write
+    with ProgressBar("circuit", unit="step", total=steps, enabled=not args.quiet) as bar:
+        return _trace(args, edits, device, bar, t0)
+
+
+def _trace(args: argparse.Namespace, edits: list[FeatureEdit], device: str, bar: ProgressBar, t0: float) -> int:
+    """Load, attribute, intervene and write (``bar`` advanced after each step); returns the exit status."""
     import torch
 
     from gradpatch import PatchableGraph
     from gradpatch.circuits import (ReplacementModel, attribute, graph_influence, graph_scores, intervene,
                                     intervene_direct, limit_features, load_transcoders)
-    from gradpatch.errors import GradpatchError
-    from gradpatch.files.loaders import EMBEDDED_MODEL_NAME, default_device, load_model
+    from gradpatch.errors import FingerprintMismatchError, GradpatchError
+    from gradpatch.files.loaders import EMBEDDED_MODEL_NAME, load_model
 
     from ..reports.circuit_report import intervention_record, save_circuit
 
-    t0 = time.perf_counter()
-    device = args.device or default_device()
     try:
         model, tokenizer = load_model(args.model, device=device)
         transcoders = {layer: transcoder.to(device) for layer, transcoder in load_transcoders(
@@ -124,25 +141,33 @@ def _run(args: argparse.Namespace) -> int:
         with torch.no_grad():  # built on a short prefix: the prompt's length is checked against the context below
             pg = PatchableGraph(model, ids[:, :2], use_cache=False).eval()
         replacement = ReplacementModel(pg, transcoders, ids)
+        bar.advance()
         if not edits:  # before the graph: two forward passes, and a bad edit is refused at once
             result = None
         elif args.direct_effects:
             result = intervene_direct(replacement, edits, top_k=args.top_k)
         else:
             result = intervene(pg, transcoders, ids, edits, freeze_attention=not args.live_attention, top_k=args.top_k)
+        bar.advance(1 if edits else 0)
         graph = attribute(replacement, max_n_logits=args.max_n_logits, desired_logit_prob=args.desired_logit_prob,
                           batch_size=args.batch_size, zero_first_position=not args.keep_first_position)
+        bar.advance()
         total = graph.n_features
         if args.max_feature_nodes is not None:
             graph = limit_features(graph, args.max_feature_nodes, batch_size=args.batch_size)
+            bar.advance()
         decode = lambda token: tokenizer.decode([token])  # noqa: E731
         record = intervention_record(result, edits, decode) if result is not None else None
         model_name = Path(args.model).name if args.model else EMBEDDED_MODEL_NAME
         unpruned = graph_influence(graph)  # once: pruning, the scores and the report's figure start from it
-        written = save_circuit(graph, args.out, decode=decode, prompt=args.prompt, slug=model_name,
-                               node_threshold=args.node_threshold, edge_threshold=args.edge_threshold,
-                               unpruned=unpruned, intervention=record)
-    except (GradpatchError, FileNotFoundError) as error:
+        with staged_folder(args) as folder:
+            names = [path.name for path in save_circuit(
+                graph, folder, decode=decode, prompt=args.prompt, slug=model_name, node_threshold=args.node_threshold,
+                edge_threshold=args.edge_threshold, unpruned=unpruned, intervention=record)]
+        bar.advance()
+    except FingerprintMismatchError:
+        return usage_error(NAME, other_model_error("--dictionaries", args.dictionaries, args.model))
+    except (GradpatchError, FileNotFoundError) as error:  # OutputExistsError is a GradpatchError
         return usage_error(NAME, error)
     replacement_score, completeness = graph_scores(graph, unpruned)
     print(f"{graph.n_features} of {total} active features, {graph.adjacency.shape[0]} nodes; replacement score "
@@ -155,8 +180,8 @@ def _run(args: argparse.Namespace) -> int:
                   f"(a={edit['activation']:.4g})")
         for side in ("top_before", "top_after"):
             print(f"  {side}: " + ", ".join(f"{t['text']!r} {t['probability']:.3f}" for t in record[side][:5]))
-    for path in written:
-        print(f"wrote {path}")
+    for name in [*names, PROVENANCE_NAME]:
+        print(f"wrote {Path(args.out) / name}")
     print(f"# {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
 
@@ -171,7 +196,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt (tokenized as the tokenizer does)")
     p.add_argument("--dictionaries", required=True, metavar="DIR",
                    help="layer_<i>/ folders written by save_dictionary, or a circuit-tracer config.yaml")
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    add_output_options(p, "output folder")
     add_model_option(p)
     add_device_option(p)
     p.add_argument("--max-feature-nodes", type=int, default=None, metavar="N",
@@ -204,4 +229,5 @@ def register(subparsers: Any) -> None:
                         "circuit-tracer's direct_effects), where a logit changes by the graph's direct edges")
     p.add_argument("--top-k", type=int, default=10, help="top logits reported per intervention "
                                                          "(default %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)

@@ -6,15 +6,19 @@
     gradpatch dictionary eval --dictionary sae_dir --format saelens --node model.layers_12.output \\
         --corpus texts.jsonl --tokens 8192 --max-length 128 --out eval/
 
-Writes ``OUT/metrics.json`` (:func:`recipes.dictionary.metrics.write_dictionary_metrics`: FVU, explained variance,
-L0, dead fraction, the original, spliced and zero-ablated CE losses, CE loss recovered, KL, tokens) over the first
+Writes ``OUT/metrics.json`` (:func:`recipes.dictionary.metrics.write_dictionary_metrics`: ``{"dictionaries": {node:
+metrics}}``, the metrics FVU, explained variance, L0, dead fraction, the original, spliced and zero-ablated CE losses,
+CE loss recovered, KL, tokens, and the CE losses, score and KL under SAELens's names too) over the first
 ``--tokens`` tokens of the corpus: a ``.txt`` file is one document per line, a ``.jsonl`` file its ``text`` field,
 the default the offline English Wikipedia summaries; each document tokenized as the tokenizer does by default and
 truncated to ``--max-length``. The dictionary is spliced without its error term, after the first
 ``--exclude-first-positions`` positions of each document (default: its config's ``exclude_first_positions``). Bad
 input (a missing folder, a folder of another format, a NodePath the graph lacks, a width that does not fit the node,
-a dictionary saved for another model, a negative ``--exclude-first-positions``) exits with status 2 and writes
-nothing.
+a dictionary saved for another model, a negative ``--exclude-first-positions``, an ``--out`` that holds an earlier
+run without ``--overwrite``) exits with status 2 and writes nothing. ``metrics.json`` carries a ``provenance`` record
+(the command line, every option: the dictionary, its format and nodes, the model, the corpus; the versions) and
+``OUT/provenance.json`` lists the files (:mod:`recipes.cli.outputs`); an earlier run in ``--out`` is replaced whole.
+A progress bar on stderr counts the documents scored (off with ``--quiet``).
 """
 
 from __future__ import annotations
@@ -23,15 +27,49 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .options import add_device_option, add_model_option, usage_error
+from .options import add_device_option, add_model_option, other_model_error, usage_error
+from .outputs import add_output_options, earlier_run, staged_folder
+
+if TYPE_CHECKING:
+    from gradpatch.progress import ProgressBar
+    from torch.utils.hooks import RemovableHandle
 
 __all__ = ["NAME", "register"]
 
 NAME = "dictionary"
 _EVAL = f"{NAME} eval"
 FORMATS = ("gradpatch", "saelens", "sparsify")
+#: Each ``--format``'s files: the first one tells the layout apart.
+_LAYOUTS = {"gradpatch": ("dictionary.json", "dictionary.safetensors"),
+            "saelens": ("sae_weights.safetensors", "cfg.json"), "sparsify": ("sae.safetensors", "cfg.json")}
+
+
+def _layout_error(args: argparse.Namespace) -> str | None:
+    """The usage error of a ``--dictionary`` folder in another layout than ``--format`` says, naming the flag to give
+    (the loaders' own messages name Python functions), else ``None``."""
+    folder = Path(args.dictionary)
+    found = next((name for name, files in _LAYOUTS.items() if (folder / files[0]).is_file()), None)
+    if found is None or found == args.format:
+        return None
+    node = "" if found == "gradpatch" or args.node else " --node NODEPATH"
+    return (f"--dictionary {folder} holds {found}'s files ({' + '.join(_LAYOUTS[found])}), not {args.format}'s "
+            f"({' + '.join(_LAYOUTS[args.format])}); give --format {found}{node}")
+
+
+def _count_documents(pg: Any, bar: ProgressBar) -> RemovableHandle:
+    """Advance ``bar`` once per document ``pg`` is run on: the forward passes of one document share its ``input_ids``
+    tensor. Returns the hook's handle (``remove()`` it after)."""
+    last: list[Any] = [None]
+
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not last[0]:
+            last[0] = ids
+            bar.advance()
+
+    return pg.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _load(args: argparse.Namespace, model: Any) -> Any:
@@ -58,18 +96,23 @@ def _with_excluded_positions(dictionary: Any, count: int | None) -> Any:
 
 def _run_eval(args: argparse.Namespace) -> int:
     """Run ``gradpatch dictionary eval`` (see the module docstring); returns the exit status."""
+    if not Path(args.dictionary).is_dir():
+        return usage_error(_EVAL, f"--dictionary {args.dictionary} is not a folder (give the folder holding the "
+                                  f"dictionary's files)")
+    problem = _layout_error(args) or earlier_run(args)
+    if problem:
+        return usage_error(_EVAL, problem)
+
     import torch
 
     from gradpatch import PatchableGraph
-    from gradpatch.errors import GradpatchError
+    from gradpatch.errors import FingerprintMismatchError, GradpatchError
     from gradpatch.files.loaders import default_device, load_model
+    from gradpatch.progress import ProgressBar
 
     from ..dictionary.corpus import read_documents, tokenize_documents
     from ..dictionary.metrics import write_dictionary_metrics
 
-    if not Path(args.dictionary).is_dir():
-        return usage_error(_EVAL, f"--dictionary {args.dictionary} is not a folder (give the folder holding the "
-                                  f"dictionary's files)")
     try:
         device = args.device or default_device()
         model, tokenizer = load_model(args.model, device=device)
@@ -80,11 +123,19 @@ def _run_eval(args: argparse.Namespace) -> int:
                                       f"2 tokens or more")
         with torch.no_grad():  # built on one document: the graph every [1, length] pass uses (no second extraction)
             pg = PatchableGraph(model, torch.tensor([documents[0]], device=device), use_cache=False).eval()
-        (metrics,) = write_dictionary_metrics(pg, dictionary, documents, args.out, node=args.node,
-                                              output_node=args.output_node).values()
-    except (GradpatchError, FileNotFoundError) as error:
+        with ProgressBar(_EVAL, unit="doc", total=len(documents), enabled=not args.quiet) as bar, \
+                staged_folder(args) as folder:
+            counting = _count_documents(pg, bar)
+            try:
+                (metrics,) = write_dictionary_metrics(pg, dictionary, documents, folder, node=args.node,
+                                                      output_node=args.output_node).values()
+            finally:
+                counting.remove()
+    except FingerprintMismatchError:
+        return usage_error(_EVAL, other_model_error("--dictionary", args.dictionary, args.model))
+    except (GradpatchError, FileNotFoundError) as error:  # OutputExistsError is a GradpatchError
         return usage_error(_EVAL, error)
-    summary = ", ".join(f"{key} {value:.4g}" for key, value in metrics.to_dict().items())
+    summary = ", ".join(f"{key} {value:.4g}" for key, value in dataclasses.asdict(metrics).items())
     print(f"gradpatch {_EVAL}: {summary} -> {Path(args.out) / 'metrics.json'}", file=sys.stderr)
     return 0
 
@@ -96,9 +147,11 @@ def register(subparsers: Any) -> None:
     commands = p.add_subparsers(dest="dictionary_command", metavar="COMMAND", required=True)
     e = commands.add_parser(
         "eval", help="FVU, L0, dead fraction, CE loss recovered and KL of a spliced dictionary -> metrics.json",
-        description="Splice a saved dictionary (without its error term) and write OUT/metrics.json: fvu, "
-                    "explained_variance, l0, dead_fraction, ce_loss_original, ce_loss_spliced, "
-                    "ce_loss_zero_ablation, ce_loss_recovered, kl, n_tokens.")
+        description="Splice a saved dictionary (without its error term) and write OUT/metrics.json, "
+                    "{\"dictionaries\": {node: metrics}}: fvu, explained_variance, l0, dead_fraction, "
+                    "ce_loss_original, ce_loss_spliced, ce_loss_zero_ablation, ce_loss_recovered, kl, n_tokens, and "
+                    "SAELens's ce_loss_without_sae, ce_loss_with_sae, ce_loss_with_ablation, ce_loss_score, "
+                    "kl_div_with_sae.")
     e.add_argument("--dictionary", required=True, metavar="DIR", help="the dictionary's folder")
     e.add_argument("--format", default="gradpatch", choices=FORMATS,
                    help="its layout: ours (dictionary.json), SAELens's (cfg.json + sae_weights.safetensors) or "
@@ -119,5 +172,6 @@ def register(subparsers: Any) -> None:
     e.add_argument("--exclude-first-positions", type=int, default=None, metavar="N",
                    help="leave the first N positions of every document unspliced and unscored (attention sinks; "
                         "default: the dictionary's own setting, 0 for SAELens's and sparsify's files)")
-    e.add_argument("--out", required=True, metavar="DIR", help="folder of metrics.json")
+    add_output_options(e, "folder of metrics.json")
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.set_defaults(func=_run_eval)

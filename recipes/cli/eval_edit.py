@@ -17,7 +17,9 @@ the plain-torch value runner); MEMIT and AlphaEdit a batch at once. The JSON has
 (per prompt form of a suite's ``form_prompts``, :mod:`editors.evaluation.forms`: ``score``, ``pre``, ``n``), ``batches``,
 ``seconds_per_batch`` and ``neighborhood_prompts_left_out`` (neighbourhood prompts naming a subject edited in the same
 group are not scored). Every text is edited and scored after the editor's start token (``--start-token``; the
-editor's ``tokenizer``), which ``settings.start_token`` records.
+editor's ``tokenizer``), which ``settings.start_token`` records. The JSON carries a ``provenance`` record (the command
+line, every option, the versions; :mod:`recipes.cli.outputs`); an ``--out`` file that exists is refused unless
+``--overwrite`` is given.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 from editors import DEFAULT_MOM2_RELATIVE_WEIGHT, DEFAULT_SMOLLM2_NODE, DEFAULT_SMOLLM2_NODES, METHODS
 
 from .options import add_edit_options, start_token_setting, usage_error
+from .outputs import add_output_options, earlier_run, write_json_output
 
 __all__ = ["NAME", "add_evaluation_options", "evaluate_edits", "register", "run_eval_edit", "settings_used",
            "write_metrics"]
@@ -75,6 +78,9 @@ def evaluate_edits(args: argparse.Namespace) -> dict[str, Any] | int:
     nodes = _nodes(args, command)
     if nodes is None:
         return 2
+    problem = earlier_run(args)
+    if problem:
+        return usage_error(command, problem)
     if args.batch_size < 1 or args.sequential < 1:
         return usage_error(command, "--batch-size and --sequential must be at least 1")
     if args.preserve is not None and args.method == "rome":
@@ -137,11 +143,12 @@ def evaluate_edits(args: argparse.Namespace) -> dict[str, Any] | int:
 
 
 def write_metrics(args: argparse.Namespace, result: dict[str, Any]) -> int:
-    """Write ``result`` to ``--out`` (atomically) and print the scores; returns 0."""
-    from gradpatch.files.atomic import atomic_write_text
+    """Write ``result`` with its provenance to ``--out`` (atomically) and print the scores; returns 0.
 
-    out = Path(args.out)
-    atomic_write_text(out, json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+    Raises:
+        OutputExistsError: ``--out`` came to exist during the run and ``--overwrite`` was not given.
+    """
+    out = write_json_output(args, result)
     print(f"{args.method}: efficacy {result['efficacy_score']:.3f}  paraphrase {result['paraphrase_score']:.3f}  "
           f"neighborhood {result['neighborhood_score']:.3f}  ({result['n_cases']} cases; before the edits "
           f"{result['pre']['efficacy_score']:.3f} / {result['pre']['paraphrase_score']:.3f} / "
@@ -232,7 +239,7 @@ def register(subparsers: Any) -> None:
 def add_evaluation_options(p: argparse.ArgumentParser) -> None:
     """Add every ``eval-edit`` option but ``--method`` (``eval-rome`` takes them all, its method fixed to ROME)."""
     p.add_argument("--cases", required=True, metavar="FILE.json", help="CounterFact-format JSON list")
-    p.add_argument("--out", required=True, metavar="METRICS.json", help="where to write the scores")
+    add_output_options(p, "where to write the scores", metavar="METRICS.json")
     p.add_argument("--nodes", default=None, metavar="N1,N2,...",
                    help="comma-separated NodePaths of the edited linear layers (default for the embedded model: "
                         "ROME's layer 3, MEMIT/AlphaEdit's layers 2-6 down_proj)")

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .options import usage_error
+
 __all__ = ["NAME", "TRAINER_DEFAULTS", "register", "run_fit", "translate_model_shortcut"]
 
 NAME = "fit"
@@ -91,8 +93,10 @@ def run_fit(args: Sequence[str]) -> int:
             dictionary paths, see the module docstring).
 
     Returns:
-        0 on success; 1 when training stopped at a non-finite loss term, gradient or delta (the error is printed and
-        nothing is exported). ``--help`` and argument errors exit through ``SystemExit``, as LightningCLI does.
+        0 on success; 2 when the config names a NodePath the model lacks, a corpus or data file that is missing or
+        too short, or another bad setting (the error is printed before Lightning writes anything); 1 when training
+        stopped at a non-finite loss term, gradient or delta (the error is printed and nothing is exported).
+        ``--help`` and argument errors exit through ``SystemExit``, as LightningCLI does.
     """
     from .fit_dictionary import is_dictionary_config, run_dictionary_fit
     from .fit_interchange import is_interchange_config, run_interchange_fit
@@ -107,7 +111,7 @@ def run_fit(args: Sequence[str]) -> int:
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from gradpatch.errors import NonFiniteError
+    from gradpatch.errors import GradpatchError, NonFiniteError
 
     from ..delta import DeltaModule
     from ..reports import InterventionLogger
@@ -122,16 +126,19 @@ def run_fit(args: Sequence[str]) -> int:
     os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")  # raised by Lightning's own calls
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")  # prompts are tokenized upfront
     warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter")  # we pass the args after 'fit'
-    cli = DeltaCLI(
-        DeltaModule,
-        run=False,
-        auto_configure_optimizers=False,  # DeltaModule.configure_optimizers sees the deltas only
-        args=translate_model_shortcut(args),
-        trainer_defaults=TRAINER_DEFAULTS,
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"prog": "gradpatch fit", "description": _DESCRIPTION, "default_env": False},
-    )
+    try:  # the module loads the model and checks its NodePaths: a bad one is refused before Lightning writes
+        cli = DeltaCLI(
+            DeltaModule,
+            run=False,
+            auto_configure_optimizers=False,  # DeltaModule.configure_optimizers sees the deltas only
+            args=translate_model_shortcut(args),
+            trainer_defaults=TRAINER_DEFAULTS,
+            seed_everything_default=0,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "gradpatch fit", "description": _DESCRIPTION, "default_env": False},
+        )
+    except (GradpatchError, FileNotFoundError) as error:
+        return usage_error(NAME, error)
     trainer, module = cli.trainer, cli.model
     if any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers) and not any(
             isinstance(cb, InterventionLogger) for cb in trainer.callbacks):

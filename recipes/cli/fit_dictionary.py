@@ -10,8 +10,8 @@
 :class:`~recipes.dictionary.EndToEndDictionaryFitModule`, ``recipes/configs/sae_smollm2_e2e.yaml``). After
 training, ``D/dictionary`` holds the dictionary (several: ``D/dictionary/<node>/`` each; or ``--export``;
 ``gradpatch dictionary eval --dictionary D/dictionary`` evaluates it again) and ``D/metrics.json`` its evaluation on
-the data module's held-out documents (:func:`recipes.dictionary.write_dictionary_metrics`; several: one object per
-node); TensorBoard logs under ``D/lightning_logs``.
+the data module's held-out documents (:func:`recipes.dictionary.write_dictionary_metrics`:
+``{"dictionaries": {node: metrics}}`` for one dictionary or several); TensorBoard logs under ``D/lightning_logs``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ def run_dictionary_fit(args: Sequence[str]) -> int:
     """Parse ``args`` with LightningCLI, train, write the dictionary and ``metrics.json``.
 
     Returns:
-        0 on success; 1 when training stopped at a non-finite value (the error is printed, nothing is written).
+        0 on success; 2 when the config is refused before training (a NodePath the model lacks, a corpus file that
+        is missing or too short for one chunk: nothing is written); 1 when training stopped at a non-finite value (the
+        error is printed, nothing is written).
     """
     from ..dictionary import DictionaryDataModule, DictionaryFitModule, DictionaryModule, write_dictionary_metrics
 
@@ -66,6 +68,29 @@ def run_dictionary_fit(args: Sequence[str]) -> int:
 
     if "class_path" in (_model_section(args) or {}):  # e.g. recipes.dictionary.EndToEndDictionaryFitModule
         return fit_and_export(DictionaryModule, DictionaryDataModule, args, _DESCRIPTION, metrics,
-                              export_name="dictionary", trainer_defaults=TRAINER_DEFAULTS, subclass_mode_model=True)
+                              export_name="dictionary", trainer_defaults=TRAINER_DEFAULTS, prepare=_read_corpus,
+                              subclass_mode_model=True)
     return fit_and_export(DictionaryFitModule, DictionaryDataModule, args, _DESCRIPTION, metrics,
-                          export_name="dictionary", trainer_defaults=TRAINER_DEFAULTS)
+                          export_name="dictionary", trainer_defaults=TRAINER_DEFAULTS, prepare=_read_corpus)
+
+
+def _read_corpus(module: Any, data: Any, trainer: Any) -> None:
+    """Run the data module's ``setup`` (it reads and tokenizes the corpus once; Lightning's own call then returns at
+    once) before training, so that a missing or too short corpus is refused before Lightning creates its logs.
+
+    Raises:
+        FileNotFoundError: the corpus file does not exist.
+        RecipeConfigError: the corpus is too short for one training chunk, or the run could not take one optimiser
+            step (:meth:`recipes.dictionary.fit.DictionaryDataModule.check_steps`).
+    """
+    from ..errors import RecipeConfigError
+
+    data.trainer = trainer
+    trainer.strategy.connect(module)  # the data module tokenizes with trainer.lightning_module's tokenizer
+    try:
+        data.setup("fit")
+    except RecipeConfigError as error:
+        if data.chunks is not None:  # the corpus was read: the run itself is refused (its message names the fix)
+            raise
+        raise RecipeConfigError(f"--data.corpus {data.corpus or '(the Wikipedia summaries)'}: {error}; give a longer "
+                                f"corpus or a smaller --data.chunk_length") from error

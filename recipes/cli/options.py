@@ -10,7 +10,7 @@ import sys
 
 from editors import DEFAULT_SMOLLM2_NODE, ROMEConfig
 
-__all__ = ["add_device_option", "add_edit_options", "add_model_option", "start_token_setting",
+__all__ = ["add_device_option", "add_edit_options", "add_model_option", "other_model_error", "start_token_setting",
            "start_token_value", "usage_error"]
 
 
@@ -66,3 +66,10 @@ def usage_error(command: str, error: BaseException | str) -> int:
     message = error.args[0] if isinstance(error, KeyError) and error.args else error  # KeyError quotes its str()
     print(f"gradpatch {command}: {message}", file=sys.stderr)
     return 2
+
+
+def other_model_error(option: str, folder: str, model: str | None) -> str:
+    """The usage error of a dictionary under ``option folder`` saved for another model than ``--model`` (the library's
+    :class:`~gradpatch.errors.FingerprintMismatchError` names its Python argument instead of a flag)."""
+    return (f"{option} {folder} was saved for another model than --model {model or '(the embedded model)'} (their "
+            f"fingerprints differ); give the --model it was trained on")

@@ -6,6 +6,8 @@
     # writes runs/trace/trace.json and runs/trace/trace_{hidden,mlp,attn}.png; --logdir adds TensorBoard images
 
 The defaults (samples, noise level, seed, windows, batch size) are :class:`editors.causal_trace.TraceConfig`'s.
+``trace.json`` carries a ``provenance`` record and ``OUT/provenance.json`` lists the files (:mod:`recipes.cli.outputs`);
+an ``--out`` that holds an earlier run is refused unless ``--overwrite`` is given, and then replaced whole.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from editors.causal_trace import DEFAULT_WINDOWS, KINDS, TraceConfig
 
 from .options import add_device_option, add_model_option, usage_error
+from .outputs import PROVENANCE_NAME, add_output_options, earlier_run, staged_folder
 
 __all__ = ["NAME", "register"]
 
@@ -51,6 +54,9 @@ def _run(args: argparse.Namespace) -> int:
 
     from ..reports import log_trace_to_tensorboard
 
+    problem = earlier_run(args)
+    if problem:
+        return usage_error(NAME, problem)
     config = _config(args)
     unknown = [k for k in config.kinds if k not in KINDS]
     if unknown or not config.kinds:
@@ -77,7 +83,9 @@ def _run(args: argparse.Namespace) -> int:
         return usage_error(NAME, error)
 
     model_name = Path(args.model).name if args.model else EMBEDDED_MODEL_NAME
-    written = save_trace(result, args.out, model_name=model_name)
+    with staged_folder(args) as folder:
+        kinds = {kind: path.name for kind, path in save_trace(result, folder, model_name=model_name).items()}
+    written = {kind: Path(args.out) / name for kind, name in kinds.items()}
     if args.logdir:
         log_trace_to_tensorboard(result, args.logdir, model_name=model_name)
 
@@ -94,6 +102,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"wrote {written['json']}")
     for kind in result.kinds:
         print(f"wrote {written[kind]}")
+    print(f"wrote {Path(args.out) / PROVENANCE_NAME}")
     if args.logdir:
         print(f"wrote TensorBoard images to {args.logdir}")
     print(f"# model loaded in {t1 - t0:.1f} s, graph built in {t2 - t1:.1f} s, trace took {result.seconds:.1f} s",
@@ -119,7 +128,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--answer", default=None,
                    help="answer whose first token is scored (default: the clean greedy prediction)")
     add_model_option(p)
-    p.add_argument("--out", metavar="DIR", default="runs/trace", help="output folder (default: %(default)s)")
+    add_output_options(p, "output folder", default="runs/trace")
     p.add_argument("--samples", type=int, default=defaults.samples, metavar="N",
                    help="noise samples (default: %(default)s)")
     p.add_argument("--kinds", default=",".join(defaults.kinds), help="states to restore (default: %(default)s)")
