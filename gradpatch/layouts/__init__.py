@@ -29,9 +29,11 @@ from .table import (
     PHI3_LAYOUT,
     STABLELM_LAYOUT,
 )
-from .verify import check_layout, count_layers, detect_layout, has_node, layout_problems, logits_input
+from .verify import (check_layout, count_layers, detect_layout, has_node, last_position_cut, layout_problems,
+                     logits_input)
 
 __all__ = ["BlockForm", "COHERE_LAYOUT", "FALCON_LAYOUT", "GEMMA_LAYOUT", "GPT2_LAYOUT",
            "GPTJ_LAYOUT", "GPT_NEOX_LAYOUT", "GPT_NEOX_SEQUENTIAL_LAYOUT", "GPT_OSS_LAYOUT", "GRANITE_LAYOUT",
            "LAYOUTS", "LLAMA_LAYOUT", "MOE_LAYOUT", "ModelLayout", "OLMO2_LAYOUT", "PHI3_LAYOUT", "STABLELM_LAYOUT",
-           "check_layout", "count_layers", "detect_layout", "has_node", "layout_problems", "logits_input"]
+           "check_layout", "count_layers", "detect_layout", "has_node", "last_position_cut", "layout_problems",
+           "logits_input"]

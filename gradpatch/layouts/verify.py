@@ -12,11 +12,12 @@ import torch
 
 from ..errors import LayoutError, NodePathError
 from ..patchable_graph import PatchableGraph
-from ..patches import ProbePatch
+from ..patches import CustomPatch, ProbePatch
 from .model_layout import ModelLayout
 from .table import LAYOUTS
 
-__all__ = ["Problem", "check_layout", "count_layers", "detect_layout", "has_node", "layout_problems", "logits_input"]
+__all__ = ["Problem", "check_layout", "count_layers", "detect_layout", "has_node", "last_position_cut", "layout_problems",
+           "logits_input"]
 
 #: Problems found per graph and layout (an empty tuple: the layout holds), so each pair is checked once.
 _CHECKED: weakref.WeakKeyDictionary[PatchableGraph, dict[ModelLayout, tuple[str, ...]]] = weakref.WeakKeyDictionary()
@@ -58,6 +59,17 @@ def logits_input(pg: PatchableGraph, layout: ModelLayout | None = None) -> str |
     return next((c.logits_input for c in candidates if c.logits_input and has_node(pg, c.logits_input)), None)
 
 
+def last_position_cut() -> CustomPatch:
+    """A patch for the unembedding's input (:func:`logits_input`) that keeps its last position alone
+    ``[batch, 1, d_model]``: the vocabulary projection then runs once per row, for readers of the last position's
+    logits."""
+    return CustomPatch(custom_op=_last_position, requires_clone=False)
+
+
+def _last_position(value: torch.Tensor) -> torch.Tensor:
+    return value[:, -1:]
+
+
 def layout_problems(pg: PatchableGraph, layout: ModelLayout, parts: Iterable[str] | None = None) -> tuple[str, ...]:
     """What does not hold of ``layout`` on ``pg`` (empty: it holds), checked once per graph and layout.
 
@@ -66,7 +78,7 @@ def layout_problems(pg: PatchableGraph, layout: ModelLayout, parts: Iterable[str
     values, ``[batch, seq, heads * head_dim]`` heads), every module field names a module, and on a forward pass of
     the example's size at every block: ``hidden == block_input + attn + mlp``, the attention's norm reads
     ``block_input``, the MLP (its norm where it has one) reads ``block_input + attn`` (sequential) or ``block_input``
-    (parallel), and the heads are the pattern output with its heads merged — each within 64 machine epsilons of the
+    (parallel), the MLP's input is its norm's output, and the heads are the pattern output with its heads merged — each within 64 machine epsilons of the
     terms' magnitude.
 
     Args:
@@ -267,6 +279,8 @@ def _identity_problems(pg: PatchableGraph, layout: ModelLayout, static: list[Pro
         for norm in ("attn_norm", "mlp_norm"):
             if getattr(layout, norm) is not None and norm not in broken:
                 wanted[norm, layer] = f"{block}.{getattr(layout, norm)}.{layout.norm_input}"
+        if layout.mlp_norm is not None and "mlp_norm" not in broken:
+            wanted["mlp_norm_output", layer] = f"{block}.{layout.mlp_norm}.output"
     probes = {path: ProbePatch() for path in wanted.values()}
     with torch.no_grad(), pg.patch(probes):
         pg(_probe_input(pg, layout), **_forward_options(pg))
@@ -303,6 +317,11 @@ def _block_identities(layout: ModelLayout, layer: int, seen: dict[str, torch.Ten
             problems.append((frozenset({reader_part, "block_form", "attn", "mlp"}),
                              f"block {layer}: the MLP ({getattr(layout, reader_part)!r}) does not read {reads} as a "
                              f"{layout.block_form} block does"))
+    normed, read = seen.get("mlp_norm_output"), seen.get("mlp_input")
+    if normed is not None and read is not None and not _close(read, normed):
+        problems.append((frozenset({"mlp_norm", "mlp_input"}),
+                         f"block {layer}: the MLP's input {layout.mlp_input!r} is not its norm's "
+                         f"({layout.mlp_norm!r}) output"))
     pattern, heads = seen.get("pattern_output"), seen.get("heads")
     if pattern is not None and heads is not None:
         merged = pattern.transpose(1, 2).reshape(pattern.shape[0], pattern.shape[2], -1)
