@@ -17,6 +17,7 @@ from .errors import (
     ShapeSpecializationError,
     SubspaceConfigError,
 )
+from .capture import node_activations
 from .files.fingerprint import model_fingerprint
 from .extraction.graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, UnusedModule
 from .interventions.interchange import InterchangeSide, interchange
@@ -25,7 +26,7 @@ from .extraction.node_path import NodeData
 from .extraction.options import ExtractionOptions
 from .layouts import ModelLayout
 from .patchable_graph import PatchableGraph
-from .patches import AddPatch, CustomPatch, Patch, ProbePatch, RecordPatch, ReplacePatch, ZeroPatch
+from .patches import AddPatch, CustomPatch, HoldPatch, Patch, ProbePatch, RecordPatch, ReplacePatch, ZeroPatch
 from .interventions.reft import AddVectorPatch, DiReFTPatch, LoReFTPatch, ReFTPatch, ReFTPositions
 from .interventions.subspace import (BoundlessSubspacePatch, FullInterchangePatch, RotatedSubspacePatch,
                                      SigmoidMaskPatch,
@@ -47,6 +48,7 @@ __all__ = [
     "ExtractionOptions",
     "FullInterchangePatch",
     "GradpatchError",
+    "HoldPatch",
     "InputSignatureError",
     "InterchangeSide",
     "Intervention",
@@ -72,4 +74,5 @@ __all__ = [
     "ZeroPatch",
     "interchange",
     "model_fingerprint",
+    "node_activations",
 ]

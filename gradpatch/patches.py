@@ -1,11 +1,13 @@
 """Patches: functions that change or record the value seen downstream of a graph node.
 
 The classes and their semantics follow graphpatch (``ZeroPatch``, ``AddPatch``, ``ReplacePatch``, ``ProbePatch``,
-``RecordPatch``, ``CustomPatch``; ``Patch[T]`` is generic, so ``class MyPatch(Patch[torch.Tensor])`` works). Every
-patch is a keyword-only dataclass with ``op(original) -> new``. With ``slice`` set, ``op`` sees
-``original[slice]`` and its result is written into a copy of ``original`` at ``slice``; the copy keeps autograd
-intact, so gradients flow to patch values (tensors that require grad or ``nn.Parameter``s) and to the unpatched
-part of the activation alike.
+``RecordPatch``, ``CustomPatch``; ``Patch[T]`` is generic, so ``class MyPatch(Patch[torch.Tensor])`` works), and
+``HoldPatch`` keeps the live value, with its autograd history, for code that reads it later. Every patch is a
+keyword-only dataclass with ``op(original) -> new``. With ``slice`` set, ``op`` sees ``original[slice]`` and its
+result is written into a copy of ``original`` at ``slice``; the copy keeps autograd intact, so gradients flow to
+patch values (tensors that require grad or ``nn.Parameter``s) and to the unpatched part of the activation alike.
+The reading patches (``ProbePatch``, ``RecordPatch``, ``HoldPatch`` without ``leaf``) read ``original[slice]`` and
+pass the value on uncopied.
 
 A patch never changes the model: a patch whose ``requires_clone`` is true (``CustomPatch`` and user subclasses, by
 default) receives a copy it may modify in place, so a weight or a value that autograd saved stays intact. The
@@ -245,7 +247,32 @@ class ReplacePatch(Patch):
 
 
 @dataclass(kw_only=True)
-class ProbePatch(Patch):
+class _ReadingPatch(Patch):
+    """Base of the patches that read the value passing through (``value[slice]`` with a ``slice``; nothing when a
+    :class:`~gradpatch.positions.Tokens` slice selects no token of the pass) and pass it on unchanged, uncopied.
+    Subclasses implement :meth:`read`."""
+
+    requires_clone: bool = field(default=False, init=False, repr=False)
+
+    def read(self, value: Any) -> None:
+        """Take ``value`` (the activation, or its slice); called once per forward pass through the node."""
+        raise NotImplementedError
+
+    def op(self, original: Any) -> Any:
+        self.read(original)
+        return original
+
+    def __call__(self, original: Any) -> Any:
+        if self.slice is None:
+            return self.op(original)
+        index = _index(self, original)
+        if index is not _NOTHING:
+            self.read(_indexed(self, original, index))
+        return original
+
+
+@dataclass(kw_only=True)
+class ProbePatch(_ReadingPatch):
     """Record the activation passing through (detached clone) in ``activation``; the value is unchanged.
 
     Attributes:
@@ -253,39 +280,61 @@ class ProbePatch(Patch):
     """
 
     activation: Any = field(default=None, repr=False)
-    requires_clone: bool = field(default=False, init=False, repr=False)
 
-    def op(self, original: Any) -> Any:
-        self.activation = _detached_clone(original)
-        return original
-
-    def __call__(self, original: Any) -> Any:
-        if self.slice is None:
-            return self.op(original)
-        index = _index(self, original)
-        if index is not _NOTHING:
-            self.activation = _detached_clone(_indexed(self, original, index))
-        return original
+    def read(self, value: Any) -> None:
+        self.activation = _detached_clone(value)
 
 
 @dataclass(kw_only=True)
-class RecordPatch(Patch):
+class RecordPatch(_ReadingPatch):
     """Record every activation passing through (one detached clone per call) in ``activations``."""
 
     activations: list[Any] = field(default_factory=list, repr=False)
-    requires_clone: bool = field(default=False, init=False, repr=False)
+
+    def read(self, value: Any) -> None:
+        self.activations.append(_detached_clone(value))
+
+
+@dataclass(kw_only=True, eq=False)
+class HoldPatch(_ReadingPatch):
+    """Hold the live value passing through, with its autograd history (not detached, not copied), in ``held``, for
+    code that runs after the forward pass or later in it: another patch that reads it (a transcoder's input), a
+    loss on an intermediate value, ``torch.autograd.grad(..., held)`` for the gradient at the node.
+
+    Without ``leaf`` the value passes on unchanged. With ``leaf`` the patch holds and passes on
+    ``original.detach().requires_grad_()`` (the sliced part only, with a ``slice``): the model downstream computes
+    from that leaf, so ``torch.autograd.grad(outputs, held)`` is the gradient at the node, and no gradient flows
+    upstream of it.
+
+    Example::
+
+        hold = HoldPatch()
+        with pg.patch({"model.layers_1.output": hold}):
+            loss = pg(ids).logits.logsumexp(-1).sum()
+        (gradient,) = torch.autograd.grad(loss, hold.held)      # [batch, seq, d_model]
+
+    Attributes:
+        leaf: make the held value a leaf that requires grad (see above).
+        held: the value of the last forward pass through the node (``[batch, seq, ...]``, or ``value[slice]``;
+            left as it was by a pass whose ``Tokens`` slice selects no token), ``None`` before any; a reader may
+            reset it to ``None`` to take it once. Not named ``value``: the
+            engine reads a patch's ``value`` as a patch value to check and to train.
+    """
+
+    leaf: bool = False
+    held: Any = field(default=None, repr=False)
+
+    def read(self, value: Any) -> None:
+        self.held = value
 
     def op(self, original: Any) -> Any:
-        self.activations.append(_detached_clone(original))
+        if self.leaf:
+            original = original.detach().requires_grad_()
+        self.held = original
         return original
 
     def __call__(self, original: Any) -> Any:
-        if self.slice is None:
-            return self.op(original)
-        index = _index(self, original)
-        if index is not _NOTHING:
-            self.activations.append(_detached_clone(_indexed(self, original, index)))
-        return original
+        return Patch.__call__(self, original) if self.leaf else super().__call__(original)
 
 
 @dataclass(kw_only=True)

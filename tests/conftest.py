@@ -44,6 +44,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+"""The devices a device-generic check runs on: the CPU (every run, CI included) and a CUDA GPU (marked ``cuda``,
+so skipped without one)."""
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """Each of :data:`DEVICES` in turn; a test taking ``device`` runs once per device."""
+    return request.param
+
+
 @pytest.fixture
 def tuple_module() -> TupleOutputModule:
     torch.manual_seed(0)

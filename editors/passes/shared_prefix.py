@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradpatch.capture import node_activations
 from gradpatch.model_io import model_device, right_pad
 
-from .capture import node_activations
 from .prefix_cache import FIRST_PASS_ROWS, MIN_SHARED_TOKENS, PrefixCache, quiet_extraction, supports_prefix_cache
 from .tokens import common_prefix_length, sorted_chunks
 

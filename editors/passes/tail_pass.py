@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from gradpatch import AddPatch
+from gradpatch.capture import node_activations
 from gradpatch.model_io import wrapped_model
 
 from ..layers import resolve_module
-from .capture import node_activations
 from .prefix_cache import quiet_extraction
 
 __all__ = ["TailPass", "logits_match", "tail_pass_for"]

@@ -7,9 +7,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..layouts import logits_input
+from ..layouts import last_position_cut, logits_input
 from ..patchable_graph import PatchableGraph
-from ..patches import CustomPatch, Patch, ProbePatch
+from ..patches import Patch, ProbePatch
 from .errors import AttributionError
 from .metrics import Metric, check_metric, check_scalar
 from .nodes import Node
@@ -22,10 +22,6 @@ DIRECTIONS = ("noise", "denoise")
 
 #: ``progress(done, total)``, called as units are scored.
 Progress = Callable[[int, int], None]
-
-def _keep_last_position(hidden: torch.Tensor) -> torch.Tensor:
-    return hidden[:, -1:]
-
 
 def check_positions(positions: Sequence[int] | None, length: int) -> list[int]:
     """``positions`` (default: every position) as a list of 0-based positions of a ``length``-token prompt.
@@ -90,7 +86,7 @@ class Runner:
         ``forward_kwargs`` of this call (a KV cache, say)."""
         patch_map: dict[str, Any] = dict(patches or {})
         if self.cut is not None:
-            cut = CustomPatch(custom_op=_keep_last_position, requires_clone=False)
+            cut = last_position_cut()
             existing = patch_map.get(self.cut)
             before = [*existing] if isinstance(existing, list) else [existing] if existing else []
             patch_map[self.cut] = [*before, cut]

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layouts import logits_input
+from ..layouts import last_position_cut, logits_input
 from ..model_io import frozen_parameters
-from ..patches import CustomPatch, Patch
+from ..patches import HoldPatch, Patch
 from .replacement import ReplacementModel
 
 __all__ = ["RetainedForward", "SavedBytes", "Target", "measure_saved_bytes"]
@@ -42,22 +42,6 @@ class Target:
     layer: int
     position: int
     feature: int
-
-
-class _Held:
-    """A patch's custom op that keeps the value passing its node (with its autograd history) and passes it on;
-    ``leaf`` makes it a leaf that requires grad, ``last`` keeps the last position alone (``[batch, 1, ...]``)."""
-
-    def __init__(self, leaf: bool = False, last: bool = False) -> None:
-        self.leaf, self.last = leaf, last
-        self.value = torch.empty(0)
-
-    def __call__(self, original: torch.Tensor) -> torch.Tensor:
-        value = original[:, -1:] if self.last else original
-        if self.leaf or not value.requires_grad:
-            value = value.detach().requires_grad_()
-        self.value = value
-        return value
 
 
 class RetainedForward:
@@ -77,21 +61,20 @@ class RetainedForward:
     def __init__(self, model: ReplacementModel, batch: int) -> None:
         self.model = model
         self.batch = batch
-        held = {layer: _Held() for layer in model.layers}
-        embed = _Held(leaf=True)
-        patches: dict[str, list[Patch]] = {model.embed: [CustomPatch(custom_op=embed, requires_clone=False)]}
+        held = {layer: HoldPatch() for layer in model.layers}
+        embed = HoldPatch(leaf=True)
+        patches: dict[str, list[Patch]] = {model.embed: [embed]}
         for layer, spliced in model.layers.items():
-            patches.setdefault(spliced.output_node, []).append(CustomPatch(custom_op=held[layer],
-                                                                           requires_clone=False))
+            patches.setdefault(spliced.output_node, []).append(held[layer])
         cut = logits_input(model.pg)
         if cut is not None:
-            patches.setdefault(cut, []).append(CustomPatch(custom_op=_Held(last=True), requires_clone=False))
+            patches.setdefault(cut, []).append(last_position_cut())
         with torch.enable_grad(), frozen_parameters(model.pg, *(s.transcoder for s in model.layers.values())):
             run = model.run(batch, patches=patches)
             self.logits = run.logits[:, -1].clone()  # not a view: the full logits are not kept
         self.inputs = run.inputs
-        self.outputs = {layer: holder.value for layer, holder in held.items()}
-        self.embeddings = embed.value
+        self.outputs = {layer: holder.held for layer, holder in held.items()}
+        self.embeddings = embed.held
 
     def gradients(self, targets: Sequence[Target]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         """One backward pass: row r's gradient of ``targets[r]`` (at most ``batch`` targets; further rows get none).

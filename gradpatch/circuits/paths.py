@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..patchable_graph import PatchableGraph
-from ..patches import CustomPatch, Patch
+from ..patches import CustomPatch, HoldPatch, Patch
 from .errors import NoPathError
 
 __all__ = ["check_paths"]
@@ -65,27 +65,21 @@ def check_paths(pg: PatchableGraph, nodes: Mapping[int, tuple[str, str]], ids: t
     device = ids.device
     embed_delta = torch.zeros((), device=device, requires_grad=True)
     output_deltas = {layer: torch.zeros((), device=device, requires_grad=True) for layer in nodes}
-    held: dict[int, Any] = {}
+    held = {layer: HoldPatch() for layer in nodes}
 
     def add(delta: torch.Tensor) -> Callable[[Any], Any]:
         return lambda value: value + delta.to(value.dtype) if isinstance(value, torch.Tensor) else value
 
-    def keep(layer: int) -> Callable[[Any], Any]:
-        def op(value: Any) -> Any:
-            held[layer] = value
-            return value
-        return op
-
     patch_map: dict[str, list[Patch]] = {embed: [CustomPatch(custom_op=add(embed_delta), requires_clone=False)]}
     for layer, (read, _) in sorted(nodes.items()):
-        patch_map.setdefault(read, []).append(CustomPatch(custom_op=keep(layer), requires_clone=False))
+        patch_map.setdefault(read, []).append(held[layer])
     for layer, (_, write) in sorted(nodes.items()):
         patch_map.setdefault(write, []).append(CustomPatch(custom_op=add(output_deltas[layer]),
                                                            requires_clone=False))
     with torch.enable_grad(), pg.patch(patch_map):
         logits = pg(ids, **dict(forward_kwargs or {})).logits
     for layer, (read, _) in sorted(nodes.items()):
-        if id(embed_delta) not in _leaves(held.get(layer)):
+        if id(embed_delta) not in _leaves(held[layer].held):
             raise NoPathError(f"layer {layer}: the transcoder's input node '{read}' does not depend on the token "
                               f"embeddings '{embed}', so its features have no path from the prompt; give the NodePath "
                               f"of the MLP's input (print pg.graph to find it)")

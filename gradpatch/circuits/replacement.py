@@ -25,11 +25,12 @@ from typing import Any
 import torch
 
 from ..dictionaries import SparseDictionary, TranscoderInput, splice
+from ..dictionaries.splice import dictionary_nodes
 from ..errors import FingerprintMismatchError
 from ..files.fingerprint import model_fingerprint
 from ..layouts import detect_layout
 from ..patchable_graph import PatchableGraph
-from ..patches import AddPatch, CustomPatch, Patch, ProbePatch, ReplacePatch
+from ..patches import AddPatch, CustomPatch, HoldPatch, Patch, ProbePatch, ReplacePatch
 from .errors import CircuitError
 from .freeze import FrozenLayerNorm, FrozenNodes, LinearisedOp, find_frozen_nodes
 from .paths import check_paths
@@ -92,8 +93,11 @@ class ReplacementModel:
         forward_kwargs: more keyword arguments of every forward pass.
 
     Raises:
-        CircuitError: no transcoders, an SAE, a transcoder without its nodes, ``ids`` of more than one row, or a
-            prompt longer than the model's context (``config.max_position_embeddings`` or ``n_positions``).
+        CircuitError: no transcoders, an SAE, ``ids`` of more than one row, or a prompt longer than the model's
+            context (``config.max_position_embeddings`` or ``n_positions``).
+        DictionaryConfigError: a transcoder whose config names no input or output node
+            (:func:`~gradpatch.dictionaries.splice.dictionary_nodes`).
+        NodePathError: a transcoder's node that the graph lacks.
         FingerprintMismatchError: a transcoder whose config records another model's fingerprint.
         FrozenNodesNotFoundError: the graph lacks attention or normalisation nodes to freeze.
         NoPathError: a transcoder's input node that does not depend on the embeddings, or an output node that the
@@ -107,8 +111,8 @@ class ReplacementModel:
         self.ids = ids
         self.forward_kwargs = dict(forward_kwargs or {})
         self.embed = embed or detect_layout(pg).embed
-        check_paths(pg, {layer: (transcoder.config.input_node, transcoder.config.output_node)
-                         for layer, transcoder in transcoders.items()}, ids, self.embed, self.forward_kwargs)
+        check_paths(pg, {layer: dictionary_nodes(transcoder) for layer, transcoder in transcoders.items()}, ids,
+                    self.embed, self.forward_kwargs)
         self.frozen: FrozenNodes = find_frozen_nodes(pg)
         self.layers: dict[int, SplicedLayer] = {}
         self.frozen_values: dict[str, torch.Tensor] = {}
@@ -178,12 +182,12 @@ class ReplacementModel:
         if embed_delta is not None:
             patch_map.setdefault(self.embed, []).append(AddPatch(value=embed_delta))
         for norm, x0, y0, sigma0 in self.layer_norm_values:
-            reader = TranscoderInput(width=x0.shape[-1])
+            reader = HoldPatch()
             patch_map.setdefault(norm.input, []).append(reader)
             frozen = CustomPatch(custom_op=self._layer_norm_op(norm, reader, x0, y0, sigma0), requires_clone=False)
             patch_map.setdefault(norm.output, []).append(frozen)
         for op, z0, y0, slope in self.linearised_values:
-            reader = TranscoderInput(width=z0.shape[-1])
+            reader = HoldPatch()
             patch_map.setdefault(op.input, []).append(reader)
             tangent = CustomPatch(custom_op=self._linearised_op(reader, z0, y0, slope), requires_clone=False)
             patch_map.setdefault(op.output, []).append(tangent)
@@ -202,7 +206,7 @@ class ReplacementModel:
                               {layer: spliced.transcoder for layer, spliced in self.layers.items()})
 
     @staticmethod
-    def _layer_norm_op(norm: FrozenLayerNorm, reader: TranscoderInput, x0: torch.Tensor, y0: torch.Tensor,
+    def _layer_norm_op(norm: FrozenLayerNorm, reader: HoldPatch, x0: torch.Tensor, y0: torch.Tensor,
                        sigma0: torch.Tensor) -> Any:
         """A ``layer_norm`` op's replacement with its scale frozen (:meth:`FrozenLayerNorm.frozen`)."""
         def frozen(original: torch.Tensor) -> torch.Tensor:
@@ -210,7 +214,7 @@ class ReplacementModel:
         return frozen
 
     @staticmethod
-    def _linearised_op(reader: TranscoderInput, z0: torch.Tensor, y0: torch.Tensor, slope: torch.Tensor) -> Any:
+    def _linearised_op(reader: HoldPatch, z0: torch.Tensor, y0: torch.Tensor, slope: torch.Tensor) -> Any:
         """An elementwise op's replacement by its tangent at the prompt, y⁰ + f′(z⁰) ⊙ (z − z⁰) with z read live by
         ``reader`` (:meth:`LinearisedOp.linearised`). Where the unembedding runs on the last positions alone
         (:mod:`gradpatch.circuits.backward`), z ``[batch, k, ...]`` is compared with the last k positions of the
@@ -251,9 +255,10 @@ def _check_inputs(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary
     fingerprint = None
     for layer, transcoder in transcoders.items():
         recorded = transcoder.config
-        if recorded.kind == "sae" or recorded.input_node is None or recorded.output_node is None:
+        if recorded.kind == "sae":
             raise CircuitError(f"layer {layer}: give a transcoder whose config names its input_node and output_node "
                                f"(the MLP's input and output), not a {recorded.kind} at {recorded.input_node}")
+        dictionary_nodes(transcoder, pg=pg)
         if recorded.model_fingerprint is not None:
             fingerprint = fingerprint or model_fingerprint(pg.wrapped_model)
             if recorded.model_fingerprint != fingerprint:

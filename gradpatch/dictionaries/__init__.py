@@ -15,7 +15,7 @@ See docs/dictionaries.md.
 from .activations import ACTIVATIONS, batch_topk, jumprelu, rectangle, step, topk
 from .circuit_tracer_format import export_circuit_tracer, load_circuit_tracer
 from .errors import DictionaryConfigError, DictionaryError, DictionaryLoadError, DictionaryShapeError
-from .evaluation import DictionaryMetrics, evaluate_dictionary
+from .evaluation import SAELENS_NAMES, DictionaryMetrics, evaluate_dictionary
 from .losses import auxk_loss, jumprelu_l0, l1_penalty, normalized_mse, remove_parallel_gradient, unit_norm_rows
 from .modules import DictionaryConfig, SkipTranscoder, SparseAutoencoder, SparseDictionary, Transcoder
 from .saelens_format import export_saelens, load_saelens
@@ -32,6 +32,7 @@ __all__ = [
     "DictionaryMetrics",
     "DictionaryPatch",
     "DictionaryShapeError",
+    "SAELENS_NAMES",
     "SkipTranscoder",
     "SparseAutoencoder",
     "SparseDictionary",

@@ -27,32 +27,25 @@ from typing import Any
 
 import torch
 
-from ..patches import Patch, Slice
+from ..patches import HoldPatch, Patch, Slice
 from ..positions import Tokens
 from .errors import DictionaryConfigError, DictionaryShapeError
 from .modules import SparseDictionary
 
-__all__ = ["DictionaryPatch", "Splice", "TranscoderInput", "splice", "trained_positions"]
+__all__ = ["DictionaryPatch", "Splice", "TranscoderInput", "dictionary_nodes", "splice", "trained_positions"]
 
 
 @dataclass(kw_only=True, eq=False)
-class TranscoderInput(Patch):
-    """Keeps the value at a transcoder's input node (unchanged, with its autograd history) for the
-    :class:`DictionaryPatch` at its output node, which takes it in the same forward pass.
+class TranscoderInput(HoldPatch):
+    """Holds the value at a transcoder's input node (unchanged, with its autograd history) for the
+    :class:`DictionaryPatch` at its output node, which takes it (resets :attr:`held` to ``None``) in the same forward
+    pass.
 
     Attributes:
         width: the transcoder's ``d_in`` (checked against the node when ``pg.patch`` is entered).
-        held: the value of the current forward pass, until the output patch takes it (not named ``value``: the
-            engine reads a patch's ``value`` as a patch value to check and to train).
     """
 
     width: int
-    held: torch.Tensor | None = field(default=None, repr=False)
-    requires_clone: bool = field(default=False, init=False, repr=False)
-
-    def op(self, original: Any) -> Any:
-        self.held = original
-        return original
 
     def check_width(self, width: int, path: str) -> None:
         """Raise :class:`DictionaryShapeError` unless the node at ``path`` has last dimension :attr:`width`."""
@@ -72,7 +65,13 @@ class DictionaryPatch(Patch):
         steer: latent -> α, adding α · W_dec[latent] to the value.
         record: keep every forward pass's latents in :attr:`recorded` (e.g. one per ``generate`` step).
         source: a transcoder's :class:`TranscoderInput` (``None`` for an SAE, which reads the value it replaces).
-        latents: z ``[..., m]`` of the last forward pass (detached; before edits).
+        latents: z ``[..., m]`` of the last forward pass (detached; before edits) at the positions spliced: with a
+            ``slice``, those of ``value[slice]`` (e.g. ``[batch, seq − n, m]`` for :func:`trained_positions`);
+            ``None`` before any pass and after a pass whose ``slice`` selected no token.
+        first_position: the position, along the token dimension of the last forward pass's value, of
+            ``latents[:, 0]``: 0 without a slice, n − offset for :func:`trained_positions` (``Tokens(slice(n, None))``:
+            n in a whole sequence, 0 in a ``generate`` step past n), ``None`` for a slice that is not a contiguous
+            range of :class:`~gradpatch.positions.Tokens` (the latents then have the slice's own shape).
         recorded: the latents of every forward pass when ``record`` is set.
 
     Raises:
@@ -90,6 +89,7 @@ class DictionaryPatch(Patch):
     record: bool = False
     source: TranscoderInput | None = None
     latents: torch.Tensor | None = field(default=None, repr=False)
+    first_position: int | None = field(default=None, repr=False)
     recorded: list[torch.Tensor] = field(default_factory=list, repr=False)
     requires_clone: bool = field(default=False, init=False, repr=False)
 
@@ -129,6 +129,10 @@ class DictionaryPatch(Patch):
             z[..., list(self.clamp)] = torch.tensor(list(self.clamp.values()), dtype=z.dtype, device=z.device)
         return z
 
+    def __call__(self, original: torch.Tensor) -> torch.Tensor:
+        self.latents, self.first_position = None, _first_position(self.slice, original)
+        return super().__call__(original)
+
     def op(self, original: torch.Tensor) -> torch.Tensor:
         x = self._input(original)
         dictionary = self.dictionary
@@ -145,6 +149,16 @@ class DictionaryPatch(Patch):
             alphas = torch.tensor(list(self.steer.values()), dtype=value.dtype, device=value.device)
             value = value + alphas @ dictionary.W_dec[list(self.steer)]
         return value.to(original.dtype)
+
+
+def _first_position(chosen: Slice, value: torch.Tensor) -> int | None:
+    """:attr:`DictionaryPatch.first_position` for a pass whose value at the node is ``value`` and slice ``chosen``."""
+    if chosen is None:
+        return 0
+    index = chosen.index(value) if isinstance(chosen, Tokens) else None
+    if index is None or not isinstance(index[chosen.dim], slice):
+        return None
+    return index[chosen.dim].start or 0
 
 
 def _check_width(width: int, expected: int, path: str, side: str) -> None:
@@ -173,8 +187,18 @@ class Splice:
 
     @property
     def latents(self) -> torch.Tensor | None:
-        """z ``[..., m]`` of the last forward pass (detached)."""
+        """z of the last forward pass (detached, before edits), at the positions spliced only:
+        ``[batch, seq, m]`` without a slice, ``[batch, seq − n, m]`` for :func:`trained_positions` (a dictionary
+        trained with ``exclude_first_positions`` n: positions < n are not spliced, and have no latents). Position p
+        of the pass is ``latents[:, p − first_position]``; ``None`` before any pass and after a pass that spliced
+        no token."""
         return self.patch.latents
+
+    @property
+    def first_position(self) -> int | None:
+        """The position of ``latents[:, 0]`` in the last forward pass (:attr:`DictionaryPatch.first_position`):
+        n for :func:`trained_positions` on a whole sequence, 0 without a slice."""
+        return self.patch.first_position
 
     def patch_map(self) -> dict[str, list[Patch]]:
         """NodePath -> patches, the reader first when a transcoder reads and writes one node."""
@@ -193,11 +217,46 @@ def trained_positions(dictionary: SparseDictionary) -> Tokens | None:
 
     Example::
 
-        with pg.patch(splice(pg, sae, slice=trained_positions(sae))):
-            logits = pg(ids).logits     # positions < n keep the model's values; latents [batch, seq − n, m]
+        s = splice(pg, sae, slice=trained_positions(sae))
+        with pg.patch(s):
+            logits = pg(ids).logits     # positions < n keep the model's values; s.latents [batch, seq − n, m]
+        s.latents[:, p - s.first_position]                                    # position p's latents, p >= n
     """
     n = dictionary.config.exclude_first_positions
     return Tokens(slice(n, None)) if n else None
+
+
+def dictionary_nodes(dictionary: SparseDictionary, node: str | None = None, output_node: str | None = None, *,
+                     pg: Any = None) -> tuple[str, str]:
+    """The NodePaths ``dictionary`` reads and writes, ``(read, written)``: the same path twice for an SAE. What
+    :func:`splice`, the attribution graphs and the training recipes resolve a dictionary's nodes with.
+
+    Args:
+        dictionary: an SAE or (skip) transcoder.
+        node: the NodePath read (default: the config's ``input_node``).
+        output_node: a transcoder's NodePath written (default: the config's ``output_node``; ignored for an SAE).
+        pg: the :class:`~gradpatch.PatchableGraph` to check both NodePaths against (not checked when ``None``).
+
+    Returns:
+        ``(read, written)``.
+
+    Raises:
+        DictionaryConfigError: a NodePath neither given nor recorded in the config (the message names the fix).
+        NodePathError: a NodePath ``pg`` lacks (the message lists the closest valid ones).
+    """
+    config = dictionary.config
+    read = node or config.input_node
+    transcoder = config.kind != "sae"
+    write = (output_node or config.output_node) if transcoder else read
+    if read is None or write is None:
+        raise DictionaryConfigError(
+            f"the {config.kind}'s config names no node to {'read' if read is None else 'write'}: name the "
+            f"node{'s' if transcoder else ''} (node=...{', output_node=...' if transcoder else ''}), or build it with "
+            f"{'input_node=... and output_node=...' if transcoder else 'node=...'}")
+    if pg is not None:
+        for path in dict.fromkeys((read, write)):
+            pg.node(path)
+    return str(read), str(write)
 
 
 def splice(pg: Any, dictionary: SparseDictionary, node: str | None = None, *, output_node: str | None = None,
@@ -224,19 +283,12 @@ def splice(pg: Any, dictionary: SparseDictionary, node: str | None = None, *, ou
         A :class:`Splice`. Widths are checked when ``pg.patch`` is entered, before any forward pass.
 
     Raises:
-        DictionaryConfigError: no node given nor recorded in the dictionary's config; a latent index out of range.
+        DictionaryConfigError: no node given nor recorded in the dictionary's config (:func:`dictionary_nodes`); a
+            latent index out of range.
         NodePathError: a NodePath the graph lacks (the message lists the closest valid ones).
     """
-    config = dictionary.config
-    read = node or config.input_node
-    transcoder = config.kind != "sae"
-    write = (output_node or config.output_node) if transcoder else read
-    if read is None or write is None:
-        raise DictionaryConfigError(f"name the node{'s' if transcoder else ''} to splice the {config.kind} at "
-                                    f"(node=..., output_node=...): its config records none")
-    for path in {read, write}:
-        pg.node(path)
-    reader = TranscoderInput(width=dictionary.d_in, slice=slice) if transcoder else None
+    read, write = dictionary_nodes(dictionary, node, output_node, pg=pg)
+    reader = TranscoderInput(width=dictionary.d_in, slice=slice) if dictionary.config.kind != "sae" else None
     patch = DictionaryPatch(dictionary=dictionary, error_term=error_term, ablate=tuple(ablate), scale=dict(scale or {}),
                             clamp=dict(clamp or {}), steer=dict(steer or {}), record=record, source=reader,
                             slice=slice)

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from editors.passes import node_activations
-from gradpatch import CustomPatch, ProbePatch
+from gradpatch import HoldPatch, ProbePatch
+from gradpatch.capture import node_activations
 from gradpatch.dictionaries import SparseDictionary, normalized_mse
 from gradpatch.errors import NodePathError
 
@@ -118,9 +118,7 @@ class EndToEndDictionaryModule(DictionaryModule):
         probes = {node: ProbePatch() for node in self.nodes + self.downstream_nodes}
         with torch.no_grad(), pg.patch(probes):
             reference = pg(ids, use_cache=False).logits
-        spliced_values: dict[str, torch.Tensor] = {}
-        captures = {node: CustomPatch(custom_op=_keeper(spliced_values, node), requires_clone=False)
-                    for node in self.downstream_nodes}
+        captures = {node: HoldPatch() for node in self.downstream_nodes}
         with splice_all(pg, list(self.dictionaries)) as splices, pg.patch(captures):
             logits = pg(ids, use_cache=False).logits
         kl = F.kl_div(F.log_softmax(logits.float(), -1), F.log_softmax(reference.float(), -1), log_target=True,
@@ -128,7 +126,7 @@ class EndToEndDictionaryModule(DictionaryModule):
         terms = {"kl": kl, "ce_increase": (next_token_ce(logits, ids) - next_token_ce(reference, ids)).detach()}
         loss = kl
         if self.downstream_nodes:
-            terms["downstream_mse"] = torch.stack([F.mse_loss(spliced_values[node].float(),
+            terms["downstream_mse"] = torch.stack([F.mse_loss(captures[node].held.float(),
                                                               probes[node].activation.float())
                                                    for node in self.downstream_nodes]).mean()
             loss = loss + self.downstream_coefficient * terms["downstream_mse"]
@@ -158,10 +156,3 @@ class EndToEndDictionaryModule(DictionaryModule):
             terms.update(self.sparsity_terms(index, h, dictionary.activate(h)))
         return {**terms, **self.firing_terms(index, z)}
 
-
-def _keeper(values: dict[str, torch.Tensor], node: str) -> Any:
-    """A ``custom_op`` that keeps ``node``'s value (with its autograd history) in ``values`` and passes it on."""
-    def keep(original: torch.Tensor) -> torch.Tensor:
-        values[node] = original
-        return original
-    return keep
