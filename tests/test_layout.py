@@ -392,3 +392,23 @@ def test_benchmarks_is_a_house_with_rooms() -> None:
              and path.endswith((".py", ".md", ".txt", ".sh"))
              for folder in MACHINE_FOLDERS if folder in (ROOT / path).read_text(encoding="utf-8", errors="replace")]
     assert not named, f"benchmark files naming a folder of one machine: {named}"
+
+
+#: tests/'s rooms, mirroring the packages (the engine, its interventions, attribution, dictionaries and circuits in
+#: gradpatch/; editors/; recipes/) and the reliability checks that cut across them.
+TESTS_ROOMS = {"engine", "interventions", "attribution", "dictionaries", "circuits", "editors", "recipes", "reliability"}
+MAX_TESTS_DOOR = 12
+
+
+def test_tests_is_a_house_with_rooms() -> None:
+    """A dozen entries at tests/'s door (the shared conftest and this file of the code base's own layout); every other
+    test file in a room named after what it tests, each room holding tests."""
+    door = sorted(p.name for p in (ROOT / "tests").iterdir() if not p.name.startswith((".", "__pycache__")))
+    assert len(door) <= MAX_TESTS_DOOR, f"{len(door)} entries at tests/'s door (move some into a room): {door}"
+    rooms = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    assert rooms == TESTS_ROOMS, f"tests/'s rooms are {sorted(rooms)}, not {sorted(TESTS_ROOMS)}"
+    assert sorted(p.name for p in (ROOT / "tests").glob("test_*.py")) == ["test_layout.py"], door
+    empty = [room for room in sorted(TESTS_ROOMS) if not any((ROOT / "tests" / room).glob("test_*.py"))]
+    assert not empty, f"rooms of tests/ without tests: {empty}"
+    nested = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if len(p.relative_to(ROOT).parts) > 3]
+    assert not nested, f"test files below a room: {nested}"

@@ -2,7 +2,7 @@
 nodes, the logit nodes and the adjacency matrices compared, and each side's time and peak memory; prints JSON.
 
 Models: ``tiny-llama`` / ``tiny-gpt2`` (the test suite's 2-layer models, d_model 64; the BOS token and 6 random ids;
-ReLU skip transcoders with 64 latents as tests/test_circuits.py builds them) or ``smollm2`` (the embedded
+ReLU skip transcoders with 64 latents as tests/circuits/test_circuits.py builds them) or ``smollm2`` (the embedded
 SmolLM2-135M, 30 layers; the BOS token and the first ``--tokens`` − 1 tokens of a fixed prompt; ReLU skip
 transcoders with 1,024 random latents at every MLP, each layer's encoder bias set so that about ``--k`` latents are
 active per position on the prompt). The transcoders are exported with

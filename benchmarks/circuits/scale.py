@@ -4,7 +4,7 @@ Models: ``smollm2`` (the embedded SmolLM2-135M, 30 layers; with ``--random-weigh
 random weights, which needs no GGUF: hidden 576, MLP 1536, 9 heads, 3 KV heads, vocabulary 49,152, tied embeddings,
 and random token ids), with TopK skip transcoders of random weights (``--latents`` latents, k = ``--k``) at the
 first ``--layers`` MLPs (default: all); or the test suite's ``tiny-llama`` / ``tiny-gpt2`` (ReLU skip transcoders,
-64 latents, at both MLPs, as tests/test_circuits.py builds them). For each: the frozen nodes found, whether the
+64 latents, at both MLPs, as tests/circuits/test_circuits.py builds them). For each: the frozen nodes found, whether the
 replay is the model bit for bit, the graph's size, the seconds of :func:`~gradpatch.circuits.attribute` and the
 targets per backward pass it used (``--batch-size``, made smaller by ``--max-memory`` GiB; the graphs for batches of
 2 or more rows are extracted before, untimed), its wall-clock and process CPU seconds (all threads; the CPU is
@@ -67,7 +67,7 @@ def _smollm2(args: argparse.Namespace) -> ReplacementModel:
 
 
 def _tiny(name: str) -> ReplacementModel:
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "circuits"))
     from test_circuits import tiny_replacement
 
     return tiny_replacement(name, torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(3)))

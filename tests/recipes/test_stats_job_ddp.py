@@ -19,7 +19,7 @@ import torch
 
 from editors import compute_second_moments, editable_graph, resolve_layer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HANG_GUARD_S = 600
 
 SCRIPT = textwrap.dedent('''

@@ -14,7 +14,7 @@ from recipes import CounterfactualDataModule, InterventionModule, RecipeConfigEr
 from recipes.interchange.counterfactual import CounterfactualRecord, read_counterfactuals
 from recipes.testing import save_tiny_backbone, tiny_backbone
 
-CONFIG = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "das_country.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "das_country.yaml"
 COUNTRIES = {"Paris": "France", "Rome": "Italy", "Berlin": "Germany", "Madrid": "Spain"}
 
 

@@ -21,7 +21,7 @@ from gradpatch.layouts import detect_layout
 from gradpatch.model_io import wrapped_model
 from gradpatch.testing import FAMILIES, TOY_SENTENCES, byte_level_tokenizer, tiny_causal_lm
 
-# As in tests/test_edit_experts.py: a toy fact ending with its subject, fast settings, a toy corpus.
+# As in tests/editors/test_edit_experts.py: a toy fact ending with its subject, fast settings, a toy corpus.
 REQUEST = EditRequest(prompt="The river flows into the sea near {}", subject="the old town", target_new="Rome",
                       target_true="Paris")
 SETTINGS: dict[str, Any] = dict(n_samples=32, max_length=64, use_cache=False, progress=False, steps=25,

@@ -20,7 +20,7 @@ import torch
 
 from gradpatch.dictionaries import SparseAutoencoder
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent('''
     import sys

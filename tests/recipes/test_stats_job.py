@@ -1,7 +1,7 @@
 """The second-moment statistics job (recipes.editing.stats_job, ``gradpatch stats``) in one process: equal to
 ``compute_second_moments``, read back by the editors, resumed after an interruption, and its bad inputs (a resume
 file from another configuration, a damaged one, settings that cannot work). The 2-process gloo runs are in
-tests/test_stats_job_ddp.py."""
+tests/recipes/test_stats_job_ddp.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """DeltaModule under ShardedFrozenDDPStrategy: 2 CPU processes (gloo), the frozen tiny model sharded by FSDP2.
 
-As in tests/test_recipes_ddp.py the script runs in a subprocess (Lightning's launcher re-runs it for rank 1), with
+As in tests/recipes/test_recipes_ddp.py the script runs in a subprocess (Lightning's launcher re-runs it for rank 1), with
 two one-token targets and full-batch steps, so each rank takes one row and the mean of the two ranks' losses is the
 single process's loss. Checked: the model's weights are sharded (DTensors holding half of each matrix), the loss
 curve and the trained delta equal one unsharded process's, and the sharded graph's patched forward equals the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent('''
     import sys
@@ -60,7 +60,7 @@ SCRIPT = textwrap.dedent('''
     if __name__ == "__main__":
         result = fit(ShardedFrozenDDPStrategy(), 2)
         torch.save(result, f"{sys.argv[1]}/sharded-rank{result['rank']}.pt")
-        torch.distributed.destroy_process_group()  # as in tests/test_recipes_ddp.py: no gloo group left at exit
+        torch.distributed.destroy_process_group()  # as in tests/recipes/test_recipes_ddp.py: no gloo group left at exit
 ''')
 
 

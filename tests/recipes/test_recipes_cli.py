@@ -14,7 +14,7 @@ from recipes import cli
 from recipes.cli.fit import translate_model_shortcut
 from recipes.testing import save_tiny_backbone
 
-CONFIGS = Path(__file__).resolve().parent.parent / "recipes" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"
 
 
 def test_subcommands_are_registered():

@@ -1,7 +1,7 @@
 """Attribution graphs built from one forward pass and many backward passes (gradpatch.circuits.backward) under a
 memory bound: the bound's batches and the feature chunks give the unbounded graph, a bound too small is refused,
 what the forward pass keeps grows linearly with the prompt, and the parameters' ``requires_grad`` is restored. The
-graph's exactness is tests/test_circuits.py's."""
+graph's exactness is tests/circuits/test_circuits.py's."""
 
 from __future__ import annotations
 

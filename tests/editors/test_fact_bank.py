@@ -16,7 +16,7 @@ from demos.rome.split_facts import split_by_subject
 from demos.rome.verify_cases import verify_case
 from editors import load_cases
 
-BANK = Path(__file__).resolve().parent.parent / "demos" / "rome"
+BANK = Path(__file__).resolve().parents[2] / "demos" / "rome"
 
 
 def test_bank_structure_and_splits():

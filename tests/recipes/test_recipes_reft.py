@@ -15,7 +15,7 @@ from recipes.reft.caa import caa_vector, continuation_mean_activations
 from recipes.reft.continuations import PreferenceRecord, read_continuations, read_preferences
 from recipes.testing import save_tiny_backbone, tiny_backbone
 
-CONFIGS = Path(__file__).resolve().parent.parent / "recipes" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"
 NODE = "model.layers_0.output"
 COUNTRIES = {"Paris": "France", "Rome": "Italy", "Berlin": "Germany", "Madrid": "Spain"}
 

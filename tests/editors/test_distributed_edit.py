@@ -20,7 +20,7 @@ import torch
 from editors import BatchEdit, EditError
 from editors.distributed import FactShards
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HANG_GUARD_S = 600
 
 SCRIPT = textwrap.dedent('''

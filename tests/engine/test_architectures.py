@@ -2,8 +2,8 @@
 extraction, the layout (its identities), patches and gradients against plain forward hooks, cached generation, causal
 tracing and node attribution against a hook-based computation of the same quantities, a spliced SAE, the router of a
 mixture of experts, and compile. docs/architectures.md tabulates the results; circuits per family are in
-tests/test_circuits_families.py, editing in tests/test_architectures_editing.py, MoE compile in
-tests/test_compile_moe.py and MoE editing in tests/test_edit_experts.py."""
+tests/circuits/test_circuits_families.py, editing in tests/editors/test_architectures_editing.py, MoE compile in
+tests/engine/test_compile_moe.py and MoE editing in tests/editors/test_edit_experts.py."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from gradpatch import Intervention, PatchableGraph
 from recipes import cli
 
-CONFIG = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "steer_eiffel.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "steer_eiffel.yaml"
 PROMPT = "The Eiffel Tower is located in the city of"
 
 

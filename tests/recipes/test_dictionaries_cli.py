@@ -154,7 +154,7 @@ def test_corpus_reader_and_token_budget(tmp_path: Path) -> None:
 
 
 def test_the_shipped_config_parses(capsys: pytest.CaptureFixture) -> None:
-    config_path = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "sae_smollm2.yaml"
+    config_path = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "sae_smollm2.yaml"
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["fit", "--config", str(config_path), "--print_config"])
     assert exit_info.value.code == 0
@@ -214,7 +214,7 @@ def test_fit_trains_several_dictionaries_in_one_run(trained: dict[str, Path], tm
 
 
 def test_the_shipped_e2e_config_parses(capsys: pytest.CaptureFixture) -> None:
-    config_path = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "sae_smollm2_e2e.yaml"
+    config_path = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "sae_smollm2_e2e.yaml"
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["fit", "--config", str(config_path), "--print_config"])
     assert exit_info.value.code == 0
