@@ -2,7 +2,7 @@
 
 torch gives no stability promise for these names; graphpatch stopped importing on torch 2.6 because of them.
 When a torch upgrade removes or changes one, the function here is the one place to mend, and
-``tests/test_torch_compat.py`` names the symbol that disappeared. The list, with what each is for, is in
+``tests/engine/test_torch_compat.py`` names the symbol that disappeared. The list, with what each is for, is in
 docs/engine.md ("Private torch names").
 """
 
@@ -20,7 +20,7 @@ from torch.utils import _pytree
 #: The installed torch release as ``(major, minor, patch)``, e.g. ``(2, 13, 0)``.
 TORCH_VERSION: tuple[int, ...] = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:3])
 
-#: Each private torch name used below -> a function that fetches it (tests/test_torch_compat.py calls them all).
+#: Each private torch name used below -> a function that fetches it (tests/engine/test_torch_compat.py calls them all).
 PRIVATE_SYMBOLS: dict[str, Callable[[], Any]] = {
     "torch.fx.graph_module._forward_from_src": lambda: _graph_module._forward_from_src,
     "torch.fx._symbolic_trace._maybe_revert_all_patches": lambda: _symbolic_trace._maybe_revert_all_patches,

@@ -8,7 +8,7 @@ from ``s`` on, attending to the cached prefix through the model's own cache (a t
 passed as ``cache`` or, before transformers 5.24, ``past_key_values``) with explicit position ids and attention
 mask. On the fact bank's prompts (SmolLM2-135M, six context prefixes) the tokens from ``s`` on are 36 % of all
 tokens, so a step's forward and backward passes carry a third of the tokens they did. The logits are the full
-passes' up to float rounding (``tests/test_prefix_cache.py``). Rows behind the same context prefix begin with the
+passes' up to float rounding (``tests/editors/test_prefix_cache.py``). Rows behind the same context prefix begin with the
 same tokens: :meth:`PrefixCache.fill` computes those once and runs each row's other prefix tokens on them.
 
 Memory: the cache holds ``2 · layers · kv_heads · head_dim`` numbers per prefix token (SmolLM2-135M: 46 kB per token in

@@ -8,7 +8,7 @@ fact bank's first 1,000 facts behind MEMIT's six key prefixes the shared tokens 
 prefix shares none), and a pass over them reading three nodes up to block 6 of SmolLM2-135M took 16.1 s instead of
 22.7 s on two CPU cores (the first such pass in a process, which also extracts the graphs of the cached calls on its
 first two rows: 19.8 s). A pass's rows × whole width fit ``max_tokens``, the shared tokens counted: its cache holds
-them. The activations are the full passes' up to float rounding (``tests/test_shared_prefix.py``).
+them. The activations are the full passes' up to float rounding (``tests/editors/test_shared_prefix.py``).
 """
 
 from __future__ import annotations

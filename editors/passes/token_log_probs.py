@@ -8,7 +8,7 @@ vocabulary and the ~900 target rows of a 100-fact value-search step these were 1
 (docs/memit.md). :func:`token_log_probs` works through the rows in blocks of :data:`BLOCK_ELEMENTS` numbers, so each
 temporary is a few megabytes and reused, and its backward pass writes ``∂/∂z = g · (onehot(t) − softmax(z))``
 straight into one gradient tensor of the logits' dtype. Results equal the log-softmax's up to float rounding
-(accumulation in float32, ``tests/test_token_log_probs.py``).
+(accumulation in float32, ``tests/editors/test_token_log_probs.py``).
 """
 
 from __future__ import annotations

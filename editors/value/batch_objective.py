@@ -10,7 +10,7 @@ fact's own loss, so a fact's gradient is exactly the gradient of its own objecti
 row as it would move that fact's delta alone. Each fact stops when its loss is below ``early_stop_loss`` (its row is
 frozen and its prompts leave the batch), as the one-fact search stops, so
 :func:`editors.value.batch_search.optimize_values` returns the deltas one-at-a-time searches would return, up to float
-rounding (``tests/test_batch_value.py``).
+rounding (``tests/editors/test_batch_value.py``).
 
 Logits are computed only where the terms read them (:func:`editors.passes.selected_logits.logits_at`), the target tokens'
 log-probabilities without a float32 log-softmax of every logit (:func:`editors.passes.token_log_probs.token_log_probs`), and

@@ -51,7 +51,7 @@ __all__ = ["DictionaryDataModule", "DictionaryFitModule", "DictionarySpec", "End
 #: stages, since a user of it can do nothing about them:
 #:
 #: - resuming mid-epoch from a loader without ``state_dict`` "can cause unreliable results": the data module
-#:   checkpoints the batches done and starts after them, so the resume is exact (tests/test_dictionaries_cli.py);
+#:   checkpoints the batches done and starts after them, so the resume is exact (tests/recipes/test_dictionaries_cli.py);
 #: - the loader "does not have many workers": its batches are slices of a tensor already in memory (workers would
 #:   only copy them between processes), and it has no ``num_workers`` setting to raise.
 UNACTIONABLE_WARNINGS = (
