@@ -12,7 +12,7 @@ Both are trained in memory on a few sentences (no download) and wrapped as ``Pre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +20,7 @@ import torch
 if TYPE_CHECKING:
     from .attribution.prompts import PromptBatch
 
-__all__ = ["FAMILIES", "TOY_FACTS", "TOY_SENTENCES", "byte_level_tokenizer", "metaspace_tokenizer",
+__all__ = ["FAMILIES", "TOY_FACTS", "TOY_SENTENCES", "CountingBackend", "byte_level_tokenizer", "metaspace_tokenizer",
            "random_prompt_batch", "tiny_causal_lm", "tiny_gpt2", "tiny_llama"]
 
 TOY_FACTS: tuple[tuple[str, str, str, str], ...] = (
@@ -181,3 +181,15 @@ def tiny_causal_lm(family: str, vocab_size: int = 100, seed: int = 0, hidden: in
     model_config = getattr(transformers, config_name)(**{**sizes, **own, **config})
     torch.manual_seed(seed)
     return getattr(transformers, model_name)(model_config).eval()
+
+
+class CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs dynamo hands it and runs them unchanged: a test reads
+    ``graphs`` to tell compiled calls from eager ones (``pg.compile(backend=CountingBackend())``)."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        self.graphs += 1
+        return graph_module.forward

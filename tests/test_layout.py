@@ -396,7 +396,8 @@ def test_benchmarks_is_a_house_with_rooms() -> None:
 
 #: tests/'s rooms, mirroring the packages (the engine, its interventions, attribution, dictionaries and circuits in
 #: gradpatch/; editors/; recipes/) and the reliability checks that cut across them.
-TESTS_ROOMS = {"engine", "interventions", "attribution", "dictionaries", "circuits", "editors", "recipes", "reliability"}
+TESTS_ROOMS = {"engine", "interventions", "attribution", "dictionaries", "circuits", "editors", "recipes",
+               "reliability"}
 MAX_TESTS_DOOR = 12
 
 
@@ -410,5 +411,6 @@ def test_tests_is_a_house_with_rooms() -> None:
     assert sorted(p.name for p in (ROOT / "tests").glob("test_*.py")) == ["test_layout.py"], door
     empty = [room for room in sorted(TESTS_ROOMS) if not any((ROOT / "tests" / room).glob("test_*.py"))]
     assert not empty, f"rooms of tests/ without tests: {empty}"
-    nested = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if len(p.relative_to(ROOT).parts) > 3]
+    nested = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+              if len(p.relative_to(ROOT).parts) > 3]
     assert not nested, f"test files below a room: {nested}"

@@ -38,7 +38,7 @@ from gradpatch.model_io import wrapped_model
 from gradpatch.progress import ProgressBar
 
 from ..defaults import DEFAULT_MAX_LENGTH, DEFAULT_N_SAMPLES
-from ..errors import CacheRecomputedWarning, StatisticsError
+from ..errors import CacheRecomputedWarning
 from ..layers import LinearLayer, resolve_layer
 from ..passes.start_token import start_token_tag
 from .corpus import Corpus, open_corpus

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..dictionaries import DictionaryConfigError, SparseDictionary, splice
+from ..dictionaries import SparseDictionary, splice
 from ..patchable_graph import PatchableGraph
 from ..patches import Patch, ProbePatch, ReplacePatch
 from .errors import CircuitError, FeatureIndexError

@@ -16,8 +16,8 @@ from ..patches import CustomPatch, ProbePatch
 from .model_layout import ModelLayout
 from .table import LAYOUTS
 
-__all__ = ["Problem", "check_layout", "count_layers", "detect_layout", "has_node", "last_position_cut", "layout_problems",
-           "logits_input"]
+__all__ = ["Problem", "check_layout", "count_layers", "detect_layout", "has_node", "last_position_cut",
+           "layout_problems", "logits_input"]
 
 #: Problems found per graph and layout (an empty tuple: the layout holds), so each pair is checked once.
 _CHECKED: weakref.WeakKeyDictionary[PatchableGraph, dict[ModelLayout, tuple[str, ...]]] = weakref.WeakKeyDictionary()
@@ -78,8 +78,8 @@ def layout_problems(pg: PatchableGraph, layout: ModelLayout, parts: Iterable[str
     values, ``[batch, seq, heads * head_dim]`` heads), every module field names a module, and on a forward pass of
     the example's size at every block: ``hidden == block_input + attn + mlp``, the attention's norm reads
     ``block_input``, the MLP (its norm where it has one) reads ``block_input + attn`` (sequential) or ``block_input``
-    (parallel), the MLP's input is its norm's output, and the heads are the pattern output with its heads merged — each within 64 machine epsilons of the
-    terms' magnitude.
+    (parallel), the MLP's input is its norm's output, and the heads are the pattern output with its heads merged —
+    each within 64 machine epsilons of the terms' magnitude.
 
     Args:
         parts: the fields a tool relies on (default: all); problems that involve none of them are left out (the

@@ -180,8 +180,8 @@ def test_causal_tracing_equals_forward_hooks(family, tokenizer) -> None:
 
 
 def test_node_attribution_equals_forward_hooks(family) -> None:
-    """AtP of the ``mlp`` kind: (corrupted − clean contribution) · ∂(logit difference)/∂contribution, taken with plain
-    forward hooks on the module whose output the layout names."""
+    """AtP of the ``mlp`` kind: (corrupted − clean contribution) · ∂(logit difference)/∂contribution, taken with
+    plain forward hooks on the module whose output the layout names."""
     _, model, pg, ids = family
     layout = detect_layout(pg)
     g = torch.Generator().manual_seed(1)
@@ -207,7 +207,7 @@ def test_node_attribution_equals_forward_hooks(family) -> None:
         expected = ((corrupted["v"] - clean["v"]) * clean["delta"].grad).sum(-1).sum(0)
         got = torch.tensor([score.score for score in sorted(result.scores, key=lambda s: s.position)
                             if score.layer == layer])
-        torch.testing.assert_close(got, expected.detach(), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_a_spliced_sae_with_its_error_term_is_exact(family) -> None:

@@ -14,28 +14,13 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from torch import fx, nn
+from torch import nn
 
 from gradpatch import (AddPatch, CompilationWarning, CustomPatch, PatchableGraph, ProbePatch,
                        RecordPatch, RotatedSubspacePatch, ZeroPatch, testing)
 
 
-class CountingBackend:
-    """A torch.compile backend that counts the graphs dynamo hands it and runs them unchanged."""
-
-    def __init__(self) -> None:
-        self.graphs = 0
-
-    def __call__(self, graph_module: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        self.graphs += 1
-        return graph_module.forward
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo() -> Any:
-    torch.compiler.reset()
-    yield
-    torch.compiler.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @contextlib.contextmanager
@@ -98,7 +83,7 @@ def _patch_sequence(a: str, b: str) -> list[tuple[str, dict[str, Any]]]:
 @pytest.mark.parametrize("how", ["torch.compile", "pg.compile"])
 def test_compiled_graph_follows_every_patch_set(family: str, how: str) -> None:
     setup = _setup(family)
-    backend = CountingBackend()
+    backend = testing.CountingBackend()
     run = _compiled(setup.pg, how, backend=backend, fullgraph=True)
     compiles_after: list[int] = []
     for name, patches in _patch_sequence(setup.a, setup.b):
@@ -121,7 +106,7 @@ def test_compiled_graph_follows_every_patch_set(family: str, how: str) -> None:
 @pytest.mark.parametrize("how", ["torch.compile", "pg.compile"])
 def test_gradients_of_a_patch_value_through_the_compiled_graph(how: str) -> None:
     setup = _setup()
-    backend = CountingBackend()
+    backend = testing.CountingBackend()
     compiled = _compiled(setup.pg, how, backend=backend)
     delta = torch.zeros(32, requires_grad=True)
     gradients = []
@@ -139,7 +124,7 @@ def test_gradients_of_a_patch_value_through_the_compiled_graph(how: str) -> None
 @pytest.mark.parametrize("how", ["torch.compile", "pg.compile"])
 def test_new_patch_values_never_recompile(how: str) -> None:
     setup = _setup()
-    backend = CountingBackend()
+    backend = testing.CountingBackend()
     run = _compiled(setup.pg, how, backend=backend)
     shared = torch.zeros(32)
     reused = AddPatch(value=shared)
@@ -164,7 +149,7 @@ def test_new_patch_values_never_recompile(how: str) -> None:
 
 def test_trainable_patch_parameters_are_graph_inputs() -> None:
     setup = _setup(rows=4)
-    backend = CountingBackend()
+    backend = testing.CountingBackend()
     setup.pg.compile(backend=backend, fullgraph=True)
     patch = RotatedSubspacePatch(32, 4)
     patch.source = torch.randn(4, 6, 32)
@@ -182,7 +167,7 @@ def test_trainable_patch_parameters_are_graph_inputs() -> None:
 
 def test_default_compile_over_four_shapes_compiles_at_most_twice() -> None:
     setup = _setup()
-    backend = CountingBackend()
+    backend = testing.CountingBackend()
     compiled = torch.compile(setup.pg, backend=backend)
     patches = {setup.a: AddPatch(value=torch.ones(32))}
     for shape in [(2, 16), (8, 128), (4, 64), (3, 100), (2, 16), (8, 128)]:
@@ -192,7 +177,7 @@ def test_default_compile_over_four_shapes_compiles_at_most_twice() -> None:
 
 def test_dynamic_shapes_compile_the_size_guards() -> None:
     setup = _setup()
-    backend = CountingBackend()
+    backend = testing.CountingBackend()
     compiled = torch.compile(setup.pg, backend=backend, dynamic=True, fullgraph=True)
     for shape in [(2, 5), (3, 9)]:
         setup.assert_same(compiled, {}, torch.randint(0, 100, shape), use_cache=False)
@@ -201,7 +186,7 @@ def test_dynamic_shapes_compile_the_size_guards() -> None:
 
 def test_pg_compile_keeps_a_cache_per_patch_set_past_dynamos_recompile_limit() -> None:
     setup = _setup()
-    backend = CountingBackend()
+    backend = testing.CountingBackend()
     setup.pg.compile(backend=backend, fullgraph=True)
     paths = [f"model.layers_{layer}.{node}" for layer in range(2)
              for node in ("mlp.down_proj.output", "output", "mlp.up_proj.output", "self_attn.o_proj.output",
@@ -215,7 +200,7 @@ def test_pg_compile_keeps_a_cache_per_patch_set_past_dynamos_recompile_limit() -
 
 def test_pg_compile_chooses_graphs_for_every_kind_of_call() -> None:
     setup = _setup()
-    backend = CountingBackend()
+    backend = testing.CountingBackend()
     setup.pg.compile(backend=backend, fullgraph=True)
     mask = torch.ones_like(setup.ids)
     mask[0, :2] = 0
@@ -235,7 +220,7 @@ def test_pg_compile_chooses_graphs_for_every_kind_of_call() -> None:
 
 def test_a_patch_set_dynamo_cannot_compile_runs_eagerly_with_a_warning() -> None:
     setup = _setup()
-    setup.pg.compile(backend=CountingBackend(), fullgraph=True)
+    setup.pg.compile(backend=testing.CountingBackend(), fullgraph=True)
     seen: list[float] = []
 
     @torch.compiler.disable  # code torch.compile must not trace: a graph break, which fullgraph=True refuses
@@ -255,7 +240,7 @@ def test_a_patch_set_dynamo_cannot_compile_runs_eagerly_with_a_warning() -> None
 
 def test_torch_compile_of_pg_refuses_a_call_of_another_kind() -> None:
     setup = _setup()
-    compiled = torch.compile(setup.pg, backend=CountingBackend(), fullgraph=True)
+    compiled = torch.compile(setup.pg, backend=testing.CountingBackend(), fullgraph=True)
     compiled(setup.ids, use_cache=False)
     with pytest.raises(Exception) as error:
         compiled(setup.ids, attention_mask=torch.ones_like(setup.ids), use_cache=False)
@@ -271,7 +256,7 @@ def test_torch_compile_of_pg_refuses_a_call_of_another_kind() -> None:
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_patched_generation_through_a_compiled_graph(cache: str) -> None:
     setup = _setup(rows=1)
-    backend = CountingBackend()
+    backend = testing.CountingBackend()
     setup.pg.compile(backend=backend)
     patches = {setup.a: AddPatch(value=torch.randn(32))}
     options = {"max_new_tokens": 8, "do_sample": False, "cache_implementation": cache}

@@ -9,32 +9,16 @@ stand-in (gradpatch/extraction/compilable_ops.py), and any dynamo error runs the
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
-from torch import fx
 
 from gradpatch import AddPatch, CompilationWarning, PatchableGraph, ZeroPatch, testing
 from gradpatch.extraction import compilable_ops, extractor
 
 
-class CountingBackend:
-    """A torch.compile backend that counts the graphs dynamo hands it and runs them unchanged."""
-
-    def __init__(self) -> None:
-        self.graphs = 0
-
-    def __call__(self, graph_module: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        self.graphs += 1
-        return graph_module.forward
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo() -> Any:
-    torch.compiler.reset()
-    yield
-    torch.compiler.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 #: family -> (router-logits NodePath, MLP-output NodePath) in layer 0.
@@ -70,7 +54,7 @@ def _patch_sets(family: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("family", sorted(MOE))
 def test_pg_compile_of_a_moe_model_compiles_every_patch_set_exactly(family: str) -> None:
     pg, eager, ids = _graphs(family)
-    backend = CountingBackend()
+    backend = testing.CountingBackend()
     pg.compile(backend=backend, fullgraph=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompilationWarning)  # compiled, not an eager fallback
@@ -84,7 +68,7 @@ def test_pg_compile_of_a_moe_model_compiles_every_patch_set_exactly(family: str)
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_gradients_through_compiled_experts_equal_the_eager_ones(family: str) -> None:
     pg, eager, ids = _graphs(family)
-    backend = CountingBackend()
+    backend = testing.CountingBackend()
     pg.compile(backend=backend)
     delta = torch.zeros(32, requires_grad=True)
     gradients = []
@@ -108,7 +92,7 @@ def test_a_dynamo_error_that_is_not_unsupported_runs_the_patch_set_eagerly_with_
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(extractor, "compilable_target", lambda target: target)  # graphs as before issue 60
     pg, eager, ids = _graphs("qwen3_moe")
-    backend = CountingBackend()
+    backend = testing.CountingBackend()
     pg.compile(backend=backend, fullgraph=True)
     router, _ = MOE["qwen3_moe"]
     patches = {router: AddPatch(value=torch.ones(4))}
@@ -126,7 +110,7 @@ def test_a_dynamo_error_that_is_not_unsupported_runs_the_patch_set_eagerly_with_
 def test_a_forward_that_fails_eagerly_raises_its_own_error_not_dynamos(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(extractor, "compilable_target", lambda target: target)
     pg, _, ids = _graphs("mixtral")
-    pg.compile(backend=CountingBackend(), fullgraph=True)
+    pg.compile(backend=testing.CountingBackend(), fullgraph=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompilationWarning)
         with pytest.raises(IndexError):  # token ids past the vocabulary: the eager forward's error, no warning
