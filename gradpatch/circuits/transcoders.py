@@ -6,8 +6,9 @@ reads). Two layouts:
   naming the NodePaths read and written; layers may be any subset (e.g. only the last few);
 - circuit-tracer's: ``DIR/config.yaml`` naming one safetensors file per layer 0..L−1
   (:func:`~gradpatch.dictionaries.load_circuit_tracer`); its files record TransformerLens hook names, not NodePaths,
-  so the NodePaths read and written come from templates with ``{layer}`` (default: the Llama family's MLP input and
-  output, :data:`LLAMA_MLP_INPUT` and :data:`LLAMA_MLP_OUTPUT`).
+  so the NodePaths read and written come from templates with ``{layer}`` (``ModelLayout.template("mlp_input")`` and
+  ``template("mlp")`` of the model's layout; default: the Llama family's, :data:`LLAMA_MLP_INPUT` and
+  :data:`LLAMA_MLP_OUTPUT`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from pathlib import Path
 from torch import nn
 
 from ..dictionaries import SparseDictionary, load_circuit_tracer, load_dictionary
+from ..layouts import LLAMA_LAYOUT
 from .errors import CircuitError
 
 __all__ = ["LLAMA_MLP_INPUT", "LLAMA_MLP_OUTPUT", "load_transcoders"]
 
-#: The NodePath of a Llama-family MLP's input (its ``forward(x)`` argument) and output, ``{layer}`` for the layer.
-LLAMA_MLP_INPUT = "model.layers_{layer}.mlp.x"
-LLAMA_MLP_OUTPUT = "model.layers_{layer}.mlp.output"
+#: The NodePath of a Llama-family MLP's input (its ``forward(x)`` argument) and output, ``{layer}`` for the layer (the
+#: layout table's).
+LLAMA_MLP_INPUT = LLAMA_LAYOUT.template("mlp_input")
+LLAMA_MLP_OUTPUT = LLAMA_LAYOUT.template("mlp")
 _LAYER = re.compile(r"layer_(\d+)")
 
 

@@ -121,6 +121,15 @@ class ModelLayout:
             raise LayoutError(f"{part!r} names several modules ({relative}); ask for one of them by NodePath")
         return f"{self.block(layer)}.{relative}"
 
+    def template(self, part: str) -> str:
+        """The NodePath of block part ``part`` with ``{layer}`` for the block index (what a file of per-layer
+        dictionaries names its nodes by), e.g. ``template("mlp_input") == "model.layers_{layer}.mlp.x"``.
+
+        Raises:
+            LayoutError: as :meth:`path`.
+        """
+        return self.path(part, 0).replace(self.block(0), self.layer.replace("{}", "{layer}"), 1)
+
     def require(self, part: str, tool: str = "this tool") -> str | tuple[str, str, str]:
         """The value of field ``part``, which must not be ``None``.
 

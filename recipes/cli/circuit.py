@@ -131,8 +131,6 @@ def _trace(args: argparse.Namespace, edits: list[FeatureEdit], device: str, bar:
 
     try:
         model, tokenizer = load_model(args.model, device=device)
-        transcoders = {layer: transcoder.to(device) for layer, transcoder in load_transcoders(
-            args.dictionaries, model, args.input_node, args.output_node).items()}
         ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
         if ids.shape[1] < 1:
             return usage_error(NAME, "--prompt gave no token; give some text")
@@ -140,6 +138,8 @@ def _trace(args: argparse.Namespace, edits: list[FeatureEdit], device: str, bar:
             ids = with_special_first(ids, tokenizer)
         with torch.no_grad():  # built on a short prefix: the prompt's length is checked against the context below
             pg = PatchableGraph(model, ids[:, :2], use_cache=False).eval()
+        transcoders = {layer: transcoder.to(device) for layer, transcoder in load_transcoders(
+            args.dictionaries, model, *_mlp_templates(args, pg)).items()}
         replacement = ReplacementModel(pg, transcoders, ids)
         bar.advance()
         if not edits:  # before the graph: two forward passes, and a bad edit is refused at once
@@ -186,6 +186,21 @@ def _trace(args: argparse.Namespace, edits: list[FeatureEdit], device: str, bar:
     return 0
 
 
+def _mlp_templates(args: argparse.Namespace, pg: Any) -> tuple[str, str]:
+    """``--input-node`` / ``--output-node``, each defaulting to the model layout's MLP input and output templates
+    (:meth:`gradpatch.layouts.ModelLayout.template`; read for a circuit-tracer ``config.yaml`` only).
+
+    Raises:
+        gradpatch.errors.LayoutError: a template is missing and no known layout fits the model (give both flags).
+    """
+    if args.input_node and args.output_node:
+        return args.input_node, args.output_node
+    from gradpatch.layouts import detect_layout
+
+    layout = detect_layout(pg)
+    return args.input_node or layout.template("mlp_input"), args.output_node or layout.template("mlp")
+
+
 def register(subparsers: Any) -> None:
     """Add the ``circuit`` parser to the ``gradpatch`` sub-parsers."""
     p = subparsers.add_parser(
@@ -215,10 +230,12 @@ def register(subparsers: Any) -> None:
                    help="take the prompt as tokenized and keep position 0's features and errors as nodes (default: "
                         "circuit-tracer 0.5.0's convention: a special token prepended where the prompt lacks one, "
                         "no nodes at position 0)")
-    p.add_argument("--input-node", default="model.layers_{layer}.mlp.x", metavar="TEMPLATE",
-                   help="NodePath a circuit-tracer transcoder reads, {layer} for the layer (default %(default)s)")
-    p.add_argument("--output-node", default="model.layers_{layer}.mlp.output", metavar="TEMPLATE",
-                   help="NodePath a circuit-tracer transcoder writes (default %(default)s)")
+    p.add_argument("--input-node", default=None, metavar="TEMPLATE",
+                   help="NodePath a circuit-tracer transcoder reads, {layer} for the layer (default: the model "
+                        "layout's MLP input, model.layers_{layer}.mlp.x for Llama-style models)")
+    p.add_argument("--output-node", default=None, metavar="TEMPLATE",
+                   help="NodePath a circuit-tracer transcoder writes (default: what the model layout's MLP adds to "
+                        "the residual stream, model.layers_{layer}.mlp.output for Llama-style models)")
     p.add_argument("--intervene", action="append", default=[], metavar="KIND:LAYER:POS:FEATURE[=VALUE]",
                    help="edit a feature (ablate, scale, clamp, steer) and report the top logits before and after; "
                         "repeat for several")

@@ -41,3 +41,15 @@ def test_a_model_of_another_family_gets_one_error_naming_what_was_looked_for() -
         assert isinstance(caught.value, LayoutError)
     with pytest.raises(LayoutError, match="no block 'model.layers_0'"):
         count_layers(pg, LLAMA_LAYOUT)
+
+
+def test_templates_name_a_part_at_every_layer_and_the_circuits_default_to_the_layouts() -> None:
+    from gradpatch.circuits import LLAMA_MLP_INPUT, LLAMA_MLP_OUTPUT
+    from gradpatch.layouts import GEMMA_LAYOUT, GPT2_LAYOUT
+
+    assert (LLAMA_MLP_INPUT, LLAMA_MLP_OUTPUT) == ("model.layers_{layer}.mlp.x", "model.layers_{layer}.mlp.output")
+    assert LLAMA_LAYOUT.template("mlp_input") == LLAMA_MLP_INPUT
+    assert GEMMA_LAYOUT.template("mlp").format(layer=3) == "model.layers_3.post_feedforward_layernorm.output"
+    assert GPT2_LAYOUT.template("mlp_input").format(layer=11) == GPT2_LAYOUT.path("mlp_input", 11)
+    with pytest.raises(LayoutError, match="'layer' is not a part of a block"):
+        LLAMA_LAYOUT.template("layer")
