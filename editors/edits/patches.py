@@ -60,12 +60,22 @@ class LowRankAdd(Patch):
     def op(self, original: torch.Tensor) -> torch.Tensor:
         if not self.capture.keys:
             raise RuntimeError("the low-rank patch at the output ran before its key capture at the input")
-        keys = self.capture.keys.pop()
-        # In float64, rounded once: the same precision as the weight write (W + v uᵀ in float64, then cast).
-        scale = keys.to(torch.float64) @ self.u.to(device=keys.device, dtype=torch.float64)  # [...] or [..., r]
-        v = self.v.to(device=original.device, dtype=torch.float64)
-        change = scale @ v.T if v.dim() == 2 else scale.unsqueeze(-1) * v
+        change = _low_rank_change(self.capture.keys.pop(), self.u, self.v, original.device)
         return original + change.to(original.dtype)
+
+
+def _low_rank_change(keys: torch.Tensor, u: torch.Tensor, v: torch.Tensor, device: torch.device,
+                    weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``V (Uᵀ k)`` for keys ``[..., d_in]`` (``u`` ``[d_in]`` or ``[d_in, r]``, ``v`` ``[d_out]`` or ``[d_out, r]``),
+    each row times ``weight`` ``[...]`` where given, ``[..., d_out]`` on ``device`` in float64: computed and rounded
+    once, the same precision as the weight write (``W + v uᵀ`` in float64, then cast)."""
+    scale = keys.to(torch.float64) @ u.to(device=keys.device, dtype=torch.float64)  # [...] or [..., r]
+    if weight is not None:
+        weight = weight.to(device=keys.device, dtype=torch.float64)
+        scale = scale * (weight.unsqueeze(-1) if scale.dim() > weight.dim() else weight)
+    v = v.to(device=device, dtype=torch.float64)
+    scale = scale.to(device)
+    return scale @ v.T if v.dim() == 2 else scale.unsqueeze(-1) * v
 
 
 @dataclass(kw_only=True)
@@ -90,12 +100,8 @@ class ExpertLowRankAdd(Patch):
         if not self.capture.keys:
             raise RuntimeError("the expert's patch at the block output ran before its capture at the block input")
         hidden = self.capture.keys.pop()  # [..., d_model]
-        keys = self.layer.keys_of(hidden).to(torch.float64)  # [..., d_in]
-        routed = self.layer.routing_weight(hidden).to(device=keys.device, dtype=torch.float64)  # [...]
-        scale = keys @ self.u.to(device=keys.device, dtype=torch.float64)  # [...] or [..., r]
-        scale = scale * (routed.unsqueeze(-1) if scale.dim() > routed.dim() else routed)
-        v = self.v.to(device=original.device, dtype=torch.float64)
-        change = scale @ v.T if v.dim() == 2 else scale.unsqueeze(-1) * v
+        keys = self.layer.keys_of(hidden)  # [..., d_in]
+        change = _low_rank_change(keys, self.u, self.v, original.device, weight=self.layer.routing_weight(hidden))
         return original + change.reshape(original.shape).to(original.dtype)
 
 
