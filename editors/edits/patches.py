@@ -79,7 +79,7 @@ def _low_rank_change(keys: torch.Tensor, u: torch.Tensor, v: torch.Tensor, devic
 
 
 @dataclass(kw_only=True)
-class ExpertLowRankAdd(Patch):
+class ExpertLowRankAdd(LowRankAdd):
     """Adds ``w_e(x) · V (Uᵀ k_e(x))`` to an MoE block's output: what ``down_proj[e] + V Uᵀ`` changes there, ``x`` the
     block input captured by ``capture`` in the same forward pass, ``k_e(x)`` expert ``e``'s keys and ``w_e(x)`` its
     router weight (0 at the tokens not routed to it; :mod:`editors.layers.experts`).
@@ -90,11 +90,7 @@ class ExpertLowRankAdd(Patch):
         u: ``[d_in]`` or ``[d_in, r]``; v: ``[d_out]`` or ``[d_out, r]``.
     """
 
-    capture: KeyCapture
     layer: ExpertLayer
-    u: torch.Tensor
-    v: torch.Tensor
-    requires_clone: bool = field(default=False, init=False, repr=False)
 
     def op(self, original: torch.Tensor) -> torch.Tensor:
         if not self.capture.keys:
