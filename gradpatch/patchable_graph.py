@@ -104,6 +104,20 @@ class PatchableGraph(nn.Module):
             return self._compiled.run(patch_set_key(self._active), self._graph_module, args, kwargs)
         return self._graph_module(*args, **kwargs)
 
+    def prepare(self, *args: Any, **kwargs: Any) -> None:
+        """Extract now, without a warning and without running them, the graphs of calls like this one (once per
+        training mode, kind of call and class of sizes, :mod:`gradpatch.extraction.variants`); a later call of
+        that kind runs at once. For a library that knows it will call the graph with other sizes, say
+        ``pg.prepare(ids.expand(2, -1))`` before a batched pass: the example is small (the class of sizes counts
+        each dimension as 1 or larger), so extraction costs what the one-row example's did, not a pass over the
+        large batch.
+
+        Raises:
+            InputSignatureError: the arguments do not fit the model's ``forward``.
+            ExtractionError: see :class:`~gradpatch.extraction.extractor.Extractor`.
+        """
+        self._variants.for_call(self.training, args, kwargs, warn=False)
+
     def compile(self, **compile_kwargs: Any) -> None:  # type: ignore[override]
         """Run every later call of this graph compiled by ``torch.compile(**compile_kwargs)``, patches included
         (:mod:`gradpatch.compiled`): ``pg.compile(); with pg.patch({...}): pg(ids)``.
