@@ -16,6 +16,18 @@ pre-activations ``[..., m]``, decoder ``W_dec`` ``[m, d]``.
   et al. 2024 (arXiv 2407.14435, eq. 12).
 - :func:`unit_norm_rows` and :func:`remove_parallel_gradient`: the unit-norm decoder constraint (Gao et al. section
   2.2: after each step rows are renormalised, and the gradient component parallel to each row is removed first).
+
+Cross-layer transcoders (Ameisen et al. 2025, "Circuit Tracing", transformer-circuits.pub/2025/attribution-graphs/
+methods.html, section "Building an interpretable replacement model"):
+
+- :func:`tanh_penalty`: λ's term Σ_i tanh(c · ‖W_dec,i‖ · a_i) per token, averaged, with ‖W_dec,i‖ the norm of the
+  concatenation of latent i's decoder vectors into every output layer it writes (the CLT's sparsity penalty; the
+  tanh penalty of Anthropic's "Circuits Updates — February 2024").
+- :func:`pre_activation_loss`: Σ_i ReLU(θ_i − h_i) ‖W_dec,i‖ per token, averaged: a small push up on latents below
+  their threshold, against dead latents (Anthropic's "Circuits Updates — January 2025", the crosscoder's pre-activation
+  loss; θ = 0 for ReLU).
+- :func:`cross_layer_auxk_loss`: Gao et al.'s AuxK carried to a CLT: each output layer's residual reconstructed from
+  the ``k_aux`` largest pre-activations of the dead latents of every layer that writes to it.
 """
 
 from __future__ import annotations
@@ -24,7 +36,8 @@ import torch
 
 from .activations import step
 
-__all__ = ["auxk_loss", "jumprelu_l0", "l1_penalty", "normalized_mse", "remove_parallel_gradient", "unit_norm_rows"]
+__all__ = ["auxk_loss", "cross_layer_auxk_loss", "jumprelu_l0", "l1_penalty", "normalized_mse", "pre_activation_loss",
+           "remove_parallel_gradient", "sparse_decode", "tanh_penalty", "unit_norm_rows"]
 
 
 def _tokens(x: torch.Tensor) -> torch.Tensor:
@@ -111,3 +124,73 @@ def remove_parallel_gradient(W_dec: torch.Tensor, grad: torch.Tensor) -> torch.T
     """The gradient of unit-norm rows ``W_dec`` ``[m, d]`` without its component along each row:
     g_i − (g_i · w_i) w_i."""
     return grad - (grad * W_dec).sum(-1, keepdim=True) * W_dec
+
+
+def tanh_penalty(latents: torch.Tensor, decoder_norms: torch.Tensor, c: float) -> torch.Tensor:
+    """mean over tokens of Σ_i tanh(c · ‖W_dec,i‖ · a_i) (scalar; Ameisen et al. 2025, the CLT's sparsity penalty).
+
+    Args:
+        latents: a ``[..., m]`` (≥ 0).
+        decoder_norms: ‖W_dec,i‖ ``[m]``, for a CLT the norm of latent i's decoders into every output layer
+            concatenated.
+        c: the scale inside the tanh (how soon the penalty saturates).
+    """
+    return torch.tanh(c * _tokens(latents) * decoder_norms).sum(-1).mean()
+
+
+def pre_activation_loss(pre_activations: torch.Tensor, threshold: torch.Tensor | float,
+                        decoder_norms: torch.Tensor) -> torch.Tensor:
+    """mean over tokens of Σ_i ReLU(θ_i − h_i) ‖W_dec,i‖ (scalar; Anthropic's January 2025 update): pushes the
+    pre-activations ``h`` ``[..., m]`` of latents below their threshold θ (``[m]``, or 0 for ReLU) up, in proportion
+    to their decoder norms ``[m]``."""
+    return ((threshold - _tokens(pre_activations)).relu() * decoder_norms).sum(-1).mean()
+
+
+def sparse_decode(indices: torch.Tensor, values: torch.Tensor, W_dec: torch.Tensor) -> torch.Tensor:  # noqa: N803
+    """Σ_j values[..., j] W_dec[indices[..., j]]: latents given as their ``k`` active ``indices`` and ``values``
+    ``[n, k]`` decoded by ``W_dec`` ``[m, d]`` into ``[n, d]`` without the dense ``[n, m]`` latents (n·k·d
+    multiply-adds instead of n·m·d; ``torch.nn.functional.embedding_bag``, differentiable in ``values`` and
+    ``W_dec``): what a TopK latent vector decodes to."""
+    return torch.nn.functional.embedding_bag(indices, W_dec, per_sample_weights=values.to(W_dec.dtype), mode="sum")
+
+
+def cross_layer_auxk_loss(pre_activations: list[torch.Tensor], residuals: list[torch.Tensor],
+                          W_dec: list[torch.Tensor], dead: torch.Tensor, k_aux: int) -> torch.Tensor:  # noqa: N803
+    """AuxK (Gao et al. 2024, appendix A.2) for a cross-layer transcoder: the mean over output layers l′ of
+    normalized_mse(ê_l′, e_l′), ê_l′ = Σ_{l ≤ l′} TopK_aux(h_l over its dead latents) W_dec[l][:, l′ − l], each
+    layer's term scaled by min(n_dead / k_aux, 1) as :func:`auxk_loss` scales (n_dead: the dead latents of the
+    layers that write to l′); 0 when no latent is dead.
+
+    Args:
+        pre_activations: h_l ``[n, m]`` per layer.
+        residuals: e_l′ = y_l′ − ŷ_l′ ``[n, d]`` per output layer (detached here).
+        W_dec: ``[m, L − l, d]`` per layer.
+        dead: ``[L, m]`` booleans.
+        k_aux: dead latents used per token and layer.
+
+    Returns:
+        A scalar.
+    """
+    count = dead.shape[0]
+    if not bool(dead.any()):
+        return pre_activations[0].new_zeros(())
+    estimates: list[torch.Tensor | None] = [None] * count
+    for layer in range(count):
+        n_dead = int(dead[layer].sum())
+        if n_dead == 0:
+            continue
+        h = _tokens(pre_activations[layer])
+        masked = torch.where(dead[layer], h, torch.full_like(h, -torch.inf))
+        values, indices = masked.topk(min(k_aux, n_dead), dim=-1, sorted=False)
+        decoded = sparse_decode(indices, values.relu(), W_dec[layer].flatten(1)).unflatten(-1, W_dec[layer].shape[1:])
+        for offset in range(count - layer):
+            target = layer + offset
+            part = decoded[:, offset]
+            estimates[target] = part if estimates[target] is None else estimates[target] + part
+    terms = []
+    for target, estimate in enumerate(estimates):
+        if estimate is None:
+            continue
+        n_dead = int(dead[:target + 1].sum())
+        terms.append(min(n_dead / k_aux, 1.0) * normalized_mse(estimate, _tokens(residuals[target]).detach()))
+    return torch.stack(terms).mean()

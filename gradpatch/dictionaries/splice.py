@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,7 +32,11 @@ from ..positions import Tokens
 from .errors import DictionaryConfigError, DictionaryShapeError
 from .modules import SparseDictionary
 
-__all__ = ["DictionaryPatch", "Splice", "TranscoderInput", "dictionary_nodes", "splice", "trained_positions"]
+if TYPE_CHECKING:
+    from .clt import CrossLayerTranscoder
+
+__all__ = ["DictionaryPatch", "Splice", "TranscoderInput", "check_node_width", "dictionary_nodes", "edit_latents",
+           "first_position_of", "splice", "take_held_input", "trained_positions"]
 
 
 @dataclass(kw_only=True, eq=False)
@@ -49,7 +53,7 @@ class TranscoderInput(HoldPatch):
 
     def check_width(self, width: int, path: str) -> None:
         """Raise :class:`DictionaryShapeError` unless the node at ``path`` has last dimension :attr:`width`."""
-        _check_width(width, self.width, path, "input")
+        check_node_width(width, self.width, path, "input")
 
 
 @dataclass(kw_only=True, eq=False)
@@ -102,35 +106,13 @@ class DictionaryPatch(Patch):
 
     def check_width(self, width: int, path: str) -> None:
         """Raise :class:`DictionaryShapeError` unless the node at ``path`` has last dimension ``d_out``."""
-        _check_width(width, self.dictionary.d_out, path, "output")
+        check_node_width(width, self.dictionary.d_out, path, "output")
 
     def _input(self, original: torch.Tensor) -> torch.Tensor:
-        if self.source is None:
-            return original
-        x, self.source.held = self.source.held, None
-        if x is None:
-            raise DictionaryShapeError("the transcoder's input node did not run before its output node in this forward "
-                                       "pass; splice it reading a node that the model computes first")
-        if x.shape[:-1] != original.shape[:-1]:
-            raise DictionaryShapeError(f"the transcoder's input {tuple(x.shape)} and output {tuple(original.shape)} "
-                                       f"differ in their leading sizes; give both nodes the same slice")
-        return x
-
-    def _edited(self, z: torch.Tensor) -> torch.Tensor:
-        if not (self.ablate or self.scale or self.clamp):
-            return z
-        z = z.clone()
-        if self.ablate:
-            z[..., list(self.ablate)] = 0
-        if self.scale:
-            index = list(self.scale)
-            z[..., index] = z[..., index] * torch.tensor(list(self.scale.values()), dtype=z.dtype, device=z.device)
-        if self.clamp:
-            z[..., list(self.clamp)] = torch.tensor(list(self.clamp.values()), dtype=z.dtype, device=z.device)
-        return z
+        return original if self.source is None else take_held_input(self.source, original, "transcoder")
 
     def __call__(self, original: torch.Tensor) -> torch.Tensor:
-        self.latents, self.first_position = None, _first_position(self.slice, original)
+        self.latents, self.first_position = None, first_position_of(self.slice, original)
         return super().__call__(original)
 
     def op(self, original: torch.Tensor) -> torch.Tensor:
@@ -140,7 +122,7 @@ class DictionaryPatch(Patch):
         self.latents = z.detach()
         if self.record:
             self.recorded.append(self.latents)
-        edited = self._edited(z)
+        edited = edit_latents(z, self.ablate, self.scale, self.clamp)
         value = dictionary.output(x, edited)
         if self.error_term:  # y + (x̂' − x̂): the same sum as x̂' + (y − x̂), but exactly y when nothing is edited
             clean = value if edited is z else dictionary.output(x, z)
@@ -151,7 +133,46 @@ class DictionaryPatch(Patch):
         return value.to(original.dtype)
 
 
-def _first_position(chosen: Slice, value: torch.Tensor) -> int | None:
+def take_held_input(source: TranscoderInput, original: torch.Tensor, what: str) -> torch.Tensor:
+    """The input node's value that ``source`` holds for this forward pass, taken (``source.held`` reset to ``None``).
+
+    Args:
+        source: the reader at the input node.
+        original: the value (or its slice) at the output node, whose leading sizes the input must share.
+        what: the dictionary named in errors, e.g. ``"transcoder"``.
+
+    Raises:
+        DictionaryShapeError: the input node did not run before the output node in this pass, or the two differ in
+            their leading (batch, position) sizes.
+    """
+    x, source.held = source.held, None
+    if x is None:
+        raise DictionaryShapeError(f"the {what}'s input node did not run before its output node in this forward "
+                                   f"pass; splice it reading a node that the model computes first")
+    if x.shape[:-1] != original.shape[:-1]:
+        raise DictionaryShapeError(f"the {what}'s input {tuple(x.shape)} and output {tuple(original.shape)} differ in "
+                                   f"their leading sizes; give both nodes the same slice")
+    return x
+
+
+def edit_latents(z: torch.Tensor, ablate: Sequence[int], scale: Mapping[int, float],
+                 clamp: Mapping[int, float]) -> torch.Tensor:
+    """Latents ``z`` ``[..., m]`` with ``ablate`` set to 0, then ``scale`` multiplied, then ``clamp`` set (a copy;
+    ``z`` itself, the same object, when there is no edit)."""
+    if not (ablate or scale or clamp):
+        return z
+    z = z.clone()
+    if ablate:
+        z[..., list(ablate)] = 0
+    if scale:
+        index = list(scale)
+        z[..., index] = z[..., index] * torch.tensor(list(scale.values()), dtype=z.dtype, device=z.device)
+    if clamp:
+        z[..., list(clamp)] = torch.tensor(list(clamp.values()), dtype=z.dtype, device=z.device)
+    return z
+
+
+def first_position_of(chosen: Slice, value: torch.Tensor) -> int | None:
     """:attr:`DictionaryPatch.first_position` for a pass whose value at the node is ``value`` and slice ``chosen``."""
     if chosen is None:
         return 0
@@ -161,7 +182,9 @@ def _first_position(chosen: Slice, value: torch.Tensor) -> int | None:
     return index[chosen.dim].start or 0
 
 
-def _check_width(width: int, expected: int, path: str, side: str) -> None:
+def check_node_width(width: int, expected: int, path: str, side: str) -> None:
+    """Raise :class:`DictionaryShapeError` (naming both widths) unless the node at ``path`` has width ``expected``
+    (``side``: ``"input"`` or ``"output"``, the dictionary's side that meets it)."""
     if width != expected:
         raise DictionaryShapeError(f"the dictionary's {side} width is {expected}, but '{path}' has last dimension "
                                    f"{width}: splice it at a node of width {expected}, or load the dictionary "
@@ -209,11 +232,12 @@ class Splice:
         return patches
 
 
-def trained_positions(dictionary: SparseDictionary) -> Tokens | None:
-    """The ``slice`` that splices ``dictionary`` only where it was trained: ``Tokens(slice(n, None))`` (absolute
-    positions n.., resolved in each forward pass, so also in ``pg.generate`` with a KV cache) for a config's
-    ``exclude_first_positions`` n > 0, ``None`` (every position) for 0. The training modules and
-    :func:`~gradpatch.dictionaries.evaluate_dictionary` splice with it; give it to :func:`splice` as ``slice=``.
+def trained_positions(dictionary: SparseDictionary | CrossLayerTranscoder) -> Tokens | None:
+    """The ``slice`` that splices ``dictionary`` (or a cross-layer transcoder) only where it was trained:
+    ``Tokens(slice(n, None))`` (absolute positions n.., resolved in each forward pass, so also in ``pg.generate`` with
+    a KV cache) for a config's ``exclude_first_positions`` n > 0, ``None`` (every position) for 0. The training
+    modules and :func:`~gradpatch.dictionaries.evaluate_dictionary` splice with it; give it to :func:`splice` (or
+    :func:`~gradpatch.dictionaries.splice_clt`) as ``slice=``.
 
     Example::
 

@@ -3,7 +3,9 @@
 Both files are written atomically (:mod:`gradpatch.files`), tensors first and JSON last with the tensors' SHA-256,
 so a crash leaves the previous dictionary or a pair whose digest check fails, never a silently mismatched pair.
 :func:`dictionary_from_tensors` is the one gate every loader (ours, SAELens's, sparsify's, circuit-tracer's) passes
-through: it checks names, shapes and finiteness before building anything.
+through: it checks names, shapes and finiteness before building anything. The pair-file helpers
+(:func:`check_tensors`, :func:`write_checked_pair`, :func:`read_document`, :func:`check_model_fingerprint`) are shared
+with the cross-layer transcoders' files (:mod:`gradpatch.dictionaries.clt_files`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save as save_safetensors
@@ -23,8 +26,8 @@ from ..files.fingerprint import model_fingerprint
 from .errors import DictionaryConfigError, DictionaryLoadError
 from .modules import DictionaryConfig, SparseDictionary
 
-__all__ = ["FORMAT", "JSON_NAME", "TENSORS_NAME", "dictionary_from_tensors", "expected_shapes", "load_dictionary",
-           "save_dictionary"]
+__all__ = ["FORMAT", "JSON_NAME", "TENSORS_NAME", "check_model_fingerprint", "check_tensors", "dictionary_from_tensors",
+           "expected_shapes", "load_dictionary", "read_document", "save_dictionary", "write_checked_pair"]
 
 FORMAT = "gradpatch.dictionary"
 VERSION = 1
@@ -60,25 +63,95 @@ def dictionary_from_tensors(config: DictionaryConfig, tensors: Mapping[str, torc
             not floating point, or holding NaN or ±inf.
     """
     shapes = expected_shapes(config)
-    missing, extra = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
-    if missing or extra:
-        raise DictionaryLoadError(f"{source}: a {config.kind} with activation {config.activation} holds tensors "
-                                  f"{sorted(shapes)}; missing {missing}, unexpected {extra}; {fix}")
-    for name, shape in shapes.items():
-        tensor = tensors[name]
-        if tuple(tensor.shape) != shape:
-            raise DictionaryLoadError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, but d_in="
-                                      f"{config.d_in}, d_sae={config.d_sae}, d_out={config.d_out} need {shape}; {fix}")
-        if not tensor.is_floating_point():
-            raise DictionaryLoadError(f"{source}: tensor {name!r} is {tensor.dtype}, not floating point; {fix}")
-        if not bool(torch.isfinite(tensor).all()):
-            raise DictionaryLoadError(f"{source}: tensor {name!r} holds NaN or ±inf; {fix} (a dictionary whose "
-                                      f"training diverged cannot be used)")
+    check_tensors(tensors, shapes, source, fix, f"a {config.kind} with activation {config.activation}",
+                  f"d_in={config.d_in}, d_sae={config.d_sae}, d_out={config.d_out}")
     with torch.device("meta"):
         dictionary = SparseDictionary.from_config(config)
     dtype = tensors["W_enc"].dtype
     dictionary.load_state_dict({name: tensors[name].to(dtype) for name in shapes}, assign=True)
     return dictionary
+
+
+def check_tensors(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], source: str, fix: str,
+                  what: str, widths: str) -> None:
+    """Check that ``tensors`` holds exactly the tensors ``shapes`` names, each of its shape, floating and finite.
+
+    Args:
+        tensors: name -> tensor as read from a file.
+        shapes: name -> the shape the config implies.
+        source: the file(s) they come from, named in errors.
+        fix: what the user should do, appended to every message.
+        what: the object described, e.g. ``"a transcoder with activation relu"``.
+        widths: the config's widths that imply the shapes, e.g. ``"d_in=64, d_sae=96, d_out=64"``.
+
+    Raises:
+        DictionaryLoadError: a tensor missing or unexpected, of another shape (a wrong width), not floating point,
+            or holding NaN or ±inf.
+    """
+    missing, extra = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
+    if missing or extra:
+        raise DictionaryLoadError(f"{source}: {what} holds tensors {sorted(shapes)}; missing {missing}, unexpected "
+                                  f"{extra}; {fix}")
+    for name, shape in shapes.items():
+        tensor = tensors[name]
+        if tuple(tensor.shape) != shape:
+            raise DictionaryLoadError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, but {widths} need "
+                                      f"{shape}; {fix}")
+        if not tensor.is_floating_point():
+            raise DictionaryLoadError(f"{source}: tensor {name!r} is {tensor.dtype}, not floating point; {fix}")
+        if not bool(torch.isfinite(tensor).all()):
+            raise DictionaryLoadError(f"{source}: tensor {name!r} holds NaN or ±inf; {fix} (a dictionary whose "
+                                      f"training diverged cannot be used)")
+
+
+def write_checked_pair(directory: Path, tensors_name: str, json_name: str, tensors: Mapping[str, torch.Tensor],
+                       document: dict[str, Any]) -> Path:
+    """Write ``tensors`` (safetensors) and ``document`` (JSON, with the tensors' SHA-256 added as
+    ``tensors_sha256``) into ``directory``, each atomically, tensors first; nothing is written if a tensor holds NaN
+    or ±inf.
+
+    Returns:
+        ``directory``.
+
+    Raises:
+        DictionaryLoadError: a tensor holds NaN or ±inf (nothing is written).
+    """
+    tensors = {name: t.detach().contiguous().cpu().clone() for name, t in tensors.items()}
+    bad = sorted(name for name, t in tensors.items() if not bool(torch.isfinite(t).all()))
+    if bad:
+        raise DictionaryLoadError(f"dictionary tensors {bad} hold NaN or ±inf; nothing was saved: stop the training "
+                                  f"before it diverges (lower the learning rate)")
+    data = save_safetensors(tensors)
+    atomic_write_bytes(directory / tensors_name, data)
+    atomic_write_text(directory / json_name, json.dumps({**document, "tensors_sha256": sha256_hex(data)}, indent=2))
+    return directory
+
+
+def read_document(json_path: Path, format_name: str, version: int, fix: str) -> dict[str, Any]:
+    """The JSON document of a saved pair, checked to be of format ``format_name``, version <= ``version``, with a
+    ``config`` object.
+
+    Raises:
+        DictionaryLoadError: the file is missing, unreadable, or of another format or a newer version.
+    """
+    document = read_json(json_path, DictionaryLoadError, fix)
+    if document.get("format") != format_name or not isinstance(document.get("version"), int) \
+            or document["version"] > version or not isinstance(document.get("config"), dict):
+        raise DictionaryLoadError(f"{json_path} is not a {format_name} file of version <= {version}; {fix} (or "
+                                  f"upgrade gradpatch)")
+    return document
+
+
+def check_model_fingerprint(saved: str | None, model: nn.Module | None, json_path: Path) -> None:
+    """Raise :class:`~gradpatch.errors.FingerprintMismatchError` when ``model`` is given, a fingerprint ``saved`` was
+    recorded in ``json_path``, and the model's differs."""
+    if model is None or saved is None:
+        return
+    current = model_fingerprint(model)
+    if current != saved:
+        raise FingerprintMismatchError(
+            f"{json_path} was saved for a model with fingerprint {saved}, but this model's is {current}: splice it "
+            f"into the model it was trained on, or pass check_fingerprint=False")
 
 
 def save_dictionary(dictionary: SparseDictionary, directory: str | Path, model: nn.Module | None = None) -> Path:
@@ -99,16 +172,8 @@ def save_dictionary(dictionary: SparseDictionary, directory: str | Path, model: 
     config = dictionary.config
     if model is not None:
         config = dataclasses.replace(config, model_fingerprint=model_fingerprint(model))
-    tensors = {name: t.detach().contiguous().cpu().clone() for name, t in dictionary.state_dict().items()}
-    bad = sorted(name for name, t in tensors.items() if not bool(torch.isfinite(t).all()))
-    if bad:
-        raise DictionaryLoadError(f"dictionary tensors {bad} hold NaN or ±inf; nothing was saved: stop the training "
-                                  f"before it diverges (lower the learning rate)")
-    data = save_safetensors(tensors)
-    document = {"format": FORMAT, "version": VERSION, "config": config.to_dict(), "tensors_sha256": sha256_hex(data)}
-    atomic_write_bytes(directory / TENSORS_NAME, data)
-    atomic_write_text(directory / JSON_NAME, json.dumps(document, indent=2))
-    return directory
+    document = {"format": FORMAT, "version": VERSION, "config": config.to_dict()}
+    return write_checked_pair(directory, TENSORS_NAME, JSON_NAME, dictionary.state_dict(), document)
 
 
 def load_dictionary(directory: str | Path, model: nn.Module | None = None,
@@ -133,20 +198,12 @@ def load_dictionary(directory: str | Path, model: nn.Module | None = None,
                    "sparsify: use load_sparsify" if (directory / "sae.safetensors").is_file() else None)
         if foreign:
             raise DictionaryLoadError(f"{directory} holds no {JSON_NAME} but looks like {foreign}")
-    document = read_json(json_path, DictionaryLoadError, fix)
-    if document.get("format") != FORMAT or not isinstance(document.get("version"), int) \
-            or document["version"] > VERSION or not isinstance(document.get("config"), dict):
-        raise DictionaryLoadError(f"{json_path} is not a gradpatch dictionary of version <= {VERSION}; {fix} (or "
-                                  f"upgrade gradpatch)")
+    document = read_document(json_path, FORMAT, VERSION, fix)
     try:
         config = DictionaryConfig.from_dict(document["config"])
     except DictionaryConfigError as error:
         raise DictionaryLoadError(f"{json_path}: {error}; {fix}") from error
     tensors = read_tensors(directory / TENSORS_NAME, DictionaryLoadError, fix, document.get("tensors_sha256"))
-    if check_fingerprint and model is not None and config.model_fingerprint is not None:
-        current = model_fingerprint(model)
-        if current != config.model_fingerprint:
-            raise FingerprintMismatchError(
-                f"{json_path} was saved for a model with fingerprint {config.model_fingerprint}, but this model's is "
-                f"{current}: splice it into the model it was trained on, or pass check_fingerprint=False")
+    if check_fingerprint:
+        check_model_fingerprint(config.model_fingerprint, model, json_path)
     return dictionary_from_tensors(config, tensors, str(directory / TENSORS_NAME), fix)

@@ -5,12 +5,17 @@
   downstream MSEs of "e2e+ds" (Braun et al.); :func:`downstream_residual_nodes`: their downstream nodes.
 - :func:`splice_all`, :func:`spliced_ce_increase`, :func:`next_token_ce`: several dictionaries spliced at once and
   the CE they lose.
-- :class:`ActivationBuffer`: that buffer.
+- :class:`ActivationBuffer`: that buffer; :class:`StreamingModule`: the base of the local trainings (the buffer, the
+  decoder bias's data initialisation, the learning-rate schedule; :mod:`recipes.dictionary.settings`).
+- :class:`CrossLayerTranscoderModule`: a cross-layer transcoder trained at every layer from one forward pass
+  (Ameisen et al. 2025's loss); :class:`CLTFitModule`, :class:`CLTSpec`: from a ``clt:`` config
+  (``recipes/configs/clt_smollm2.yaml``).
 - :class:`DictionaryFitModule`, :class:`EndToEndDictionaryFitModule`, :class:`DictionaryDataModule`,
   :class:`DictionarySpec`: what ``gradpatch fit`` builds from a dictionary config (``recipes/configs/sae_smollm2.yaml``,
   ``sae_smollm2_e2e.yaml``).
 - :func:`read_documents`, :func:`tokenize_documents`, :func:`packed_chunks`: a ``.txt`` / ``.jsonl`` / Wikipedia
-  corpus as token ids; :func:`write_dictionary_metrics`: ``metrics.json``.
+  corpus as token ids; :func:`write_dictionary_metrics`, :func:`write_layer_metrics` (several layers, each spliced
+  alone and all at once): ``metrics.json``.
 
 See docs/dictionaries.md. Names are imported on first use, so ``import recipes.dictionary`` imports neither torch
 nor Lightning.
@@ -24,8 +29,18 @@ from ..lazy import recipe_exports
 _EXPORTS: dict[str, str] = {
     "AUXK_COEFFICIENT": "module",
     "AuxKNormalization": "module",
-    "BDecInit": "module",
+    "BDecInit": "streaming",
     "ActivationBuffer": "buffer",
+    "CLTFitModule": "cross_layer",
+    "CLTSpec": "cross_layer",
+    "CrossLayerTranscoderModule": "cross_layer",
+    "StreamingModule": "streaming",
+    "build_clt": "cross_layer",
+    "expand_spec": "fit",
+    "geometric_median": "settings",
+    "lr_factor": "settings",
+    "warmup_factor": "settings",
+    "write_layer_metrics": "metrics",
     "DictionaryDataModule": "fit",
     "DictionaryFitModule": "fit",
     "DictionaryModule": "module",

@@ -15,13 +15,16 @@ builds its dictionary from YAML fields, and the data module of corpus chunks it 
 (:func:`recipes.dictionary.corpus.packed_chunks`), one pass, in order (the buffer shuffles the rows). Its
 checkpointed state is the batches done, so ``gradpatch fit --ckpt_path CKPT`` goes on from the next one.
 
-``model:`` may list several dictionaries (``dictionary: [{node: ...}, {node: ...}]``: one run, several nodes), or
-name ``class_path: recipes.dictionary.EndToEndDictionaryFitModule`` with the fields under ``init_args:`` (end-to-end
-training, ``recipes/configs/sae_smollm2_e2e.yaml``).
+``model:`` may list several dictionaries (``dictionary: [{node: ...}, {node: ...}]``: one run, several nodes), give
+one spec ``layers: all`` (or a list of layer indices) to train one dictionary per layer from one forward pass
+(``node: mlp_input, output_node: mlp``: the model layout's MLP input and output, :func:`expand_spec`;
+``recipes/configs/transcoders_smollm2.yaml``), or name ``class_path: recipes.dictionary.EndToEndDictionaryFitModule``
+with the fields under ``init_args:`` (end-to-end training, ``recipes/configs/sae_smollm2_e2e.yaml``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Iterator
@@ -43,9 +46,11 @@ from ..training.frozen import DtypeName, EMBEDDED_MODEL_LABEL, OptimizerName
 from .corpus import packed_chunks, read_documents, tokenize_documents
 from .end_to_end import EndToEndDictionaryModule, downstream_residual_nodes
 from .module import AUXK_COEFFICIENT, AuxKNormalization, BDecInit, DictionaryModule
+from .streaming import StreamingModule
 
 __all__ = ["DictionaryDataModule", "DictionaryFitModule", "DictionarySpec", "EndToEndDictionaryFitModule",
-           "UNACTIONABLE_WARNINGS", "build_dictionaries", "build_dictionary", "load_graph"]
+           "UNACTIONABLE_WARNINGS", "build_dictionaries", "build_dictionary", "expand_spec", "layer_nodes",
+           "load_graph"]
 
 #: Lightning's warnings (``PossibleUserWarning``s, by message) that :class:`DictionaryDataModule` hides during its
 #: stages, since a user of it can do nothing about them:
@@ -74,6 +79,11 @@ class DictionarySpec:
         d_sae: the number of latents.
         exclude_first_positions: the first positions of every sequence left out of training and evaluation
             (:class:`gradpatch.dictionaries.DictionaryConfig`; 2 for SmolLM2's attention sinks).
+        layers: one dictionary per layer: ``"all"`` (every block of the model) or a list of block indices; then
+            ``node`` and ``output_node`` are NodePath templates with ``{layer}`` (``model.layers_{layer}.mlp.x``) or
+            parts of the model's layout (``mlp_input``, ``mlp``, ``resid``:
+            :meth:`gradpatch.layouts.ModelLayout.template`).
+            ``None`` (default): the one dictionary at ``node``.
     """
 
     node: str
@@ -84,6 +94,48 @@ class DictionarySpec:
     expansion_factor: int = 4
     d_sae: int | None = None
     exclude_first_positions: int = 0
+    layers: Literal["all"] | list[int] | None = None
+
+
+def layer_nodes(pg: Any, name: str, layers: Literal["all"] | list[int]) -> list[str]:
+    """The NodePaths of ``name`` at ``layers``: ``name`` a template with ``{layer}`` or a part of ``pg``'s layout
+    (:func:`gradpatch.layouts.detect_layout`, e.g. ``"mlp_input"`` -> ``model.layers_{layer}.mlp.x`` on Llama);
+    ``"all"``: every block (:func:`gradpatch.layouts.count_layers`).
+
+    Raises:
+        RecipeConfigError: a layer outside the model's blocks, or a name that is neither a template nor a layout part.
+        LayoutError: no known layout holds on ``pg``.
+    """
+    from gradpatch.errors import LayoutError
+    from gradpatch.layouts import count_layers, detect_layout
+
+    layout = detect_layout(pg)
+    count = count_layers(pg, layout)
+    indices = list(range(count)) if layers == "all" else [int(i) for i in layers]
+    if not indices or any(not 0 <= i < count for i in indices):
+        raise RecipeConfigError(f"layers {layers!r}: give 'all' or block indices in 0..{count - 1}")
+    if "{layer}" not in name:
+        try:
+            name = layout.template(name)
+        except LayoutError as error:
+            raise RecipeConfigError(f"dictionary node {name!r} with layers: give a NodePath template with "
+                                    f"{{layer}} or a layout part such as 'mlp_input' or 'mlp' ({error})") from error
+    return [name.format(layer=i) for i in indices]
+
+
+def expand_spec(pg: Any, spec: DictionarySpec) -> list[DictionarySpec]:
+    """``spec`` itself, or with ``layers`` one spec per layer at that layer's nodes (:func:`layer_nodes`), in layer
+    order.
+
+    Raises:
+        RecipeConfigError, LayoutError: as :func:`layer_nodes`.
+    """
+    if spec.layers is None:
+        return [spec]
+    inputs = layer_nodes(pg, spec.node, spec.layers)
+    outputs = layer_nodes(pg, spec.output_node, spec.layers) if spec.output_node else [None] * len(inputs)
+    return [dataclasses.replace(spec, node=read, output_node=write, layers=None)
+            for read, write in zip(inputs, outputs)]
 
 
 def build_dictionary(pg: Any, spec: DictionarySpec, seed: int = 0) -> SparseDictionary:
@@ -123,10 +175,11 @@ def load_graph(model_path: str | None, dtype: DtypeName) -> tuple[Any, Any]:
 
 
 def build_dictionaries(pg: Any, specs: DictionarySpec | list[DictionarySpec], seed: int) -> list[SparseDictionary]:
-    """:func:`build_dictionary` of each spec (one spec or a list: several nodes in one run); spec ``i`` is seeded
-    ``seed + i``."""
+    """:func:`build_dictionary` of each spec (one spec or a list: several nodes in one run; a spec with ``layers``:
+    one per layer, :func:`expand_spec`); the ``i``-th dictionary is seeded ``seed + i``."""
     specs = [specs] if isinstance(specs, DictionarySpec) else list(specs)
-    return [build_dictionary(pg, spec, seed + i) for i, spec in enumerate(specs)]
+    expanded = [one for spec in specs for one in expand_spec(pg, spec)]
+    return [build_dictionary(pg, spec, seed + i) for i, spec in enumerate(expanded)]
 
 
 class DictionaryFitModule(DictionaryModule):
@@ -137,8 +190,9 @@ class DictionaryFitModule(DictionaryModule):
         model_path: a ``save_pretrained`` directory or ``.gguf`` file; ``None`` for the embedded SmolLM2-135M-Instruct.
         dtype: the model's dtype (the dictionary trains in float32).
         buffer_rows, lr, optimizer, sparsity_coefficient, auxk_coefficient, dead_after_tokens, unit_norm_decoder,
-            seed, density_every_n_steps, ce_every_n_steps, b_dec_init, auxk_normalization: as
-            :class:`DictionaryModule` (``seed`` also seeds the initial weights).
+            seed, density_every_n_steps, ce_every_n_steps, b_dec_init, auxk_normalization, lr_warmup_steps,
+            lr_decay_fraction, sparsity_warmup_steps: as :class:`DictionaryModule` (``seed`` also seeds the initial
+            weights).
 
     Raises:
         RecipeConfigError, NodePathError, DictionaryConfigError: as :func:`build_dictionary` and
@@ -151,14 +205,16 @@ class DictionaryFitModule(DictionaryModule):
                  auxk_coefficient: float = AUXK_COEFFICIENT, dead_after_tokens: int = 10_000_000,
                  unit_norm_decoder: bool = True, seed: int = 0, density_every_n_steps: int = 50,
                  ce_every_n_steps: int = 50, b_dec_init: BDecInit = "mean",
-                 auxk_normalization: AuxKNormalization = "residual") -> None:
+                 auxk_normalization: AuxKNormalization = "residual", lr_warmup_steps: int = 0,
+                 lr_decay_fraction: float = 0.0, sparsity_warmup_steps: int = 0) -> None:
         pg, tokenizer = load_graph(model_path, dtype)
         super().__init__(pg, build_dictionaries(pg, dictionary, seed), buffer_rows=buffer_rows, lr=lr,
                          optimizer=optimizer, sparsity_coefficient=sparsity_coefficient,
                          auxk_coefficient=auxk_coefficient, dead_after_tokens=dead_after_tokens,
                          unit_norm_decoder=unit_norm_decoder, seed=seed, density_every_n_steps=density_every_n_steps,
                          ce_every_n_steps=ce_every_n_steps, b_dec_init=b_dec_init,
-                         auxk_normalization=auxk_normalization)
+                         auxk_normalization=auxk_normalization, lr_warmup_steps=lr_warmup_steps,
+                         lr_decay_fraction=lr_decay_fraction, sparsity_warmup_steps=sparsity_warmup_steps)
         self.tokenizer = tokenizer
         self.model_label = model_path or EMBEDDED_MODEL_LABEL
 
@@ -295,7 +351,7 @@ class DictionaryDataModule(LightningDataModule):
                 the ``train_tokens`` that fill the buffer).
         """
         module, trainer = self.trainer.lightning_module, self.trainer
-        if not isinstance(module, DictionaryModule) or self.chunks is None:
+        if not isinstance(module, StreamingModule) or self.chunks is None:
             return
         excluded = module.exclude_first_positions
         rows_per_chunk = self.chunk_length - excluded

@@ -23,6 +23,12 @@ by side in the buffer, their losses summed). Each training batch is token ids ``
 4. with ``unit_norm_decoder``, removes each decoder row's parallel gradient component before the optimizer step and
    renormalises the rows after it (Gao et al. section 2.2).
 
+The settings that matter at small budgets (:mod:`recipes.dictionary.settings`, each cited there): ``b_dec_init``
+(the decoder bias set from the first step's targets: their mean, or their geometric median), ``lr_warmup_steps`` and
+``lr_decay_fraction`` (linear warm-up, linear decay to 0 over the run's last fraction), ``sparsity_warmup_steps``
+(λ ramped up linearly), AuxK for dead latents (TopK, BatchTopK) and ``exclude_first_positions`` (the dictionaries'
+configs).
+
 A latent is dead when it has not fired on the last ``dead_after_tokens`` training tokens (Gao et al.: 10M). Logged
 every step: ``fvu``, ``l0`` (mean active latents per token), ``dead_fraction`` and the loss terms; to TensorBoard
 every ``density_every_n_steps`` optimizer steps, the histogram ``feature_density_log10`` of log10(fraction of the
@@ -34,7 +40,6 @@ is given one).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -43,30 +48,25 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
-from gradpatch.capture import node_activations
-from gradpatch.finite import StepGuard
-from gradpatch.dictionaries import (DictionaryConfigError, SparseDictionary, auxk_loss, jumprelu_l0, l1_penalty,
-                                    normalized_mse, remove_parallel_gradient, save_dictionary, unit_norm_rows)
+from gradpatch.dictionaries import (DictionaryConfigError, DictionaryLayers, SparseDictionary, auxk_loss, jumprelu_l0,
+                                    l1_penalty, normalized_mse, per_layer_dictionaries, remove_parallel_gradient,
+                                    save_dictionary, sparse_decode, unit_norm_rows)
 from gradpatch.dictionaries.splice import dictionary_nodes
 
 from ..errors import RecipeConfigError
-from ..training.frozen import FrozenGraphModule, OptimizerName
-from .buffer import ActivationBuffer
+from ..training.frozen import OptimizerName
 from .spliced import spliced_ce_increase
+from .streaming import BDecInit, StreamingModule
 
 __all__ = ["AUXK_COEFFICIENT", "AuxKNormalization", "BDecInit", "DictionaryModule"]
 
 #: α of the AuxK term (Gao et al. 2024, appendix A.2).
 AUXK_COEFFICIENT = 1 / 32
-#: How training sets the decoder bias before its first step: ``"mean"`` of the first step's targets, or ``"keep"``.
-BDecInit = Literal["mean", "keep"]
 #: What AuxK is divided by: the residual's variance (Gao et al.) or the target's (sparsify).
 AuxKNormalization = Literal["residual", "target"]
-#: Lightning's warning when ``training_step`` returns ``None``: the steps that fill the buffer do, on purpose.
-_NO_STEP_WARNING = r"`training_step` returned `None`"
 
 
-class DictionaryModule(FrozenGraphModule):
+class DictionaryModule(StreamingModule):
     """Train one dictionary, or several at different nodes in one run, on the activations of ``pg`` (see the module
     docstring).
 
@@ -99,15 +99,24 @@ class DictionaryModule(FrozenGraphModule):
             mean of that step's targets (``[d_out]``; averaged over the DDP ranks), as sparsify does and SAELens's
             ``b_dec_init_method="mean"``: the reconstruction then starts at the activations' mean instead of 0 (on
             SmolLM2 at 65,536 tokens it left 0.3 % of the latents dead instead of 25 % and cut the CE increase from
-            0.87 to 0.69, docs/dictionaries.md); ``"keep"``: leave ``b_dec`` as the dictionary has it. Kept in
-            checkpoints: a resumed run does not set it again.
+            0.87 to 0.69, docs/dictionaries.md); ``"geometric_median"``: their geometric median (Bricken et al. 2023,
+            SAELens's ``"geometric_median"``; :func:`~recipes.dictionary.settings.geometric_median`, averaged over
+            the DDP ranks); ``"keep"``: leave ``b_dec`` as the dictionary has it. Kept in checkpoints: a resumed run
+            does not set it again.
+        lr_warmup_steps: optimizer steps of the learning rate's linear warm-up (0: none; sparsify and
+            Rajamanoharan et al. 2024 warm up over 1,000; :func:`~recipes.dictionary.settings.lr_factor`).
+        lr_decay_fraction: the last fraction of the run's optimizer steps over which the learning rate falls linearly
+            to 0 (0: none; Conerly et al. 2024: 0.2). The run's steps are Lightning's estimate
+            (``max_steps``, or the epochs' batches less those that only filled the buffer).
+        sparsity_warmup_steps: optimizer steps over which λ (``sparsity_coefficient``) ramps up linearly from ~0
+            (0: none; Rajamanoharan et al. 2024: 10,000 for JumpReLU).
 
     Raises:
         RecipeConfigError: no dictionary, a dictionary whose config names no input node (or no output node for a
             transcoder), two writing the same node or leaving out different first positions, a non-positive
             ``buffer_rows`` or ``dead_after_tokens``, a negative ``density_every_n_steps`` or ``ce_every_n_steps``, a
-            ``b_dec_init`` other than ``"mean"`` or ``"keep"``, an ``auxk_normalization`` other than ``"residual"``
-            or ``"target"``.
+            ``b_dec_init`` other than ``"mean"``, ``"geometric_median"`` or ``"keep"``, an ``auxk_normalization``
+            other than ``"residual"`` or ``"target"``, a negative warm-up or a decay fraction outside [0, 1].
     """
 
     def __init__(self, pg: Any, dictionary: SparseDictionary | Sequence[SparseDictionary], buffer_rows: int = 65536,
@@ -115,10 +124,8 @@ class DictionaryModule(FrozenGraphModule):
                  auxk_coefficient: float = AUXK_COEFFICIENT, dead_after_tokens: int = 10_000_000,
                  unit_norm_decoder: bool = True, seed: int = 0, density_every_n_steps: int = 50,
                  ce_every_n_steps: int = 50, b_dec_init: BDecInit = "mean",
-                 auxk_normalization: AuxKNormalization = "residual") -> None:
-        super().__init__(lr=lr, optimizer=optimizer)
-        if b_dec_init not in ("mean", "keep"):
-            raise RecipeConfigError(f"b_dec_init must be 'mean' or 'keep', got {b_dec_init!r}")
+                 auxk_normalization: AuxKNormalization = "residual", lr_warmup_steps: int = 0,
+                 lr_decay_fraction: float = 0.0, sparsity_warmup_steps: int = 0) -> None:
         if auxk_normalization not in ("residual", "target"):
             raise RecipeConfigError(f"auxk_normalization must be 'residual' or 'target', got {auxk_normalization!r}")
         dictionaries = [dictionary] if isinstance(dictionary, SparseDictionary) else list(dictionary)
@@ -134,18 +141,15 @@ class DictionaryModule(FrozenGraphModule):
         if len(excluded) > 1:
             raise RecipeConfigError(f"the dictionaries of one run must leave out the same first positions (their rows "
                                     f"are the same tokens), got exclude_first_positions {sorted(excluded)}")
-        self.attach_graph(pg)
+        super().__init__(pg, list(dict.fromkeys(node for d in dictionaries for node in _nodes(d))), excluded.pop(),
+                         buffer_rows, lr, optimizer, seed, b_dec_init, lr_warmup_steps, lr_decay_fraction,
+                         sparsity_warmup_steps)
         self.dictionaries = nn.ModuleList(dictionaries)
-        #: The first positions of every sequence left out (the dictionaries' ``exclude_first_positions``).
-        self.exclude_first_positions: int = excluded.pop()
-        #: Every node read, in order; a dictionary's input and target are columns of their concatenation.
-        self.nodes: list[str] = list(dict.fromkeys(node for d in dictionaries for node in _nodes(d)))
         self.sparsity_coefficient = float(sparsity_coefficient)
         self.auxk_coefficient = float(auxk_coefficient)
         self.auxk_normalization: AuxKNormalization = auxk_normalization
         self.dead_after_tokens = int(dead_after_tokens)
         self.unit_norm_decoder = unit_norm_decoder
-        self.buffer = ActivationBuffer(buffer_rows, torch.Generator().manual_seed(seed))
         self.density_every_n_steps = int(density_every_n_steps)
         self.ce_every_n_steps = int(ce_every_n_steps)
         #: Each dictionary's latents are a slice of the firing counters: offsets[i] .. offsets[i + 1].
@@ -153,12 +157,9 @@ class DictionaryModule(FrozenGraphModule):
         for d in dictionaries:
             self.offsets.append(self.offsets[-1] + d.d_sae)
         self.register_buffer("tokens_since_fired", torch.zeros(self.offsets[-1], dtype=torch.long))
-        #: Whether the first optimizer step still sets the decoder biases (``b_dec_init="mean"``; in checkpoints).
-        self.register_buffer("b_dec_pending", torch.tensor(b_dec_init == "mean"))
         #: Tokens each latent fired on, and tokens seen, since the last density histogram.
         self.register_buffer("window_fired", torch.zeros(self.offsets[-1]), persistent=False)
         self.window_tokens = 0
-        self.saved_to: Path | None = None
 
     @property
     def dictionary(self) -> SparseDictionary:
@@ -169,35 +170,24 @@ class DictionaryModule(FrozenGraphModule):
         """What dictionary ``index``'s logged names end with: nothing for one dictionary, ``/<written node>``."""
         return "" if len(self.dictionaries) == 1 else "/" + _nodes(self.dictionaries[index])[-1]
 
-    def step_guard(self) -> StepGuard:
-        """How a non-finite step is reported (a :class:`gradpatch.errors.NonFiniteError`; nothing is written)."""
-        return StepGuard(type(self).__name__, f"lower the learning rate (lr={self.lr:g}) or check the dictionary's "
-                                              f"starting weights; no dictionary was written")
+    def initialize_from_rows(self, rows: torch.Tensor) -> None:
+        """Set each dictionary's ``b_dec`` from its target columns of the first drawn ``rows`` (``b_dec_init``)."""
+        self.initialize_b_dec(lambda index: self.columns(rows, self.nodes_of(index)[1]))
 
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any] | None:
-        """Stream one batch of token ids into the buffer; train on as many buffered rows once it is full (``None``,
-        no optimizer step, while it fills)."""
-        ids = batch["input_ids"] if isinstance(batch, dict) else batch
-        first = self.exclude_first_positions
-        activations = node_activations(self.graph, self.nodes, ids)
-        rows = torch.cat([a[:, first:].reshape(-1, a.shape[-1]).float() for a in activations], dim=-1)
-        self.buffer.push(rows)
-        if not self.buffer.ready(rows.shape[0]):
-            return None
-        drawn = self.buffer.pop(rows.shape[0])
-        self.initialize_b_dec(lambda index: self.columns(drawn, self.nodes_of(index)[1]))
-        return super().training_step(drawn, batch_idx)
+    def layer_stack(self) -> DictionaryLayers | None:
+        """The dictionaries as :class:`gradpatch.dictionaries.DictionaryLayers` (what ``metrics.json`` of several
+        layers evaluates, :func:`gradpatch.dictionaries.evaluate_layers`); ``None`` for one dictionary."""
+        return per_layer_dictionaries(list(self.dictionaries)) if len(self.dictionaries) > 1 else None
 
     def initialize_b_dec(self, targets: Callable[[int], torch.Tensor]) -> None:
-        """Before the first optimizer step with ``b_dec_init="mean"``: set dictionary ``index``'s ``b_dec`` to the
-        mean of ``targets(index)`` ``[n, d_out]``, averaged over the DDP ranks (each rank's batch has as many
-        rows); nothing afterwards."""
+        """Before the first optimizer step (``b_dec_init`` not ``"keep"``): set dictionary ``index``'s ``b_dec`` to
+        the mean or geometric median of ``targets(index)`` ``[n, d_out]``, averaged over the DDP ranks (each rank's
+        batch has as many rows); nothing afterwards."""
         if not bool(self.b_dec_pending):
             return
         with torch.no_grad():
             for index, dictionary in enumerate(self.dictionaries):
-                mean = self.trainer.strategy.reduce(targets(index).double().mean(0), reduce_op="mean")
-                dictionary.b_dec.copy_(mean.to(dictionary.b_dec))
+                dictionary.b_dec.copy_(self.data_center(targets(index)).to(dictionary.b_dec))
             self.b_dec_pending.fill_(False)
 
     def nodes_of(self, index: int) -> tuple[str, str]:
@@ -232,8 +222,15 @@ class DictionaryModule(FrozenGraphModule):
         ``{"loss", "fvu", "l0", "dead_fraction", "auxk" or "penalty"}``."""
         dictionary = self.dictionaries[index]
         h = dictionary.pre_activations(x)
-        z = dictionary.activate(h)
-        prediction = dictionary.output(x, z)
+        if dictionary.config.activation == "topk":  # decoded from the k active latents only: n·k·d, not n·m·d
+            values, indices = h.topk(int(dictionary.config.k), dim=-1, sorted=False)  # activations.topk's choice
+            z = torch.zeros_like(h).scatter(-1, indices, values.relu().detach())  # for the firing statistics
+            skipped = dictionary.skip(x)
+            prediction = sparse_decode(indices, values.relu(), dictionary.W_dec) + dictionary.b_dec
+            prediction = prediction if skipped is None else prediction + skipped
+        else:
+            z = dictionary.activate(h)
+            prediction = dictionary.output(x, z)
         fvu = normalized_mse(prediction, target)
         dead = self.track_firing(index, z)
         terms = {"fvu": fvu, **self.sparsity_terms(index, h, z)}
@@ -242,7 +239,7 @@ class DictionaryModule(FrozenGraphModule):
                                       target=target if self.auxk_normalization == "target" else None)
             terms["loss"] = fvu + self.auxk_coefficient * terms["auxk"]
         else:
-            terms["loss"] = fvu + self.sparsity_coefficient * terms["penalty"]
+            terms["loss"] = fvu + self.sparsity_coefficient * self.sparsity_scale() * terms["penalty"]
         return {**terms, **self.firing_terms(index, z)}
 
     def track_firing(self, index: int, z: torch.Tensor) -> torch.Tensor:
@@ -274,11 +271,6 @@ class DictionaryModule(FrozenGraphModule):
             return {"penalty": jumprelu_l0(h, dictionary.threshold, dictionary.config.bandwidth)}
         return {}
 
-    def log_terms(self, terms: dict[str, torch.Tensor]) -> None:
-        """Log every term but ``loss`` (detached), on this step."""
-        self.log_dict({name: value.detach() for name, value in terms.items() if name != "loss"}, on_step=True,
-                      on_epoch=False, batch_size=1)
-
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Remove each decoder row's gradient component along the row (unit-norm decoders)."""
         for dictionary in self.dictionaries if self.unit_norm_decoder else ():
@@ -287,15 +279,9 @@ class DictionaryModule(FrozenGraphModule):
                 W_dec.grad = remove_parallel_gradient(W_dec.detach(), W_dec.grad)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        """The checked optimizer step, then the decoder rows back to unit norm.
-
-        The step runs Lightning's closure (``training_step``), which warns when the step returns ``None``: the steps
-        that fill the buffer do so on purpose, so that warning (and only it) is hidden here, for this call only.
-        (With ``accumulate_grad_batches`` > 1 Lightning runs the closure of the batches it accumulates outside this
-        method, and warns once.)"""
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_NO_STEP_WARNING, category=UserWarning)
-            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        """The scheduled, checked optimizer step (:meth:`StreamingModule.optimizer_step`), then the decoder rows back
+        to unit norm."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         if self.unit_norm_decoder:
             with torch.no_grad():
                 for dictionary in self.dictionaries:
@@ -329,32 +315,6 @@ class DictionaryModule(FrozenGraphModule):
         for logger in self.loggers:
             logger.log_metrics({"ce_increase": value}, step=self.global_step)
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The trainable tensors, the firing counters, and the activation buffer's rows and generator (so a run
-        resumed from the checkpoint draws what the uninterrupted run would)."""
-        super().on_save_checkpoint(checkpoint)
-        generator = self.buffer.generator
-        rows = self.buffer.rows
-        checkpoint["activation_buffer"] = {"rows": None if rows is None else rows.clone(),  # not the whole storage
-                                           "generator": None if generator is None else generator.get_state()}
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Check the trainable tensors (as the base class does), then restore the activation buffer."""
-        super().on_load_checkpoint(checkpoint)
-        state = checkpoint.get("activation_buffer")
-        if state is not None:
-            self.buffer.restore(state["rows"])
-            if state["generator"] is not None and self.buffer.generator is not None:
-                self.buffer.generator.set_state(state["generator"])
-
-    def export_intervention(self, folder: Path) -> Path:
-        """Write the dictionary to ``folder`` (several: one folder per dictionary, named by its written node) with
-        :func:`gradpatch.dictionaries.save_dictionary` and the model's fingerprint, unless :meth:`on_fit_end`
-        already wrote it there; returns ``folder``."""
-        if self.saved_to is None or Path(folder).resolve() != self.saved_to:
-            self.save_dictionaries(Path(folder))
-        return Path(folder)
-
     def save_dictionaries(self, folder: Path) -> None:
         """One dictionary to ``folder``; several to ``folder/<written node>/`` each."""
         if len(self.dictionaries) == 1:
@@ -362,14 +322,6 @@ class DictionaryModule(FrozenGraphModule):
             return
         for dictionary in self.dictionaries:
             save_dictionary(dictionary, folder / _nodes(dictionary)[-1], model=self.graph.wrapped_model)
-
-    def on_fit_end(self) -> None:
-        """Write the trained dictionaries to ``<default_root_dir>/dictionary`` (rank 0), with the model's
-        fingerprint (:meth:`save_dictionaries`)."""
-        if self.trainer.is_global_zero:
-            folder = Path(self.trainer.default_root_dir) / "dictionary"
-            self.save_dictionaries(folder)
-            self.saved_to = folder.resolve()
 
 
 def _nodes(dictionary: SparseDictionary) -> tuple[str, str]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gradpatch.dictionaries import Splice, SparseDictionary, splice, trained_positions
+from gradpatch.dictionaries import DictionaryLayers, Splice, SparseDictionary, splice, splice_layers, trained_positions
 
 __all__ = ["next_token_ce", "splice_all", "spliced_ce_increase"]
 
@@ -42,9 +42,11 @@ def splice_all(pg: Any, dictionaries: Sequence[SparseDictionary], error_term: bo
         yield splices
 
 
-def spliced_ce_increase(pg: Any, dictionaries: Sequence[SparseDictionary], ids: torch.Tensor,
+def spliced_ce_increase(pg: Any, dictionaries: Sequence[SparseDictionary] | DictionaryLayers, ids: torch.Tensor,
                         rows_per_pass: int = 2) -> torch.Tensor:
     """CE(model with every dictionary spliced, no error terms) − CE(model) on token ids ``[batch, seq]``, without
+    gradients (``dictionaries``: per-node dictionaries, or the layers of a cross-layer transcoder,
+    :func:`gradpatch.dictionaries.splice_layers`), with
     gradients: two forward passes per ``rows_per_pass`` sequences, so that at most ``rows_per_pass × seq × vocab``
     logits exist at once (a whole training batch of 16 × 128 tokens at SmolLM2's 49,152 vocabulary is 403 MB of float32
     logits per pass: it raised the training's peak resident memory by ~1 GB every ``ce_every_n_steps``). Each
@@ -55,6 +57,8 @@ def spliced_ce_increase(pg: Any, dictionaries: Sequence[SparseDictionary], ids: 
 
     with torch.no_grad():
         original = summed_ce()
-        with splice_all(pg, dictionaries):  # the splices built once for every chunk
+        spliced_in = (splice_layers(pg, dictionaries) if isinstance(dictionaries, DictionaryLayers)
+                      else splice_all(pg, dictionaries))
+        with spliced_in:  # the splices built once for every chunk
             spliced = summed_ce()
     return (spliced - original) / ids.shape[0]
