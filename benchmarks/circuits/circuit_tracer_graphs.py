@@ -3,7 +3,7 @@ nodes, the logit nodes and the adjacency matrices compared, and each side's time
 
 Models: ``tiny-llama`` / ``tiny-gpt2`` (the test suite's 2-layer models, d_model 64; the BOS token and 6 random ids;
 ReLU skip transcoders with 64 latents as tests/circuits/test_circuits.py builds them) or ``smollm2`` (the embedded
-SmolLM2-135M, 30 layers; the BOS token and the first ``--tokens`` − 1 tokens of a fixed prompt; ReLU skip
+SmolLM2-135M, 30 layers; the BOS token and the first ``--tokens`` − 1 tokens of a fixed text, repeated; ReLU skip
 transcoders with 1,024 random latents at every MLP, each layer's encoder bias set so that about ``--k`` latents are
 active per position on the prompt). The transcoders are exported with
 :func:`gradpatch.dictionaries.export_circuit_tracer`; circuit-tracer loads that set
@@ -135,7 +135,8 @@ def prepare(args: argparse.Namespace, folder: Path) -> None:
     model, tokenizer = build_model(args.model)
     bos = torch.tensor([[tokenizer.bos_token_id]])
     if args.model == "smollm2":
-        ids = torch.cat([bos, tokenizer(PROMPT, return_tensors="pt").input_ids[:, :args.tokens - 1]], 1)
+        text = " ".join([PROMPT] * (1 + args.tokens // 16))  # a prefix of it is the prompt
+        ids = torch.cat([bos, tokenizer(text, return_tensors="pt").input_ids[:, :args.tokens - 1]], 1)
         latents, k = 1024, args.k
     else:
         generator = torch.Generator().manual_seed(3)
@@ -154,7 +155,11 @@ def ours(args: argparse.Namespace, folder: Path) -> None:
     model, _ = build_model(args.model)
     ids = torch.tensor([prompt["ids"]])
     transcoders = load_circuit_tracer(folder / "transcoders" / "config.yaml", *NODES[args.model])
-    replacement = ReplacementModel(PatchableGraph(model, ids, use_cache=False), transcoders, ids)
+    pg_cpu = time.process_time()
+    pg = PatchableGraph(model, ids, use_cache=False)
+    replacement_cpu = time.process_time()
+    replacement = ReplacementModel(pg, transcoders, ids)
+    pg_cpu, replacement_cpu = replacement_cpu - pg_cpu, time.process_time() - replacement_cpu
     loaded = time.perf_counter() - start
     rss_loaded = resident_mib() / 1024
     reset_peak()
@@ -166,7 +171,8 @@ def ours(args: argparse.Namespace, folder: Path) -> None:
                "logit_probabilities": graph.logit_probabilities.contiguous()},
               str(folder / "gradpatch_graph.safetensors"))
     (folder / "gradpatch_run.json").write_text(json.dumps({
-        "load_seconds": round(loaded, 2), "attribute_seconds": round(seconds, 2),
+        "load_seconds": round(loaded, 2), "patchable_graph_cpu_seconds": round(pg_cpu, 2),
+        "replacement_model_cpu_seconds": round(replacement_cpu, 2), "attribute_seconds": round(seconds, 2),
         "attribute_cpu_seconds": round(cpu, 2), "load_average_1min": [round(load, 1), round(os.getloadavg()[0], 1)],
         "rss_after_load_gib": round(rss_loaded, 3), "peak_rss_during_attribute_gib": round(peak_mib() / 1024, 3),
         "max_rss_gib": round(max_rss_mib() / 1024, 3),

@@ -17,7 +17,15 @@ forward passes of the model (batch 1, no gradients) each with one active feature
 MLP output at its position, which is the spliced model with that latent zeroed), and extrapolates to one exact
 patching sweep over every active feature. Position 0 follows circuit-tracer (``attribute``'s
 ``zero_first_position``: no feature node there, its contribution in the biases); ``--keep-first-position`` keeps
-position 0's features and errors as nodes.
+position 0's features and errors as nodes. ``--max-feature-nodes N`` (default 7,500, ``attribute``'s; 0: every
+feature) computes the rows of N features chosen by influence (circuit-tracer's rounds), and the report gives the
+graph's rows held against what a dense ``[n, n]`` adjacency would take.
+
+``--curve 64,128,256,512,1024`` runs the script once per prompt length, each in its own process (so that each peak
+is its own), with the other options as given, and prints one JSON of every point (each point's JSON also goes to
+stderr as it finishes; a point that fails is recorded with its exit status and the tail of its output):
+``OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.circuits.scale --model smollm2 --k 8 --max-feature-nodes 1000
+--max-memory 8 --no-prune --curve 64,128,256,512,1024``.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.circuits.scale --model smollm2 --tokens 16 --k 8``; a long
 prompt under a bound: ``... --tokens 256 --layers 4 --k 2 --max-memory 1.0``; on a GPU: ``--random-weights --tokens 1024
@@ -27,16 +35,17 @@ prompt under a bound: ``... --tokens 256 --layers 4 --k 2 --max-memory 1.0``; on
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
 import torch
 
-from benchmarks.harness import ROOT, emit, max_rss_mib, peak_mib, reset_peak, resident_mib
+from benchmarks.harness import ROOT, emit, max_rss_mib, peak_mib, reset_peak, resident_mib, run_module
 from gradpatch import PatchableGraph, testing
-from gradpatch.circuits import (AttributionGraph, ReplacementModel, attribute, graph_influence, graph_scores,
-                                prune_graph)
-from gradpatch.circuits.attribute import memory_per_row, plan_batch_size
+from gradpatch.circuits import (AttributionGraph, ReplacementModel, attribute, completeness, graph_influence,
+                                graph_scores, prune_graph)
+from gradpatch.circuits.attribute import DEFAULT_MAX_FEATURE_NODES, memory_per_row
 from gradpatch.dictionaries import SkipTranscoder
 from gradpatch.patches import AddPatch
 
@@ -100,24 +109,13 @@ class _PeakMemory:
 
 
 def _exactness(model: ReplacementModel, graph: AttributionGraph) -> dict[str, float]:
-    """err = |h − Σ_s A[h, s] − bias(h)| over every feature node (module docstring); bias(h): h with every source
-    removed (with ``graph.zero_first_position``, position 0's features and errors are no sources and stay)."""
-    first = int(graph.zero_first_position)
-    deltas = {layer: -(s.constant - s.transcoder.b_dec) for layer, s in model.layers.items()}
-    for delta in deltas.values():
-        delta[:, :first] = 0
-    with torch.no_grad():
-        full = model.run()
-        bias = model.run(1, deltas, -model.embeddings)
-        features = graph.active_features
-        h = torch.cat([torch.zeros(0)] + [full.pre_activations[layer][0][tuple(
-            features[features[:, 0] == layer][:, 1:].T)].float().cpu() for layer in graph.layers])
-        b = torch.cat([torch.zeros(0)] + [bias.pre_activations[layer][0][tuple(
-            features[features[:, 0] == layer][:, 1:].T)].float().cpu() for layer in graph.layers])
-    edges = graph.adjacency[:graph.n_features]
-    error = (h - edges.sum(1) - b).abs()
-    relative = error / h.abs()
-    return {"worst_error_of_terms": float((error / (edges.abs().sum(1) + b.abs())).max()),
+    """err = |h − Σ_s A[h, s] − bias(h)| over every feature node (module docstring), from
+    :func:`~gradpatch.circuits.completeness` (bias(h): h with every source of the graph removed)."""
+    found = completeness(model, graph)
+    features = slice(0, graph.n_features)
+    error = (found.values - found.edges - found.biases).abs()[features]
+    relative = error / found.values[features].abs()
+    return {"worst_error_of_terms": float(found.errors[features].max()),
             "median_error_of_target": float(relative.median()),
             "share_error_of_target_le_1e-4": float((relative <= 1e-4).float().mean())}
 
@@ -140,15 +138,51 @@ def _sweep(model: ReplacementModel, graph: AttributionGraph, forwards: int) -> d
             "sweep_seconds_extrapolated": round(per_forward * graph.n_features, 1)}
 
 
+def _curve(args: argparse.Namespace, argv: list[str]) -> None:
+    """One run of this script per length of ``args.curve``, each in its own process (module docstring)."""
+    points = []
+    for tokens in [int(text) for text in args.curve.split(",")]:
+        start = time.perf_counter()
+        result = run_module(sys.executable, "benchmarks.circuits.scale", [*argv, "--tokens", str(tokens)],
+                            check=False)
+        if result.returncode == 0:
+            point = json.loads(result.stdout[result.stdout.index("{"):])
+            point.pop("header")
+        else:
+            point = {"tokens": tokens, "exit_status": result.returncode,
+                     "output_tail": (result.stdout + result.stderr)[-2000:]}
+        point["process_seconds"] = round(time.perf_counter() - start, 1)
+        print(json.dumps(point), file=sys.stderr, flush=True)
+        points.append(point)
+    emit({"curve": points, "arguments": argv}, device=args.device, indent=1)
+
+
+def _without_curve(argv: list[str]) -> list[str]:
+    """The command-line arguments without ``--curve`` and its value (and without ``--tokens``)."""
+    kept, skip = [], False
+    for text in argv:
+        if skip:
+            skip = False
+        elif text in ("--curve", "--tokens"):
+            skip = True
+        elif not text.startswith(("--curve=", "--tokens=")):
+            kept.append(text)
+    return kept
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["smollm2", "tiny-llama", "tiny-gpt2"], default="smollm2")
     parser.add_argument("--random-weights", action="store_true", help="smollm2's shape with random weights")
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--curve", default=None, metavar="T1,T2,...",
+                        help="one run per prompt length, each in its own process; one JSON of all")
     parser.add_argument("--layers", type=int, default=0, help="transcoders at the first N MLPs (0: all)")
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--latents", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-feature-nodes", type=int, default=DEFAULT_MAX_FEATURE_NODES,
+                        help="features whose rows are computed, chosen by influence (0: every feature)")
     parser.add_argument("--max-memory", type=float, default=None, help="GiB bound (max_memory_bytes)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sweep", type=int, default=0, help="forwards timed for the exact sweep's cost")
@@ -156,6 +190,9 @@ def main() -> None:
     parser.add_argument("--keep-first-position", action="store_true",
                         help="position 0's features and errors as nodes (default: circuit-tracer's convention)")
     args = parser.parse_args()
+    if args.curve:
+        _curve(args, _without_curve(sys.argv[1:]))
+        return
     start = time.perf_counter()
     model = _smollm2(args) if args.model == "smollm2" else _tiny(args.model[5:])
     built = time.perf_counter() - start
@@ -164,14 +201,16 @@ def main() -> None:
         model.run(2)
     extracted = time.perf_counter() - start
     bound = None if args.max_memory is None else int(args.max_memory * 2**30)
+    limit = args.max_feature_nodes or None
     first = 0 if args.keep_first_position else 1
     n_features = sum(int(s.activations[:, first:].count_nonzero()) for s in model.layers.values())
     n_nodes = n_features + (len(model.layers) + 1) * model.ids.shape[1] + 10  # at most 10 logits
-    fixed, per_row = memory_per_row(model, n_nodes)
-    batch = plan_batch_size(model, n_nodes, n_features + 10, args.batch_size, bound)
+    n_rows = min(limit or n_features, n_features) + 10
+    fixed, per_row = memory_per_row(model, n_nodes, n_rows)  # plan_batch_size's arithmetic, without measuring again
+    batch = max(1, min(args.batch_size, n_rows, args.batch_size if bound is None else (bound - fixed) // per_row))
     with _PeakMemory(args.device) as memory:
         start, cpu = time.perf_counter(), time.process_time()
-        graph = attribute(model, batch_size=args.batch_size, max_memory_bytes=bound,
+        graph = attribute(model, max_feature_nodes=limit, batch_size=args.batch_size, max_memory_bytes=bound,
                           zero_first_position=not args.keep_first_position)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     n_targets = graph.n_features + len(graph.logit_tokens)
@@ -179,28 +218,34 @@ def main() -> None:
         replay = bool(torch.equal(model.run().logits, model.logits))
     report = {
         "model": args.model + (" (random weights)" if args.random_weights else ""), "device": args.device,
-        "tokens": int(model.ids.shape[1]), "layers": len(model.layers),
+        "tokens": int(model.ids.shape[1]), "layers": len(model.layers), "k": args.k,
         "zero_first_position": graph.zero_first_position,
         "frozen": {"attention": len(model.frozen.attention), "norms": len(model.frozen.norms),
                    "layer_norms": len(model.frozen.layer_norms)},
         "replay_bit_exact": replay, "build_seconds": round(built, 2),
-        "extract_batch_seconds": round(extracted, 2),
-        "features": graph.n_features, "nodes": int(graph.adjacency.shape[0]), "logits": len(graph.logit_tokens),
-        "attribute_seconds": round(seconds, 2),
+        "extract_batch_seconds": round(extracted, 2), "active_features": graph.total_features,
+        "max_feature_nodes": limit, "features": graph.n_features, "nodes": graph.n_nodes,
+        "logits": len(graph.logit_tokens), "attribute_seconds": round(seconds, 2),
         "attribute_cpu_seconds": round(cpu, 2), "batch_size_asked": args.batch_size, "batch_size_used": batch,
         "backward_passes": -(-n_targets // batch), "estimate_fixed_gib": round(fixed / 2**30, 3),
-        "estimate_per_row_gib": round(per_row / 2**30, 4),
-        "max_memory_gib": args.max_memory, "adjacency_gib": round(graph.adjacency.numel() * 4 / 2**30, 3),
+        "estimate_per_row_gib": round(per_row / 2**30, 4), "max_memory_gib": args.max_memory,
+        "rows_gib": round(graph.rows.numel() * 4 / 2**30, 3),
+        "dense_adjacency_gib": round(graph.n_nodes ** 2 * 4 / 2**30, 3),
         "memory_before_gib": round(memory.before / 2**30, 3), "peak_memory_gib": round(memory.peak / 2**30, 3),
         "peak_above_before_gib": round((memory.peak - memory.before) / 2**30, 3),
         "max_rss_gib": round(max_rss_mib() / 1024, 2),
         **_exactness(model, graph)}
     if not args.no_prune:
-        unpruned = graph_influence(graph)
-        pruned = prune_graph(graph, unpruned=unpruned)
-        replacement, completeness = graph_scores(graph, unpruned)
-        report.update({"replacement_score": replacement, "completeness_score": completeness,
-                       "pruned_nodes": int(pruned.node_mask.sum()), "pruned_edges": int(pruned.edge_mask.sum())})
+        with _PeakMemory(args.device) as memory:
+            start = time.perf_counter()
+            unpruned = graph_influence(graph)
+            pruned = prune_graph(graph, unpruned=unpruned)
+            replacement, completeness_score = graph_scores(graph, unpruned)
+            prune_seconds = time.perf_counter() - start
+        report.update({"replacement_score": replacement, "completeness_score": completeness_score,
+                       "pruned_nodes": int(pruned.node_mask.sum()), "pruned_edges": int(pruned.edge_mask.sum()),
+                       "prune_seconds": round(prune_seconds, 2),
+                       "prune_peak_memory_gib": round(memory.peak / 2**30, 3)})
     if args.sweep:
         report.update(_sweep(model, graph, args.sweep))
     emit(report, device=args.device, indent=1)

@@ -9,12 +9,18 @@ gradient at every MLP output and at the token embeddings; rows are independent c
 
 - a feature target h_ℓpf = x_ℓp · W_enc[:, f] + b_enc[f]: the gradient W_enc[:, f] injected at x_ℓ (the MLP input,
   ``[batch, seq, d_in]``), row r, position p; only layers below ℓ receive gradient;
-- a logit target logit_t − mean_v logit_v at the last position: the gradient e_t − 1/V injected at the last
-  position's logits ``[batch, vocab]``.
+- a logit target logit_t − mean_v logit_v at the last position: the gradient e_t − 1/V at the last position's
+  logits ``[vocab]``. Where the model layout names the unembedding's input h (:func:`gradpatch.layouts.logits_input`,
+  ``[batch, seq, d_model]``), the unembedding runs on one row of its last position alone, from a leaf copy of h's
+  row 0: u_t = ∂(logit_t − mean_v logit_v)/∂h is taken there (one small backward pass through the unembedding and
+  any op after it, such as Gemma 2's linearised soft-capping, tied embeddings or a logit scale alike) and
+  injected at h, row r, last position. Every row's h equals row 0's in this forward pass (no perturbation), so
+  u_t is the gradient the full ``[batch, vocab]`` logits would have passed down; the vocabulary projection of
+  ``batch`` rows, forward and backward, is not computed (circuit-tracer injects its demeaned unembedding vectors at
+  the final norm's output likewise). Without a layout, e_t − 1/V is injected at the ``[batch, vocab]`` logits.
 
-The unembedding runs on the last position alone where the model layout names its input
-(:func:`gradpatch.layouts.logits_input`). The model's and the transcoders' parameters do not require gradients
-during the forward pass, so that autograd keeps only what the gradients with respect to activations need.
+The model's and the transcoders' parameters do not require gradients during the forward pass, so that autograd
+keeps only what the gradients with respect to activations need.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 
 from ..layouts import last_position_cut, logits_input
 from ..model_io import frozen_parameters
-from ..patches import HoldPatch, Patch
+from ..patches import CustomPatch, HoldPatch, Patch
 from .replacement import ReplacementModel
 
 __all__ = ["RetainedForward", "SavedBytes", "Target", "measure_saved_bytes"]
@@ -55,7 +61,11 @@ class RetainedForward:
         inputs: layer -> x_ℓ ``[batch, seq, d_in]``.
         outputs: layer -> the MLP output ``[batch, seq, d_out]``.
         embeddings: the token embeddings ``[batch, seq, d_model]`` (a leaf).
-        logits: the last position's logits ``[batch, vocab]``.
+        logits: the last position's logits: ``[1, vocab]`` computed from :attr:`head_leaf` where the layout names
+            the unembedding's input, else ``[batch, vocab]``.
+        head_input: the unembedding's input at the last position ``[batch, 1, d_model]`` (``None`` without a
+            layout).
+        head_leaf: the leaf copy of its row 0 that the unembedding ran on ``[1, 1, d_model]`` (``None`` likewise).
     """
 
     def __init__(self, model: ReplacementModel, batch: int) -> None:
@@ -67,14 +77,35 @@ class RetainedForward:
         for layer, spliced in model.layers.items():
             patches.setdefault(spliced.output_node, []).append(held[layer])
         cut = logits_input(model.pg)
+        head = HoldPatch()
+        self.head_leaf: torch.Tensor | None = None
         if cut is not None:
-            patches.setdefault(cut, []).append(last_position_cut())
+            patches.setdefault(cut, []).extend([last_position_cut(), head,
+                                                CustomPatch(custom_op=self._first_row_leaf, requires_clone=False)])
         with torch.enable_grad(), frozen_parameters(model.pg, *(s.transcoder for s in model.layers.values())):
             run = model.run(batch, patches=patches)
             self.logits = run.logits[:, -1].clone()  # not a view: the full logits are not kept
+        self.head_input: torch.Tensor | None = head.held
+        self._directions: dict[int, torch.Tensor] = {}
         self.inputs = run.inputs
         self.outputs = {layer: holder.held for layer, holder in held.items()}
         self.embeddings = embed.held
+
+    def _first_row_leaf(self, value: torch.Tensor) -> torch.Tensor:
+        """A leaf copy of ``value``'s row 0 ``[1, 1, d_model]``, kept as :attr:`head_leaf` (the unembedding's
+        input for the rest of the forward pass)."""
+        self.head_leaf = value[:1].detach().requires_grad_()
+        return self.head_leaf
+
+    def _direction(self, token: int) -> torch.Tensor:
+        """u_t = ∂(logit_t − mean_v logit_v)/∂h at the last position ``[d_model]`` (module docstring), computed once
+        per token."""
+        if token not in self._directions:
+            gradient = torch.full_like(self.logits, -1.0 / self.logits.shape[-1])
+            gradient[:, token] += 1.0
+            (direction,) = torch.autograd.grad(self.logits, self.head_leaf, gradient, retain_graph=True)
+            self._directions[token] = direction[0, -1]
+        return self._directions[token]
 
     def gradients(self, targets: Sequence[Target]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         """One backward pass: row r's gradient of ``targets[r]`` (at most ``batch`` targets; further rows get none).
@@ -100,7 +131,13 @@ class RetainedForward:
             gradient[rows, positions] = encoder[:, ids].T.to(x.dtype)
             outputs.append(x)
             injected.append(gradient)
-        if logits:
+        if logits and self.head_input is not None:
+            gradient = torch.zeros_like(self.head_input)
+            for row, target in logits:
+                gradient[row, -1] = self._direction(target.feature).to(gradient.dtype)
+            outputs.append(self.head_input)
+            injected.append(gradient)
+        elif logits:
             gradient = torch.zeros_like(self.logits)
             rows = torch.tensor([row for row, _ in logits], device=gradient.device)
             gradient[rows] = -1.0 / gradient.shape[-1]

@@ -8,11 +8,14 @@ the same sense):
 
     target = Σ_s A[target, s] + bias(target),
 
-where bias(target) is what is held fixed: the target's value with every source removed (δ_ℓ = −(c_ℓ − b_dec) at
-the positions that have nodes, δ_E = −E; :mod:`gradpatch.circuits.attribute`). A nonlinearity that is neither frozen
-nor linearised (:mod:`gradpatch.circuits.freeze`) breaks the equality; :func:`check_completeness` measures it with
-one more forward pass of the replacement model and refuses a graph whose error exceeds ``tolerance`` · (Σ_s |A[t, s]|
-+ |bias(t)|) in a logit row (float rounding between large terms stays well within 1e-4 in float32).
+where bias(target) is what is held fixed: the target's value with every source of the graph removed (δ_ℓ =
+−(e_ℓ + Σ_f a_ℓf W_dec[f]) over the graph's error and feature nodes at ℓ, at the positions that have nodes,
+δ_E = −E; :mod:`gradpatch.circuits.attribute`). With every active feature a node this is δ_ℓ = −(c_ℓ − b_dec); the
+active features that ``max_feature_nodes`` leaves out are no sources, and their contributions stay in the bias. A
+nonlinearity that is neither frozen nor linearised (:mod:`gradpatch.circuits.freeze`) breaks the equality;
+:func:`check_completeness` measures it with one more forward pass of the replacement model and refuses a graph whose
+error exceeds ``tolerance`` · (Σ_s |A[t, s]| + |bias(t)|) in a logit row (float rounding between large terms stays
+well within 1e-4 in float32).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from .errors import IncompleteGraphError
 from .graph import AttributionGraph
 from .replacement import ReplacementModel
 
-__all__ = ["Completeness", "check_completeness", "completeness", "default_tolerance"]
+__all__ = ["Completeness", "check_completeness", "completeness", "decoder_blocks", "default_tolerance",
+           "removed_sources"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,8 @@ class Completeness:
     """Each target row's completeness terms (float32, on the CPU).
 
     Attributes:
-        rows: the target rows of the adjacency, features then logits ``[n_targets]``.
+        rows: the node index of each target row (the graph's ``target_nodes``), features then logits
+            ``[n_targets]``.
         values: the targets' values on the prompt ``[n_targets]``.
         edges: Σ_s A[t, s] ``[n_targets]``.
         biases: bias(t), the target with every source removed ``[n_targets]``.
@@ -60,16 +65,10 @@ def completeness(model: ReplacementModel, graph: AttributionGraph) -> Completene
     Returns:
         A :class:`Completeness`, tensors ``[n_features + n_logits]``.
     """
-    first = int(graph.zero_first_position)
-    deltas = {}
-    for layer, spliced in model.layers.items():
-        delta = -(spliced.constant - spliced.transcoder.b_dec.detach().to(spliced.constant.dtype))
-        delta[:, :first] = 0
-        deltas[layer] = delta
     values = torch.zeros(graph.n_features + len(graph.logit_tokens))
     biases = torch.zeros_like(values)
     with torch.no_grad():
-        removed = model.run(1, deltas, -model.embeddings)
+        removed = model.run(1, removed_sources(model, graph), -model.embeddings)
         for layer in graph.layers:
             spliced = model.layers[layer]
             chosen = (graph.active_features[:, 0] == layer).nonzero().squeeze(-1)
@@ -80,9 +79,36 @@ def completeness(model: ReplacementModel, graph: AttributionGraph) -> Completene
         for target, logits in ((values, model.logits), (biases, removed.logits)):
             last = logits[0, -1].float()
             target[graph.n_features:] = (last[tokens] - last.mean()).cpu()
-    rows = torch.cat([torch.arange(graph.n_features), torch.arange(graph.logit_start, graph.adjacency.shape[0])])
-    adjacency = graph.adjacency[rows]
-    return Completeness(rows, values, adjacency.sum(1), biases, adjacency.abs().sum(1) + biases.abs())
+    rows = graph.rows
+    return Completeness(graph.target_nodes, values, rows.sum(1), biases, rows.abs().sum(1) + biases.abs())
+
+
+def decoder_blocks(model: ReplacementModel, layer: int) -> list[tuple[int, torch.Tensor]]:
+    """The layers whose MLP outputs layer ``layer``'s features write, each with the decoder ``[m, d_out]`` into it
+    (detached): a transcoder writes its own MLP output only (a cross-layer transcoder would list every later
+    layer). The edges (:mod:`gradpatch.circuits.attribute`) and the biases here read the decoders from it alone."""
+    return [(layer, model.layers[layer].transcoder.W_dec.detach())]
+
+
+def removed_sources(model: ReplacementModel, graph: AttributionGraph) -> dict[int, torch.Tensor]:
+    """δ_ℓ ``[1, seq, d_out]`` per spliced layer that remove every error and feature source of ``graph`` (module
+    docstring): −e_ℓ at the positions with error nodes (≥ 1 with ``graph.zero_first_position``), −a_f W_dec[f] at
+    each feature node's position, through each of its :func:`decoder_blocks`."""
+    first = int(graph.zero_first_position)
+    deltas = {}
+    for layer, spliced in model.layers.items():
+        delta = -spliced.errors
+        delta[:, :first] = 0
+        deltas[layer] = delta
+    device = model.embeddings.device
+    features, activations = graph.active_features.to(device), graph.activations.to(device)
+    for layer in graph.layers:
+        chosen = (features[:, 0] == layer).nonzero().squeeze(-1)
+        positions, ids, values = features[chosen, 1], features[chosen, 2], activations[chosen]
+        for written, decoder in decoder_blocks(model, layer):
+            delta = deltas[written]
+            delta[0].index_add_(0, positions, -(values[:, None] * decoder[ids].float()).to(delta.dtype))
+    return deltas
 
 
 def check_completeness(model: ReplacementModel, graph: AttributionGraph, tolerance: float | None = None) -> None:

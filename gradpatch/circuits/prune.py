@@ -6,7 +6,9 @@ every node on the logits, weighted by the logits' probabilities w ``[n]`` (zero 
 
     influence = w Â + w Â² + … = w ((I − Â)⁻¹ − I)                                        (a row vector [n])
 
-computed by repeated products until they vanish (Â is nilpotent: the graph is acyclic). Node pruning keeps the
+computed by repeated products until they vanish (Â is nilpotent: the graph is acyclic). A is held as its target rows
+``[n_targets, n]`` (:class:`~gradpatch.circuits.graph.AttributionGraph`; the error and token rows are zero), and every
+product and mask here runs on those rows alone: nothing is ``[n, n]``. Node pruning keeps the
 nodes of highest influence that carry ``node_threshold`` of the total (default 0.8), plus every token and logit;
 edge pruning scores each edge of the node-pruned graph by Â'[t, s] · (influence'[t] + w[t]) and keeps those that
 carry ``edge_threshold`` of the total (default 0.98); then feature and error nodes without a kept outgoing edge, and
@@ -27,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attribute import AttributionGraph
 from .errors import CircuitError
+from .graph import AttributionGraph
 
 __all__ = ["GraphInfluence", "PruneResult", "compute_influence", "graph_influence", "graph_scores", "logit_weights",
            "normalize_matrix", "prune_graph"]
@@ -40,7 +42,8 @@ class PruneResult:
 
     Attributes:
         node_mask: ``[n]`` bool.
-        edge_mask: ``[n, n]`` bool (rows = targets).
+        edge_mask: ``[n_targets, n]`` bool, rows = the graph's target rows (:attr:`AttributionGraph.rows`, node
+            indices :attr:`AttributionGraph.target_nodes`), columns = sources.
         cumulative_scores: ``[n]``, each node's cumulative share of influence in descending order of influence.
     """
 
@@ -51,51 +54,65 @@ class PruneResult:
 
 @dataclass(frozen=True)
 class GraphInfluence:
-    """The unpruned graph's Â ``[n, n]``, w ``[n]`` and influence ``[n]`` (module docstring), which pruning, the scores
-    and reports all start from: computed once by :func:`graph_influence` and handed to each."""
+    """The unpruned graph's Â (its target rows, ``[n_targets, n]``), w ``[n]`` and influence ``[n]`` (module
+    docstring), which pruning, the scores and reports all start from: computed once by :func:`graph_influence` and
+    handed to each."""
 
     normalized: torch.Tensor
     weights: torch.Tensor
     influence: torch.Tensor
 
 
-def normalize_matrix(matrix: torch.Tensor) -> torch.Tensor:
-    """|A| with each row divided by its sum (rows summing to 0 stay 0): ``[n, n]`` -> ``[n, n]``."""
-    absolute = matrix.abs()
-    return absolute / absolute.sum(dim=1, keepdim=True).clamp(min=1e-10)
+def normalize_matrix(matrix: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """|A| with each row divided by its sum (rows summing to 0 stay 0): ``[k, n]`` -> ``[k, n]``, one new tensor
+    (``inplace``: ``matrix`` itself, overwritten)."""
+    normalized = matrix.abs_() if inplace else matrix.abs()
+    normalized /= normalized.sum(dim=1, keepdim=True).clamp(min=1e-10)
+    return normalized
 
 
-def compute_influence(normalized: torch.Tensor, weights: torch.Tensor, max_iter: int = 1000) -> torch.Tensor:
-    """w Â + w Â² + … ``[n]`` (module docstring).
+def compute_influence(normalized: torch.Tensor, weights: torch.Tensor, row_nodes: torch.Tensor | None = None,
+                      max_iter: int = 1000) -> torch.Tensor:
+    """w Â + w Â² + … ``[n]`` (module docstring), from the rows of Â that are held (circuit-tracer's
+    ``compute_partial_influences``: the other rows are zero).
+
+    Args:
+        normalized: Â's rows ``[k, n]``; ``[n, n]`` when ``row_nodes`` is ``None``.
+        weights: w ``[n]``.
+        row_nodes: the node index of each row ``[k]``; ``None``: row i is node i.
+        max_iter: the products allowed.
 
     Raises:
         CircuitError: the products have not vanished after ``max_iter`` steps (the graph has a cycle).
     """
-    current = weights @ normalized
+    def step(vector: torch.Tensor) -> torch.Tensor:
+        return (vector if row_nodes is None else vector[row_nodes]) @ normalized
+
+    current = step(weights)
     influence = current.clone()
     for _ in range(max_iter):
         if not bool(current.any()):
             return influence
-        current = current @ normalized
+        current = step(current)
         influence += current
     raise CircuitError(f"influence did not converge in {max_iter} products: the adjacency has a cycle")
 
 
 def logit_weights(graph: AttributionGraph) -> torch.Tensor:
     """w ``[n]``: each logit node's probability, 0 elsewhere."""
-    weights = torch.zeros(graph.adjacency.shape[0])
+    weights = torch.zeros(graph.n_nodes)
     weights[graph.logit_start:] = graph.logit_probabilities.float()
     return weights
 
 
 def graph_influence(graph: AttributionGraph) -> GraphInfluence:
-    """Â, w and the influence of ``graph``'s unpruned adjacency (module docstring).
+    """Â, w and the influence of ``graph``'s unpruned adjacency (module docstring), from its target rows.
 
     Raises:
         CircuitError: as :func:`compute_influence`.
     """
-    normalized, weights = normalize_matrix(graph.adjacency), logit_weights(graph)
-    return GraphInfluence(normalized, weights, compute_influence(normalized, weights))
+    normalized, weights = normalize_matrix(graph.rows), logit_weights(graph)
+    return GraphInfluence(normalized, weights, compute_influence(normalized, weights, graph.target_nodes))
 
 
 def _threshold(scores: torch.Tensor, fraction: float) -> torch.Tensor:
@@ -108,8 +125,9 @@ def _threshold(scores: torch.Tensor, fraction: float) -> torch.Tensor:
 
 def prune_graph(graph: AttributionGraph, node_threshold: float = 0.8, edge_threshold: float = 0.98,
                 unpruned: GraphInfluence | None = None) -> PruneResult:
-    """The nodes and edges kept (module docstring; circuit-tracer's defaults). ``unpruned``: ``graph``'s
-    :func:`graph_influence`, if already computed.
+    """The nodes and edges kept (module docstring; circuit-tracer's defaults), computed on the target rows
+    ``[n_targets, n]`` (the other rows have no edges). ``unpruned``: ``graph``'s :func:`graph_influence`, if
+    already computed.
 
     Raises:
         CircuitError: a threshold outside [0, 1].
@@ -118,20 +136,22 @@ def prune_graph(graph: AttributionGraph, node_threshold: float = 0.8, edge_thres
         if not 0.0 <= value <= 1.0:
             raise CircuitError(f"{name}={value}: give a fraction of influence between 0 and 1")
     unpruned = unpruned or graph_influence(graph)
-    weights, influence = unpruned.weights, unpruned.influence
+    weights, influence, targets = unpruned.weights, unpruned.influence, graph.target_nodes
     node_mask = influence >= _threshold(influence, node_threshold)
     node_mask[graph.token_start:] = True
-    pruned = graph.adjacency.clone()
-    pruned[~node_mask] = 0
+    pruned = graph.rows.clone()
+    pruned[~node_mask[targets]] = 0
     pruned[:, ~node_mask] = 0
     normalized = normalize_matrix(pruned)
-    edge_scores = normalized * (compute_influence(normalized, weights) + weights)[:, None]
-    edge_mask = edge_scores >= _threshold(edge_scores.flatten(), edge_threshold)
+    del pruned
+    normalized *= (compute_influence(normalized, weights, targets) + weights)[targets, None]
+    edge_mask = normalized >= _threshold(normalized.flatten(), edge_threshold)  # the edges' scores
+    del normalized
     inner, features = graph.token_start, graph.n_features
     previous = None
     while previous is None or not torch.equal(previous, node_mask):
         previous = node_mask.clone()
-        edge_mask[~node_mask] = False
+        edge_mask[~node_mask[targets]] = False
         edge_mask[:, ~node_mask] = False
         node_mask[:inner] &= edge_mask[:, :inner].any(0)
         node_mask[:features] &= edge_mask[:features].any(1)
@@ -150,7 +170,8 @@ def graph_scores(graph: AttributionGraph, unpruned: GraphInfluence | None = None
     token_influence = influence[graph.token_start:graph.logit_start].sum()
     error_influence = influence[errors].sum()
     replacement = token_influence / (token_influence + error_influence)
-    non_error = 1 - normalized[:, errors].sum(dim=-1)
+    non_error = torch.ones(graph.n_nodes)  # the rows without edges (errors, tokens) have no error input
+    non_error[graph.target_nodes] = 1 - normalized[:, errors].sum(dim=-1)
     output_influence = influence + weights
     completeness = (non_error * output_influence).sum() / output_influence.sum()
     return float(replacement), float(completeness)

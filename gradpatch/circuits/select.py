@@ -1,83 +1,63 @@
-"""At most N feature nodes: circuit-tracer's ``max_feature_nodes``, the features of greatest influence on the logits.
+"""At most N feature nodes: circuit-tracer's ``max_feature_nodes``, the features of greatest influence on the logits,
+chosen while the rows are computed so that only the chosen features' rows are.
 
-circuit-tracer (``attribution._run_attribution``, phase 4) computes the logit rows first, then visits features in
-rounds: each round ranks the unvisited features by their influence on the logits through the rows computed so far
-(``compute_partial_influences``: w Â_r + w Â_r² + … with Â_r = |A| row-normalised over the rows computed), takes the
-next ``update_interval · batch_size`` of them (4 · batch_size by default), and computes their rows; it stops after
-``max_feature_nodes`` features. The graph keeps the visited features, in their original order; the columns of the
-others are dropped, so their contributions to the kept nodes vanish from the graph.
+circuit-tracer (0.5.0, ``attribution.attribute._run_attribution``, phase 4) computes the logit rows first, then visits
+features in rounds: each round ranks the unvisited features by their influence on the logits through the rows
+computed so far (``graph.compute_partial_influences``: w Â_r + w Â_r² + … with Â_r = |A| row-normalised over the
+rows computed, the logits' rows first, then the features' in visiting order), takes the next ``update_interval ·
+batch_size`` of them (4 · batch_size by default), and computes their rows; it stops after ``max_feature_nodes``
+features. The graph keeps the visited features, in their original order; the columns of the others are dropped, so
+their contributions to the kept nodes leave the graph (they join the targets' biases,
+:mod:`gradpatch.circuits.complete`).
 
-:func:`limit_features` makes the same choice on a graph whose rows are all computed, by replaying those rounds
-(the rows are exact whatever order they are computed in, so the partial influences, and the features chosen, are
-circuit-tracer's for the same adjacency and batch size). It saves no computation: :func:`~gradpatch.circuits.attribute`
-computes every row first.
+:func:`feature_rounds` is those rounds; :func:`~gradpatch.circuits.attribute.attribute` computes each round's rows
+before asking for the next.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Iterator
 
 import torch
 
-from .attribute import AttributionGraph
-from .errors import CircuitError
-from .prune import compute_influence, logit_weights, normalize_matrix
+from .prune import compute_influence, normalize_matrix
 
-__all__ = ["limit_features", "visit_order"]
+__all__ = ["feature_rounds"]
 
 
-def visit_order(graph: AttributionGraph, max_feature_nodes: int, batch_size: int = 512,
-                update_interval: int = 4) -> torch.Tensor:
-    """The features circuit-tracer visits, in visiting order (module docstring): indices ``[min(N, n_features)]``.
+def feature_rounds(rows: torch.Tensor, logit_nodes: torch.Tensor, weights: torch.Tensor, n_features: int,
+                   round_size: int) -> Iterator[torch.Tensor]:
+    """The features to visit, one round at a time (module docstring): each round's feature indices
+    ``[≤ round_size]``, in visiting order; before the next round the caller writes their rows into ``rows``.
 
     Args:
-        graph: an unpruned graph with every row computed.
-        max_feature_nodes: N.
-        batch_size, update_interval: circuit-tracer's (the partial influences are recomputed after each
-            ``update_interval · batch_size`` features; its defaults 512 and 4).
+        rows: ``[limit + n_logits, n]``: row ``limit + j`` holds logit node j's row (filled before the first round),
+            row i < limit the row of the i-th feature visited (filled by the caller after each round); ``limit`` =
+            ``rows.shape[0] - n_logits`` features are visited in all. The features' node indices are
+            0..``n_features`` − 1.
+        logit_nodes: the logit nodes' indices ``[n_logits]``.
+        weights: w ``[n]``, each logit node's probability.
+        n_features: the active features to choose from.
+        round_size: features per round, ``update_interval · batch_size`` (circuit-tracer's 4 · 512 by default).
 
-    Raises:
-        CircuitError: ``max_feature_nodes``, ``batch_size`` or ``update_interval`` below 1.
+    Yields:
+        Feature indices (node indices) ``[k]`` of the next round. With ``limit == n_features`` one round of every
+        feature in order (no ranking needed, as circuit-tracer does).
     """
-    for name, value in (("max_feature_nodes", max_feature_nodes), ("batch_size", batch_size),
-                        ("update_interval", update_interval)):
-        if value < 1:
-            raise CircuitError(f"{name}={value}: give at least 1")
-    total = graph.n_features
-    limit = min(max_feature_nodes, total)
-    if limit == total:
-        return torch.arange(total)
-    weights = logit_weights(graph)
-    rows = torch.zeros(graph.adjacency.shape[0], dtype=torch.bool)
-    rows[graph.logit_start:] = True
-    order: list[torch.Tensor] = []
-    visited = torch.zeros(total, dtype=torch.bool)
-    while int(visited.sum()) < limit:
-        known = torch.where(rows[:, None], graph.adjacency, torch.zeros(()))
-        influence = compute_influence(normalize_matrix(known), weights)[:total]
+    limit = rows.shape[0] - len(logit_nodes)
+    if limit >= n_features:
+        yield torch.arange(n_features)
+        return
+    order = torch.zeros(limit, dtype=torch.long)
+    visited = torch.zeros(n_features, dtype=torch.bool)
+    done = 0
+    while done < limit:
+        known = normalize_matrix(torch.cat([rows[limit:], rows[:done]]), inplace=True)
+        influence = compute_influence(known, weights, torch.cat([logit_nodes, order[:done]]))[:n_features]
+        del known
         rank = torch.argsort(influence, descending=True)
-        chosen = rank[~visited[rank]][:min(update_interval * batch_size, limit - int(visited.sum()))]
-        visited[chosen] = True
-        rows[chosen] = True
-        order.append(chosen)
-    return torch.cat(order)
-
-
-def limit_features(graph: AttributionGraph, max_feature_nodes: int, batch_size: int = 512,
-                   update_interval: int = 4) -> AttributionGraph:
-    """``graph`` with only the features :func:`visit_order` chooses, in their original order (errors, tokens and
-    logits kept): adjacency ``[n', n']`` with n' = min(N, n_features) + the other nodes.
-
-    Raises:
-        CircuitError: as :func:`visit_order`.
-    """
-    chosen = visit_order(graph, max_feature_nodes, batch_size, update_interval)
-    if len(chosen) == graph.n_features:
-        return graph
-    features = torch.sort(chosen).values
-    keep = torch.cat([features, torch.arange(graph.n_features, graph.adjacency.shape[0])])
-    kept = keep.tolist()
-    return dataclasses.replace(graph, active_features=graph.active_features[features],
-                               activations=graph.activations[features],
-                               adjacency=graph.adjacency[keep][:, keep].contiguous(),
-                               nodes=[graph.nodes[i] for i in kept] if graph.nodes else [])
+        pending = rank[~visited[rank]][:min(round_size, limit - done)]
+        yield pending
+        visited[pending] = True
+        order[done:done + len(pending)] = pending
+        done += len(pending)

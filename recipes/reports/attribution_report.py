@@ -11,7 +11,7 @@ import io
 import json
 import os
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -113,6 +113,16 @@ def plot_faithfulness(result: AttributionResult, *, model_name: str = "") -> "Fi
     return fig
 
 
+def staging_dir(out: Path) -> Path:
+    """A new, empty folder ``.<name>.<random>.partial`` beside ``out`` (its parent created if missing), made with the
+    user's umask (not ``tempfile.mkdtemp``'s 0700, which :func:`publish_dir` would rename into place), to write
+    ``out``'s files into before :func:`publish_dir`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.partial")
+    staging.mkdir()
+    return staging
+
+
 def publish_dir(staging: Path, out: Path) -> None:
     """Move every entry of ``staging`` into ``out`` (created if missing) with renames, then remove ``staging``.
 
@@ -171,8 +181,7 @@ def save_attribution(result: AttributionResult, out_dir: str | Path, *, model_na
         ImportError: matplotlib or tensorboard is not installed.
     """
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    staging = staging_dir(out)
     try:
         payload = {**result.to_dict(), **(extra or {})}
         (staging / "scores.json").write_text(json.dumps(payload, indent=1), encoding="utf-8")

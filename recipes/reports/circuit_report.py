@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from gradpatch.circuits import (AttributionGraph, FeatureEdit, GraphInfluence, I
                                 node_label, save_graph)
 from gradpatch.files.atomic import atomic_write_text
 
-from .attribution_report import publish_dir
+from .attribution_report import publish_dir, staging_dir
 
 __all__ = ["intervention_record", "save_circuit"]
 
@@ -76,7 +75,7 @@ def _tensorboard(logdir: Path, graph: AttributionGraph, unpruned: GraphInfluence
         writer.add_scalar("circuit/pruned_nodes", len(frontend["nodes"]))
         writer.add_scalar("circuit/pruned_edges", len(frontend["links"]))
         summary = {"prompt": frontend["metadata"]["prompt"], "features": graph.n_features,
-                   "nodes": int(graph.adjacency.shape[0]), "pruned_nodes": len(frontend["nodes"]),
+                   "nodes": graph.n_nodes, "pruned_nodes": len(frontend["nodes"]),
                    "pruned_edges": len(frontend["links"]), "replacement_score": replacement,
                    "completeness_score": completeness}
         writer.add_text("circuit/summary", "```\n" + json.dumps(summary, indent=1) + "\n```")
@@ -94,12 +93,15 @@ def _tensorboard(logdir: Path, graph: AttributionGraph, unpruned: GraphInfluence
 
 
 def save_circuit(graph: AttributionGraph, out: str | Path, *, decode: Callable[[int], str], prompt: str,
-                 slug: str, node_threshold: float, edge_threshold: float, unpruned: GraphInfluence,
-                 intervention: dict[str, Any] | None = None) -> list[Path]:
+                 slug: str | None, node_threshold: float, edge_threshold: float, unpruned: GraphInfluence,
+                 intervention: dict[str, Any] | None = None, scan: str = "gradpatch",
+                 annotate: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> list[Path]:
     """Write ``adjacency.safetensors``, ``nodes.json``, ``graph.json``, ``graph.html``, ``interventions.json`` (when
     ``intervention`` is given, :func:`intervention_record`) and ``tensorboard/`` into ``out``, all at once.
     ``unpruned``: ``graph``'s :func:`gradpatch.circuits.graph_influence` (pruning, the scores and the figure start
-    from it).
+    from it); ``slug`` (``None``: unique per graph, :func:`gradpatch.circuits.graph_slug`) and ``scan`` (the model's
+    name): ``graph.json``'s, as :func:`gradpatch.circuits.save_graph` takes them; ``annotate``: applied to graph.json
+    before it is written (:func:`gradpatch.circuits.save_graph`'s).
 
     Returns:
         The paths written (in ``out``).
@@ -108,11 +110,11 @@ def save_circuit(graph: AttributionGraph, out: str | Path, *, decode: Callable[[
         CircuitError: a threshold outside [0, 1] (nothing written).
     """
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    staging = staging_dir(out)
     try:
         save_graph(graph, staging, decode=decode, slug=slug, prompt=prompt, node_threshold=node_threshold,
-                   edge_threshold=edge_threshold, unpruned=unpruned)
+                   edge_threshold=edge_threshold, unpruned=unpruned, scan=scan,
+                   annotate=annotate)
         frontend = json.loads((staging / "graph.json").read_text(encoding="utf-8"))
         if intervention is not None:
             atomic_write_text(staging / "interventions.json", json.dumps(intervention, indent=1))

@@ -235,15 +235,17 @@ def test_influence_is_the_sum_of_matrix_powers() -> None:
     weights = torch.tensor([0.0, 0.0, 1.0])
     expected = weights @ (torch.linalg.inv(torch.eye(3) - normalized) - torch.eye(3))
     torch.testing.assert_close(compute_influence(normalized, weights), expected)
+    rows = torch.tensor([2, 1])  # the rows with edges alone, in any order: the same influence
+    torch.testing.assert_close(compute_influence(normalize_matrix(adjacency[rows]), weights, rows), expected)
 
 
 def test_pruning_and_scores(graph) -> None:
     pruned = prune_graph(graph)
-    n = graph.adjacency.shape[0]
-    assert pruned.node_mask.shape == (n,) and pruned.edge_mask.shape == (n, n)
+    n, targets = graph.n_nodes, graph.target_nodes
+    assert pruned.node_mask.shape == (n,) and pruned.edge_mask.shape == (len(targets), n)  # the target rows only
     assert bool(pruned.node_mask[graph.token_start:].all())
     assert 0 < int(pruned.node_mask[:graph.n_features].sum()) < graph.n_features
-    assert not pruned.edge_mask[~pruned.node_mask].any() and not pruned.edge_mask[:, ~pruned.node_mask].any()
+    assert not pruned.edge_mask[~pruned.node_mask[targets]].any() and not pruned.edge_mask[:, ~pruned.node_mask].any()
     with pytest.raises(CircuitError, match="node_threshold"):
         prune_graph(graph, node_threshold=1.5)
     replacement_score, completeness = graph_scores(graph)
@@ -257,10 +259,14 @@ def test_pruning_and_scores(graph) -> None:
 def test_files(graph, tmp_path) -> None:
     save_graph(graph, tmp_path, prompt="p")
     tensors = load_file(str(tmp_path / "adjacency.safetensors"))
-    assert torch.equal(tensors["adjacency"], graph.adjacency)
+    assert set(tensors) == {"rows", "row_nodes", "activations"}  # no [n, n] on disk
+    assert torch.equal(tensors["rows"], graph.rows) and torch.equal(tensors["row_nodes"], graph.target_nodes)
+    dense = torch.zeros(graph.n_nodes, graph.n_nodes)
+    dense[tensors["row_nodes"]] = tensors["rows"]
+    assert torch.equal(dense, graph.adjacency)
     assert torch.equal(tensors["activations"], graph.activations)
     nodes = json.loads((tmp_path / "nodes.json").read_text())["nodes"]
-    assert len(nodes) == graph.adjacency.shape[0]
+    assert len(nodes) == graph.n_nodes == tensors["rows"].shape[1]
     assert nodes[0]["kind"] == "feature" and nodes[0]["node_path"].endswith("mlp.output")
     assert [node["kind"] for node in nodes[graph.token_start:graph.logit_start]] == ["token"] * graph.n_pos
     assert nodes[-1]["kind"] == "logit" and nodes[-1]["node_path"] == "output|logits"
@@ -280,7 +286,7 @@ def _hand_built(nodes: list[str] | None = None) -> AttributionGraph:
     return AttributionGraph(input_tokens=torch.tensor([4, 5, 6]), layers=[0],
                             active_features=torch.tensor([[0, 1, 7], [0, 2, 3]]), activations=torch.tensor([1.0, 2.0]),
                             logit_tokens=torch.tensor([8, 9]), logit_probabilities=torch.tensor([0.7, 0.2]),
-                            adjacency=adjacency, nodes=nodes or [])
+                            rows=adjacency[[0, 1, 8, 9]], nodes=nodes or [])
 
 
 def test_a_graph_built_by_hand_has_a_record_per_node_and_a_frontend_graph() -> None:
@@ -297,7 +303,7 @@ def test_a_graph_built_by_hand_has_a_record_per_node_and_a_frontend_graph() -> N
 def test_node_records_name_what_to_set_when_the_graph_does_not_add_up() -> None:
     with pytest.raises(CircuitError, match=r"graph.nodes holds 2 NodePaths for 10 nodes; set one per node"):
         node_records(_hand_built(["a", "b"]))
-    graph = dataclasses.replace(_hand_built(), adjacency=torch.zeros(9, 9))
-    with pytest.raises(CircuitError, match=r"the adjacency is \(9, 9\), but the graph has 10 nodes .* set adjacency "
-                                           r"to \[10, 10\]"):
+    graph = dataclasses.replace(_hand_built(), rows=torch.zeros(4, 9))
+    with pytest.raises(CircuitError, match=r"the rows are \(4, 9\), but the graph has 10 nodes .* set rows "
+                                           r"to \[4, 10\]"):
         node_records(graph)

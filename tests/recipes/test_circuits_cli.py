@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from gradpatch import PatchableGraph
 from gradpatch.circuits import (CircuitError, FeatureEdit, NoPathError, ReplacementModel, attribute, intervene,
-                                intervene_direct, limit_features, node_label, visit_order)
+                                intervene_direct, node_label)
 from gradpatch.dictionaries import SkipTranscoder, export_circuit_tracer, save_dictionary
 from gradpatch.files.loaders import load_model
 from gradpatch.patches import AddPatch
@@ -72,13 +72,15 @@ def _replacement(saved: dict[str, Path], keep_first_position: bool = False) -> t
 def test_circuit_writes_the_graph_html_and_tensorboard(saved: dict[str, Path]) -> None:
     out = saved["out"]
     assert {p.name for p in out.iterdir()} == {"adjacency.safetensors", "nodes.json", "graph.json", "graph.html",
-                                               "interventions.json", "tensorboard", "provenance.json"}
+                                               "interventions.json", "tensorboard", "provenance.json",
+                                               "attribution.json"}
     replacement, tokenizer = _replacement(saved)
     expected = attribute(replacement)
     tensors = load_file(out / "adjacency.safetensors")
-    torch.testing.assert_close(tensors["adjacency"], expected.adjacency, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(tensors["rows"], expected.rows, rtol=1e-4, atol=1e-5)
+    assert torch.equal(tensors["row_nodes"], expected.target_nodes)
     nodes = json.loads((out / "nodes.json").read_text())["nodes"]
-    assert len(nodes) == expected.adjacency.shape[0] and nodes[0]["kind"] == "feature"
+    assert len(nodes) == expected.n_nodes and nodes[0]["kind"] == "feature"
     frontend = json.loads((out / "graph.json").read_text())
     ids = {node["node_id"] for node in frontend["nodes"]}
     assert frontend["metadata"]["prompt"] == PROMPT and len(ids) == len(frontend["nodes"]) > 10
@@ -193,8 +195,7 @@ def test_position_zero_follows_circuit_tracer_unless_kept(saved: dict[str, Path]
     replacement, _ = _replacement(saved, keep_first_position=True)
     expected = attribute(replacement, zero_first_position=False)
     assert int((expected.active_features[:, 1] == 0).sum()) > 0
-    torch.testing.assert_close(load_file(out / "adjacency.safetensors")["adjacency"], expected.adjacency,
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(load_file(out / "adjacency.safetensors")["rows"], expected.rows, rtol=1e-4, atol=1e-5)
 
 
 def test_circuit_tracer_layout_gives_the_same_graph(saved: dict[str, Path], tmp_path: Path) -> None:
@@ -203,8 +204,8 @@ def test_circuit_tracer_layout_gives_the_same_graph(saved: dict[str, Path], tmp_
     assert cli.main(["circuit", "--prompt", PROMPT, "--dictionaries", str(saved["circuit_tracer"]),
                      "--model", str(saved["model"]), "--device", "cpu", "--out", str(out), "--direct-effects",
                      "--intervene", "clamp:1:-1:3=2.0"]) == 0
-    torch.testing.assert_close(load_file(out / "adjacency.safetensors")["adjacency"],
-                               load_file(saved["out"] / "adjacency.safetensors")["adjacency"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(load_file(out / "adjacency.safetensors")["rows"],
+                               load_file(saved["out"] / "adjacency.safetensors")["rows"], rtol=1e-4, atol=1e-5)
     replacement, _ = _replacement(saved)
     expected = intervene_direct(replacement, [FeatureEdit(1, -1, 3, "clamp", 2.0)])
     record = json.loads((out / "interventions.json").read_text())
@@ -312,25 +313,27 @@ def test_cli_interventions_json_matches_intervene(saved: dict[str, Path], tiny) 
 
 
 def test_max_feature_nodes_keeps_the_features_circuit_tracer_visits(saved: dict[str, Path], tmp_path: Path) -> None:
+    """``attribute(max_feature_nodes=N)`` computes the rows of the N features circuit-tracer visits, and the graph
+    keeps them: the full graph's rows and columns of those nodes (tests/circuits/test_circuits_scale.py replays the
+    rounds on the full graph)."""
     replacement, _ = _replacement(saved)
-    graph = attribute(replacement, batch_size=64)
-    assert limit_features(graph, graph.n_features) is graph
+    graph = attribute(replacement, batch_size=64, max_feature_nodes=None)
+    assert graph.total_features == graph.n_features
     # one round (4 · batch_size ≥ N): circuit-tracer ranks the features by influence through the logit rows alone
-    logit_rows = graph.adjacency.clone()
-    logit_rows[:graph.logit_start] = 0
-    absolute = logit_rows.abs()
-    direct = (graph.logit_probabilities @ (absolute / absolute.sum(1, keepdim=True).clamp(min=1e-10))[
-        graph.logit_start:])[:graph.n_features]
-    assert set(visit_order(graph, 20, batch_size=8).tolist()) == set(direct.topk(20).indices.tolist())
-    # several rounds: later ranks use the rows of the features visited so far
-    order = visit_order(graph, 30, batch_size=2)
-    assert len(set(order.tolist())) == 30 and set(order[:8].tolist()) == set(direct.topk(8).indices.tolist())
-    small = limit_features(graph, 30, batch_size=2)
-    kept = torch.sort(order).values
-    assert torch.equal(small.active_features, graph.active_features[kept])
-    keep = torch.cat([kept, torch.arange(graph.n_features, graph.adjacency.shape[0])])
-    assert torch.equal(small.adjacency, graph.adjacency[keep][:, keep]) and small.logit_start == len(keep) - len(
-        graph.logit_tokens)
+    absolute = graph.rows[graph.n_features:].abs()
+    direct = (graph.logit_probabilities @ (absolute / absolute.sum(1, keepdim=True).clamp(min=1e-10)))[
+        :graph.n_features]
+    one_round = attribute(replacement, batch_size=8, max_feature_nodes=20)
+    assert one_round.total_features == graph.n_features and one_round.n_features == 20
+    assert torch.equal(one_round.active_features, graph.active_features[torch.sort(direct.topk(20).indices).values])
+    # several rounds: later ranks use the rows of the features visited so far; the first round's are the top 8
+    small = attribute(replacement, batch_size=2, max_feature_nodes=30)
+    chosen = [graph.active_features.tolist().index(f) for f in small.active_features.tolist()]
+    assert len(chosen) == 30 and set(direct.topk(8).indices.tolist()) <= set(chosen)
+    kept = torch.tensor(chosen)
+    keep = torch.cat([kept, torch.arange(graph.n_features, graph.n_nodes)])
+    torch.testing.assert_close(small.adjacency, graph.adjacency[keep][:, keep], rtol=1e-5, atol=1e-6)
+    assert small.logit_start == len(keep) - len(graph.logit_tokens)
     out = tmp_path / "small"
     assert cli.main(["circuit", "--prompt", PROMPT, "--dictionaries", str(saved["dictionaries"]),
                      "--model", str(saved["model"]), "--device", "cpu", "--max-feature-nodes", "30",
@@ -425,14 +428,14 @@ def test_an_earlier_run_is_refused_then_replaced_whole_with_provenance(saved: di
     err = capsys.readouterr().err
     assert "circuit: 100%" in err and "3/3" in err
     assert {path.name for path in out.iterdir()} == {"adjacency.safetensors", "nodes.json", "graph.json", "graph.html",
-                                                     "tensorboard", "provenance.json"}
+                                                     "tensorboard", "provenance.json", "attribution.json"}
     assert out.stat().st_mode & 0o777 == 0o755 and sorted(path.name for path in tmp_path.iterdir()) == ["run"]
     from importlib.metadata import version
 
     for name in ("nodes.json", "graph.json"):
         record = json.loads((out / name).read_text())["provenance"]
         assert record["command"] == ["gradpatch", *args, "--overwrite"]
-        assert (record["arguments"]["prompt"], record["arguments"]["dictionaries"]) == (prompt,
+        assert (record["arguments"]["prompt"], record["arguments"]["dictionaries"]) == ([prompt],
                                                                                          str(saved["dictionaries"]))
         assert all(record["versions"][name] == version(name) for name in ("gradpatch", "torch", "transformers"))
     assert json.loads((out / "graph.json").read_text())["metadata"]["prompt"] == prompt
@@ -441,3 +444,23 @@ def test_an_earlier_run_is_refused_then_replaced_whole_with_provenance(saved: di
                                      if path.is_file() and path.name != "provenance.json"}
     assert cli.main([*args, "--overwrite", "--quiet"]) == 0
     assert "circuit:" not in capsys.readouterr().err
+
+
+def test_qk_head_loadings_and_annotations_through_the_command(saved: dict[str, Path], tmp_path: Path) -> None:
+    """``--qk`` and ``--head-loadings`` write their files beside the graph, whose graph.json carries the scores and
+    each feature's top logits (what graph.html shows), and the QK terms sum to the score they decompose."""
+    out = tmp_path / "qk"
+    assert cli.main(["circuit", "--prompt", PROMPT, "--dictionaries", str(saved["dictionaries"]), "--model",
+                     str(saved["model"]), "--device", "cpu", "--out", str(out), "--qk", "0@1:-1", "--qk-keys", "2",
+                     "--head-loadings", "--head-loading-sources", "2", "--quiet"]) == 0
+    names = {p.name for p in out.iterdir()}
+    assert {"qk.json", "head_loadings.safetensors", "head_loadings.json", "graph.json"} <= names
+    frontend = json.loads((out / "graph.json").read_text())
+    scores = frontend["metadata"]["scores"]
+    summary = json.loads((out / "attribution.json").read_text())
+    assert scores["replacement_score"] == summary["replacement_score"]
+    assert summary["live_mlp_layers"] == []
+    features = [n for n in frontend["nodes"] if n["feature_type"] == "cross layer transcoder"]
+    assert features and all(len(n["top_logits"]) > 0 for n in features)
+    qk = json.loads((out / "qk.json").read_text())
+    assert qk["scores"] and all(s["layer"] == 1 and s["head"] == 0 for s in qk["scores"])

@@ -33,21 +33,23 @@ from safetensors.torch import load_file, save_file
 from benchmarks.harness import max_rss_mib, peak_mib, reset_peak, resident_mib
 
 
-def relayout(config: dict, folder: Path) -> dict[int, str]:
-    """The set in circuit-tracer 0.5.0's file layout, written to ``folder``: layer -> path.
+def relayout(config: dict, folder: Path) -> Path:
+    """The set in circuit-tracer d797c82's layout, written to ``folder``: its ``config.yaml``.
 
-    The set that gradpatch exports has circuit-tracer d797c82's layout, ``W_dec`` ``[d_model, d_sae]`` (its loader
-    transposes it); 0.5.0's ``load_relu_transcoder`` loads ``W_dec`` as it is into a ``[d_sae, d_model]`` parameter
-    (the layout its ``to_safetensors`` writes), so ``W_dec`` is transposed here. ``W_enc`` ``[d_sae, d_model]``,
-    ``b_enc``, ``b_dec`` and ``W_skip`` mean the same in both."""
+    gradpatch exports circuit-tracer 0.5.0's layout (``W_dec`` ``[d_sae, d_model]``, ``config.yaml`` listing the
+    paths); d797c82's loader reads ``{id, layer, filepath}`` entries and transposes ``W_dec`` from ``[d_model,
+    d_sae]``, so ``W_dec`` is transposed here. ``W_enc`` ``[d_sae, d_model]``, ``b_enc``, ``b_dec`` and ``W_skip`` mean
+    the same in both."""
     folder.mkdir(exist_ok=True)
-    paths = {}
-    for entry in config["transcoders"]:
-        tensors = load_file(entry["filepath"])
+    entries = []
+    for layer, path in enumerate(config["transcoders"]):
+        tensors = load_file(path)
         tensors["W_dec"] = tensors["W_dec"].T.contiguous()
-        paths[entry["layer"]] = str(folder / f"layer_{entry['layer']}.safetensors")
-        save_file(tensors, paths[entry["layer"]])
-    return paths
+        entries.append({"id": f"layer-{layer}", "layer": layer, "filepath": str(folder / f"layer_{layer}.safetensors")})
+        save_file(tensors, entries[-1]["filepath"])
+    (folder / "config.yaml").write_text(yaml.safe_dump({key: config[key] for key in (
+        "model_name", "feature_input_hook", "feature_output_hook")} | {"transcoders": entries}))
+    return folder / "config.yaml"
 
 
 def hooked_transformer(folder: Path) -> tuple[Any, dict[str, torch.Tensor], Any]:
@@ -109,14 +111,16 @@ def load_weights(model: Any, state: dict[str, torch.Tensor]) -> Any:
 
 def replacement_model(folder: Path, backend: str) -> Any:
     """circuit-tracer's replacement model of ``folder/model`` with the set ``folder/transcoders``: 0.5.0's
-    ``nnsight`` or ``transformerlens`` backend (the set rewritten in 0.5.0's layout), or ``d797c82`` (the
-    TransformerLens-only version at that commit, which reads the set as gradpatch exports it)."""
+    ``nnsight`` or ``transformerlens`` backend (the set as gradpatch exports it), or ``d797c82`` (the
+    TransformerLens-only version at that commit, the set rewritten in its layout)."""
     config_path = folder / "transcoders" / "config.yaml"
+    config = yaml.safe_load(config_path.read_text())
     if backend == "d797c82":
         from circuit_tracer.replacement_model import ReplacementModel as OldReplacementModel
         from circuit_tracer.transcoder import load_transcoder_set as load_old_set
 
-        settings = load_old_set(str(config_path), device=torch.device("cpu"), dtype=torch.float32)
+        settings = load_old_set(str(relayout(config, folder / "transcoders_d797c82")), device=torch.device("cpu"),
+                                dtype=torch.float32)
         config, state, tokenizer = hooked_transformer(folder / "model")
         return load_weights(OldReplacementModel.from_config(
             config, settings.transcoders, feature_input_hook=settings.feature_input_hook,
@@ -124,8 +128,7 @@ def replacement_model(folder: Path, backend: str) -> Any:
     from circuit_tracer import ReplacementModel
     from circuit_tracer.transcoder.single_layer_transcoder import load_transcoder_set
 
-    config = yaml.safe_load(config_path.read_text())
-    transcoders = load_transcoder_set(relayout(config, folder / "transcoders_0.5"), "gradpatch-export",
+    transcoders = load_transcoder_set(dict(enumerate(config["transcoders"])), "gradpatch-export",
                                       config["feature_input_hook"], config["feature_output_hook"],
                                       device=torch.device("cpu"), dtype=torch.float32, lazy_encoder=False,
                                       lazy_decoder=False)

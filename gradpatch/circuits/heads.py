@@ -1,0 +1,242 @@
+"""Head loadings: an attribution-graph edge split across the attention heads that carry it (Kamath, Ameisen et al.
+2025, "Tracing Attention Computation Through Feature Interactions"; the per-layer split of circuit-tracer PR 114,
+``head_loadings``).
+
+An edge A[t, s] = g · contribution_s is a sum over the linear paths from source s to target t in the local
+replacement model (:mod:`gradpatch.circuits.replacement`): patterns frozen, so an attention layer L acts on its input
+as Σ_h A_h V_h W_O,h, one term per head, plus the residual stream that bypasses it. Every path crosses layer L
+either through exactly one of its heads or around it, so for each attention layer L on its own
+
+    A[t, s] = bypass_L[t, s] + Σ_h loading_L,h[t, s],
+
+loading_L,h being the paths through head h of layer L (whatever they do at other layers), bypass_L the paths that
+do not pass through layer L's attention at all (the residual stream and, where the source is after L or the target
+before it, everything). A path through heads of several layers counts at each of them, once per layer; no joint
+split across layers is made (one is not well defined: paths compose). For an edge between two positions p' < p,
+bypass_L is the share carried by attention at other layers only.
+
+Computation: gradients with a per-row stop-gradient on chosen heads' outputs A·V ``[batch, heads, seq, head_dim]``
+(the value does not change: out · m + (out · (1 − m)).detach()). Per target, one row with every head open (the edge
+itself), and per attention layer L one row with layer L closed (bypass_L) and one row per head h with only head h of
+layer L open (bypass_L + loading_L,h); all rows of one forward pass, one backward pass. Loadings are differences of
+rows of the same pass; their sum is the edge by linearity, up to rounding.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as save_safetensors
+
+from ..files.atomic import atomic_write_bytes, atomic_write_text
+from ..layouts import last_position_cut, logits_input
+from ..model_io import frozen_parameters
+from ..patches import CustomPatch, HoldPatch, Patch
+from .attention import AttentionSite, find_attention_sites
+from .errors import CircuitError
+from .graph import AttributionGraph
+from .replacement import ReplacementModel
+from .sources import contract_sources
+
+__all__ = ["BYPASS", "HeadLoadings", "head_loadings", "save_head_loadings"]
+
+#: The head index of a bypass entry in :attr:`HeadLoadings.indices`.
+BYPASS = -1
+
+
+@dataclass
+class HeadLoadings:
+    """Head loadings of the edges into some targets, as a sparse table.
+
+    Attributes:
+        indices: ``[n, 4]`` (target node, source node, attention layer, head; head :data:`BYPASS` for the bypass).
+        values: ``[n]`` float32: loading_L,h[t, s] or bypass_L[t, s].
+        edges: ``[n_edges, 3]`` float32 (target node, source node, edge A[t, s] from the all-open row) of every
+            edge split; each attention layer's entries of an edge sum to it.
+        heads: heads per attention layer.
+    """
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    edges: torch.Tensor
+    heads: list[int]
+
+    def edge(self, target: int, source: int) -> dict[int, tuple[torch.Tensor, float]]:
+        """Attention layer -> (loadings per head ``[heads]``, bypass) of edge (``target``, ``source``); empty when
+        the edge was not split."""
+        chosen = (self.indices[:, 0] == target) & (self.indices[:, 1] == source)
+        found: dict[int, tuple[torch.Tensor, float]] = {}
+        for layer, head, value in zip(self.indices[chosen, 2].tolist(), self.indices[chosen, 3].tolist(),
+                                      self.values[chosen].tolist()):
+            per_head, bypass = found.get(layer, (torch.zeros(self.heads[layer], dtype=self.values.dtype), 0.0))
+            if head == BYPASS:
+                bypass = value
+            else:
+                per_head[head] = value
+            found[layer] = (per_head, bypass)
+        return found
+
+
+def _target_gradient(model: ReplacementModel, graph: AttributionGraph, run_inputs: dict[int, torch.Tensor],
+                     logits: torch.Tensor, targets: Sequence[int], rows_per: int) -> tuple[list[torch.Tensor],
+                                                                                           list[torch.Tensor]]:
+    """The outputs and injected gradients that make rows ``k·rows_per .. (k+1)·rows_per − 1`` carry target k (a
+    feature's pre-activation h = x W_enc[:, f] + b_enc[f], or a logit minus the mean logit at the last position)."""
+    outputs: list[torch.Tensor] = []
+    injected: list[torch.Tensor] = []
+    grads: dict[int, torch.Tensor] = {}
+    logit_grad = torch.zeros_like(logits)
+    for k, target in enumerate(targets):
+        rows = slice(k * rows_per, (k + 1) * rows_per)
+        if target < graph.n_features:
+            layer, position, feature = (int(v) for v in graph.active_features[target])
+            x = run_inputs[layer]
+            grad = grads.setdefault(layer, torch.zeros_like(x))
+            grad[rows, position] = model.layers[layer].transcoder.W_enc.detach()[:, feature].to(x.dtype)
+        elif target >= graph.logit_start:
+            logit_grad[rows] = -1.0 / logits.shape[-1]
+            logit_grad[rows, int(graph.logit_tokens[target - graph.logit_start])] += 1.0
+    for layer, grad in grads.items():
+        outputs.append(run_inputs[layer])
+        injected.append(grad)
+    if bool(logit_grad.any()):
+        outputs.append(logits)
+        injected.append(logit_grad)
+    return outputs, injected
+
+
+def _masks(sites: list[AttentionSite], heads: list[int], n_targets: int, device: torch.device) -> list[torch.Tensor]:
+    """Per site, the 0/1 mask ``[rows, heads, 1, 1]`` of the row layout (module docstring): per target, row 0 all
+    open; per site L, a row with L closed and one row per head with only that head of L open."""
+    per_target = 1 + sum(h + 1 for h in heads)
+    masks = [torch.ones(n_targets * per_target, h, 1, 1, device=device) for h in heads]
+    for k in range(n_targets):
+        row = k * per_target + 1
+        for index, h in enumerate(heads):
+            masks[index][row:row + h + 1] = 0
+            for head in range(h):
+                masks[index][row + 1 + head, head] = 1
+            row += h + 1
+    return masks
+
+
+def _stop_op(mask: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """out · m + (out · (1 − m)).detach(): the value unchanged, gradient only where m = 1 (``mask`` ``[rows, heads,
+    1, 1]``)."""
+    def op(out: torch.Tensor) -> torch.Tensor:
+        m = mask.to(out.dtype)
+        return out * m + (out * (1 - m)).detach()
+    return op
+
+
+def head_loadings(model: ReplacementModel, graph: AttributionGraph, targets: Sequence[int],
+                  sources: Sequence[Sequence[int]] | None = None, batch_size: int = 64) -> HeadLoadings:
+    """The head loadings of the edges into ``targets`` (module docstring).
+
+    Args:
+        model: the replacement model the graph was built on.
+        graph: its attribution graph.
+        targets: feature or logit node indices.
+        sources: per target, the source nodes whose edges to split (default: every source with a non-zero edge).
+        batch_size: rows per forward pass, at least one target's (1 + Σ_L (heads_L + 1) rows).
+
+    Returns:
+        :class:`HeadLoadings` (on the CPU).
+
+    Raises:
+        CircuitError: a target that is not a feature or logit node.
+        AttentionFitError: the graph's attention is not found (:func:`find_attention_sites`; a score that is not
+            bilinear, such as Gemma 2's soft-capped one, is no obstacle here).
+    """
+    for target in targets:
+        if not (0 <= target < graph.n_features or graph.logit_start <= target < graph.n_nodes):
+            raise CircuitError(f"node {target} is not a feature or logit node (an error or token node has no "
+                               f"incoming edges); give targets in 0 .. {graph.n_features - 1} or "
+                               f"{graph.logit_start} .. {graph.n_nodes - 1}")
+    sites = find_attention_sites(model.pg, bilinear=False)
+    heads = [int(model.pg.node(site.output).tensor_shape[1]) for site in sites]
+    per_target = 1 + sum(h + 1 for h in heads)
+    per_pass = max(1, batch_size // per_target)
+    indices: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    edges: list[torch.Tensor] = []
+    for start in range(0, len(targets), per_pass):
+        chunk = list(targets[start:start + per_pass])
+        rows = _rows(model, graph, sites, heads, chunk)  # [len(chunk) · per_target, n_sources]
+        for k, target in enumerate(chunk):
+            block = rows[k * per_target:(k + 1) * per_target]
+            chosen = (torch.as_tensor(list(sources[start + k]), dtype=torch.long) if sources is not None
+                      else block[0].nonzero().squeeze(-1).cpu())
+            full = block[0, chosen]
+            edges.append(torch.stack([torch.full_like(full, target), chosen.float(), full], 1))
+            row = 1
+            for layer, h in enumerate(heads):
+                bypass = block[row, chosen]
+                loads = block[row + 1:row + 1 + h, chosen] - bypass  # [h, sources]
+                table = torch.cat([loads, bypass[None]])  # heads then bypass
+                head_ids = torch.arange(-1, h).roll(-1)  # 0..h-1, -1
+                keep = table != 0
+                where = keep.nonzero()
+                indices.append(torch.stack([torch.full((len(where),), target), chosen[where[:, 1]],
+                                            torch.full((len(where),), layer), head_ids[where[:, 0]]], 1))
+                values.append(table[keep])
+                row += h + 1
+    return HeadLoadings(torch.cat(indices) if indices else torch.zeros(0, 4, dtype=torch.long),
+                        torch.cat(values) if values else torch.zeros(0), torch.cat(edges) if edges
+                        else torch.zeros(0, 3), heads)
+
+
+def _rows(model: ReplacementModel, graph: AttributionGraph, sites: list[AttentionSite], heads: list[int],
+          targets: list[int]) -> torch.Tensor:
+    """One forward pass (the row layout of :func:`_masks`) and one backward pass: g · contribution for every
+    source ``[rows, graph.logit_start]`` (on the CPU)."""
+    device = model.embeddings.device
+    masks = _masks(sites, heads, len(targets), device)
+    batch = masks[0].shape[0]
+    embed = HoldPatch(leaf=True)
+    held = {layer: HoldPatch() for layer in model.layers}
+    patches: dict[str, list[Patch]] = {model.embed: [embed]}
+    for layer, spliced in model.layers.items():
+        patches.setdefault(spliced.output_node, []).append(held[layer])
+    for site, mask in zip(sites, masks):
+        patches.setdefault(site.output, []).append(CustomPatch(custom_op=_stop_op(mask), requires_clone=False))
+    cut = logits_input(model.pg)
+    if cut is not None:
+        patches.setdefault(cut, []).append(last_position_cut())
+    with torch.enable_grad(), frozen_parameters(model.pg, *(s.transcoder for s in model.layers.values())):
+        run = model.run(batch, patches=patches)
+        outputs, injected = _target_gradient(model, graph, run.inputs, run.logits[:, -1], targets,
+                                             batch // len(targets))
+        layers = sorted(model.layers)
+        grads = torch.autograd.grad(outputs, [held[l].held for l in layers] + [embed.held], injected,
+                                    allow_unused=True)
+    gradients = {layer: g for layer, g in zip(layers, grads[:-1]) if g is not None}
+    embed_gradient = grads[-1] if grads[-1] is not None else torch.zeros_like(embed.held)
+    return contract_sources(model, graph, gradients, embed_gradient).cpu()
+
+
+def save_head_loadings(loadings: HeadLoadings, directory: str | Path) -> list[Path]:
+    """Write ``head_loadings.safetensors`` (indices, values, edges) and ``head_loadings.json`` (the edges with their
+    per-layer splits, for a viewer's selected edge) into ``directory``, each atomically.
+
+    Returns:
+        The paths written.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {"indices": loadings.indices.contiguous(), "values": loadings.values.float().contiguous(),
+               "edges": loadings.edges.float().contiguous(), "heads": torch.tensor(loadings.heads)}
+    records = []
+    for target, source, weight in loadings.edges.tolist():
+        split = loadings.edge(int(target), int(source))
+        records.append({"target": int(target), "source": int(source), "weight": weight,
+                        "layers": {str(layer): {"heads": per_head.tolist(), "bypass": bypass}
+                                   for layer, (per_head, bypass) in sorted(split.items())}})
+    text = json.dumps({"definition": "per attention layer L: weight = bypass + sum(heads) (docs/attention.md)",
+                       "edges": records})
+    return [atomic_write_bytes(directory / "head_loadings.safetensors", save_safetensors(tensors)),
+            atomic_write_text(directory / "head_loadings.json", text)]
