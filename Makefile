@@ -1,5 +1,6 @@
 # gradpatch — set up, demo, test, benchmark.
 #   make demo       create .venv (once) and run the main job: the ROME demo on the embedded SmolLM2-135M
+#   make demo-circuits  skip transcoders trained at all 30 MLPs of SmolLM2 (cached), three prompts traced with them
 #   make test       create .venv (once) and run all tests, real-model (slow) ones included
 #   make test-fast  skip the slow real-model tests
 #   make bench      forward-overhead benchmark (prints JSON)
@@ -18,7 +19,7 @@ TORCH_PIP_ARGS ?=
 CONSTRAINTS   ?= constraints.txt
 STAMP         := $(VENV)/.gradpatch-installed
 
-.PHONY: venv demo test test-fast bench peers
+.PHONY: venv demo demo-circuits test test-fast bench peers
 
 venv: $(STAMP)
 
@@ -36,6 +37,9 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 
 demo: venv
 	$(PY) -m demos.rome.demo
+
+demo-circuits: venv
+	$(PY) -m demos.circuits.demo
 
 test: venv
 	$(PY) -m pytest -q
