@@ -32,7 +32,7 @@ from torch import nn
 
 from . import activations
 from .errors import DictionaryConfigError, DictionaryShapeError
-from .modules import THRESHOLD_INIT
+from .modules import THRESHOLD_INIT, config_from_dict
 
 __all__ = ["CLT_ACTIVATIONS", "CLTConfig", "CrossLayerTranscoder"]
 
@@ -130,14 +130,7 @@ class CLTConfig:
         Raises:
             DictionaryConfigError: unknown or missing fields, or invalid values.
         """
-        known = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise DictionaryConfigError(f"unknown CLT config fields {unknown}; known: {sorted(known)}")
-        try:
-            return cls(**fields)
-        except TypeError as error:
-            raise DictionaryConfigError(f"incomplete CLT config {fields}: {error}") from error
+        return config_from_dict(cls, fields, "CLT")
 
 
 def _positive_int(value: Any) -> bool:

@@ -19,11 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..files.atomic import read_tensors
 from ..files.fingerprint import model_fingerprint
 from .clt import CLTConfig, CrossLayerTranscoder
-from .errors import DictionaryConfigError, DictionaryLoadError
-from .storage import check_model_fingerprint, check_tensors, read_document, write_checked_pair
+from .storage import check_tensors, read_checked_pair, write_checked_pair
 
 __all__ = ["CLT_FORMAT", "CLT_JSON_NAME", "CLT_TENSORS_NAME", "clt_from_tensors", "expected_clt_shapes", "load_clt",
            "save_clt"]
@@ -108,21 +106,10 @@ def load_clt(directory: str | Path, model: nn.Module | None = None,
             that does not fit (a missing decoder block, a wrong width or layer count, NaN).
         FingerprintMismatchError: the CLT was trained on another model (both fingerprints named).
     """
-    directory = Path(directory)
-    json_path = directory / CLT_JSON_NAME
     fix = "save the CLT again with save_clt"
-    if not json_path.is_file():
-        foreign = ("circuit-tracer's CLT layout: use load_circuit_tracer_clt"
-                   if (directory / "W_enc_0.safetensors").is_file() else
-                   "a per-layer dictionary: use load_dictionary" if (directory / "dictionary.json").is_file() else None)
-        if foreign:
-            raise DictionaryLoadError(f"{directory} holds no {CLT_JSON_NAME} but looks like {foreign}")
-    document = read_document(json_path, CLT_FORMAT, CLT_VERSION, fix)
-    try:
-        config = CLTConfig.from_dict(document["config"])
-    except DictionaryConfigError as error:
-        raise DictionaryLoadError(f"{json_path}: {error}; {fix}") from error
-    tensors = read_tensors(directory / CLT_TENSORS_NAME, DictionaryLoadError, fix, document.get("tensors_sha256"))
-    if check_fingerprint:
-        check_model_fingerprint(config.model_fingerprint, model, json_path)
-    return clt_from_tensors(config, tensors, str(directory / CLT_TENSORS_NAME), fix)
+    foreign = {"W_enc_0.safetensors": "circuit-tracer's CLT layout: use load_circuit_tracer_clt",
+               "dictionary.json": "a per-layer dictionary: use load_dictionary"}
+    config, tensors, path = read_checked_pair(Path(directory), (CLT_JSON_NAME, CLT_TENSORS_NAME),
+                                              (CLT_FORMAT, CLT_VERSION), CLTConfig.from_dict, foreign, fix, model,
+                                              check_fingerprint)
+    return clt_from_tensors(config, tensors, str(path), fix)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -34,6 +34,8 @@ __all__ = ["DICTIONARY_KINDS", "DictionaryConfig", "Kind", "SkipTranscoder", "Sp
            "Transcoder"]
 
 Kind = Literal["sae", "transcoder", "skip_transcoder"]
+#: A dataclass config (:class:`DictionaryConfig`, :class:`~gradpatch.dictionaries.CLTConfig`).
+ConfigT = TypeVar("ConfigT")
 #: The initial JumpReLU threshold θ of every latent (Rajamanoharan et al. 2024, section 5).
 THRESHOLD_INIT = 0.001
 
@@ -128,14 +130,23 @@ class DictionaryConfig:
         Raises:
             DictionaryConfigError: unknown or missing fields, or invalid values.
         """
-        known = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise DictionaryConfigError(f"unknown dictionary config fields {unknown}; known: {sorted(known)}")
-        try:
-            return cls(**fields)
-        except TypeError as error:
-            raise DictionaryConfigError(f"incomplete dictionary config {fields}: {error}") from error
+        return config_from_dict(cls, fields, "dictionary")
+
+
+def config_from_dict(cls: type[ConfigT], fields: dict[str, Any], what: str) -> ConfigT:
+    """The dataclass config ``cls`` of ``fields`` (unknown keys rejected); ``what`` names it in errors.
+
+    Raises:
+        DictionaryConfigError: unknown or missing fields, or invalid values (the class's own checks).
+    """
+    known = {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise DictionaryConfigError(f"unknown {what} config fields {unknown}; known: {sorted(known)}")
+    try:
+        return cls(**fields)
+    except TypeError as error:
+        raise DictionaryConfigError(f"incomplete {what} config {fields}: {error}") from error
 
 
 class SparseDictionary(nn.Module):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,10 @@ from ..errors import FingerprintMismatchError
 from ..files.atomic import atomic_write_bytes, atomic_write_text, read_json, read_tensors, sha256_hex
 from ..files.fingerprint import model_fingerprint
 from .errors import DictionaryConfigError, DictionaryLoadError
-from .modules import DictionaryConfig, SparseDictionary
+from .modules import ConfigT, DictionaryConfig, SparseDictionary
 
 __all__ = ["FORMAT", "JSON_NAME", "TENSORS_NAME", "check_model_fingerprint", "check_tensors", "dictionary_from_tensors",
+           "read_checked_pair",
            "expected_shapes", "load_dictionary", "read_document", "save_dictionary", "write_checked_pair"]
 
 FORMAT = "gradpatch.dictionary"
@@ -190,20 +191,46 @@ def load_dictionary(directory: str | Path, model: nn.Module | None = None,
             the loader to use); the two files from different saves; a config or tensor that does not fit.
         FingerprintMismatchError: the dictionary was trained on another model (both fingerprints named).
     """
-    directory = Path(directory)
-    json_path = directory / JSON_NAME
     fix = "save the dictionary again with save_dictionary"
+    foreign = {"sae_weights.safetensors": "SAELens: use load_saelens", "sae.safetensors": "sparsify: use load_sparsify"}
+    config, tensors, path = read_checked_pair(Path(directory), (JSON_NAME, TENSORS_NAME), (FORMAT, VERSION),
+                                              DictionaryConfig.from_dict, foreign, fix, model, check_fingerprint)
+    return dictionary_from_tensors(config, tensors, str(path), fix)
+
+
+def read_checked_pair(directory: Path, names: tuple[str, str], format_version: tuple[str, int],
+                      parse: Callable[[dict[str, Any]], ConfigT], foreign: Mapping[str, str], fix: str,
+                      model: nn.Module | None, check_fingerprint: bool) -> tuple[ConfigT, dict[str, torch.Tensor],
+                                                                                   Path]:
+    """Read a (JSON, safetensors) pair that :func:`write_checked_pair` wrote: the config, the tensors (their SHA-256
+    checked against the JSON's) and the tensors' path. The one reader of :func:`load_dictionary` and
+    :func:`~gradpatch.dictionaries.load_clt`.
+
+    Args:
+        directory: the folder.
+        names: (JSON file name, safetensors file name).
+        format_version: the JSON's ``format`` and the newest ``version`` read.
+        parse: the config's ``from_dict``.
+        foreign: file name -> what a folder holding it is and the loader to use (named when the JSON is missing).
+        fix: what the user should do, appended to every message.
+        model, check_fingerprint: the model whose fingerprint must equal the saved one (when one was saved).
+
+    Raises:
+        DictionaryLoadError: a file missing, unreadable or of another format; the two files from different saves; a
+            config that does not parse.
+        FingerprintMismatchError: a config saved for another model.
+    """
+    json_path = directory / names[0]
     if not json_path.is_file():
-        foreign = ("SAELens: use load_saelens" if (directory / "sae_weights.safetensors").is_file() else
-                   "sparsify: use load_sparsify" if (directory / "sae.safetensors").is_file() else None)
-        if foreign:
-            raise DictionaryLoadError(f"{directory} holds no {JSON_NAME} but looks like {foreign}")
-    document = read_document(json_path, FORMAT, VERSION, fix)
+        for marker, what in foreign.items():
+            if (directory / marker).is_file():
+                raise DictionaryLoadError(f"{directory} holds no {names[0]} but looks like {what}")
+    document = read_document(json_path, *format_version, fix)
     try:
-        config = DictionaryConfig.from_dict(document["config"])
+        config = parse(document["config"])
     except DictionaryConfigError as error:
         raise DictionaryLoadError(f"{json_path}: {error}; {fix}") from error
-    tensors = read_tensors(directory / TENSORS_NAME, DictionaryLoadError, fix, document.get("tensors_sha256"))
+    tensors = read_tensors(directory / names[1], DictionaryLoadError, fix, document.get("tensors_sha256"))
     if check_fingerprint:
-        check_model_fingerprint(config.model_fingerprint, model, json_path)
-    return dictionary_from_tensors(config, tensors, str(directory / TENSORS_NAME), fix)
+        check_model_fingerprint(config.model_fingerprint, model, json_path)  # type: ignore[attr-defined]
+    return config, tensors, directory / names[1]
