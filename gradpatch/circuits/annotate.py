@@ -29,6 +29,7 @@ from torch import nn
 
 from ..layouts import count_layers, detect_layout
 from .attribute import AttributionGraph
+from .complete import decoder_blocks
 from .errors import CircuitError
 from .node_ids import parse_node_id
 from .prune import GraphInfluence, graph_scores
@@ -120,7 +121,9 @@ def annotate_frontend(frontend: dict[str, Any], graph: AttributionGraph, replace
     Args:
         frontend: ``graph``'s ``graph.json`` (:func:`~gradpatch.circuits.files.frontend_graph`).
         graph: the unpruned attribution graph, for the scores.
-        replacement: the replacement model ``graph`` was built from: its transcoders' ``W_dec`` ``[d_sae, d_model]``,
+        replacement: the replacement model ``graph`` was built from: its transcoders' ``W_dec`` ``[d_sae, d_model]``
+            (a cross-layer transcoder's feature: the sum of its decoder rows into every layer, what it writes to the
+            residual stream in all),
             the model's unembedding and final norm (:func:`decoder_logit_weights`) and its number of layers.
         decode: token id -> text (a tokenizer's ``decode`` of one id).
         unpruned: ``graph``'s :func:`~gradpatch.circuits.prune.graph_influence`, if already computed.
@@ -149,7 +152,8 @@ def annotate_frontend(frontend: dict[str, Any], graph: AttributionGraph, replace
     for start in range(0, len(keys), _CHUNK):
         chunk = keys[start:start + _CHUNK]
         with torch.no_grad():
-            rows = torch.stack([replacement.layers[layer].transcoder.W_dec[feature] for layer, feature in chunk])
+            rows = torch.stack([sum(decoder[feature] for _, decoder in decoder_blocks(replacement, layer))
+                                for layer, feature in chunk])
         weights = decoder_logit_weights(rows, W_U, final_norm).cpu()
         for key, row in zip(chunk, weights):
             logits[key] = {"top_logits": _token_weights(row, top_k, decode, largest=True),

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .clt_layers import CLTLayerView
 from .errors import IncompleteGraphError
 from .graph import AttributionGraph
 from .replacement import ReplacementModel
@@ -85,9 +86,14 @@ def completeness(model: ReplacementModel, graph: AttributionGraph) -> Completene
 
 def decoder_blocks(model: ReplacementModel, layer: int) -> list[tuple[int, torch.Tensor]]:
     """The layers whose MLP outputs layer ``layer``'s features write, each with the decoder ``[m, d_out]`` into it
-    (detached): a transcoder writes its own MLP output only (a cross-layer transcoder would list every later
-    layer). The edges (:mod:`gradpatch.circuits.attribute`) and the biases here read the decoders from it alone."""
-    return [(layer, model.layers[layer].transcoder.W_dec.detach())]
+    (detached): a transcoder writes its own MLP output only, a cross-layer transcoder's layer every later one
+    (:meth:`~gradpatch.circuits.clt_layers.CLTLayerView.decoder_blocks`). The edges
+    (:mod:`gradpatch.circuits.attribute`), the biases here, the source perturbations
+    (:mod:`gradpatch.circuits.sources`) and the features' top logits read the decoders from it alone."""
+    transcoder = model.layers[layer].transcoder
+    if isinstance(transcoder, CLTLayerView):
+        return transcoder.decoder_blocks()
+    return [(layer, transcoder.W_dec.detach())]
 
 
 def removed_sources(model: ReplacementModel, graph: AttributionGraph) -> dict[int, torch.Tensor]:

@@ -15,7 +15,8 @@ With ``freeze_attention`` (circuit-tracer's default) the attention patterns are 
 
 :func:`intervene_direct` is circuit-tracer's ``direct_effects=True``: the edits run in the local replacement model
 (:class:`~gradpatch.circuits.replacement.ReplacementModel`: attention, norms and every spliced MLP output frozen), as
-perturbations δ_ℓ at the edited positions, (a'_f − a_f) W_dec[f] per edited feature (α W_dec[f] for a steer). The
+perturbations δ_ℓ at the edited positions, (a'_f − a_f) W_dec[f] per edited feature (α W_dec[f] for a steer; a
+cross-layer transcoder's feature adds its decoder block into every layer it writes). The
 model is affine there and features do not respond to each other, so the change of a logit is the sum of the graph's
 direct edges: ablating feature s changes target t's value by −A[t, s].
 """
@@ -29,9 +30,12 @@ from typing import Any
 
 import torch
 
-from ..dictionaries import SparseDictionary, splice
+from ..dictionaries import CrossLayerTranscoder, SparseDictionary, splice, splice_clt
+from ..dictionaries.clt_splice import clt_nodes
 from ..patchable_graph import PatchableGraph
 from ..patches import Patch, ProbePatch, ReplacePatch
+from .clt_layers import clt_layer_views
+from .complete import decoder_blocks
 from .errors import CircuitError, FeatureIndexError
 from .freeze import find_frozen_nodes
 from .replacement import ReplacementModel
@@ -115,14 +119,39 @@ def _splices(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], ed
     return patch_map, [(spliced[(e.layer, e.position % seq)], e.feature) for e in edits]
 
 
-def intervene(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], ids: torch.Tensor,
+def _clt_splices(pg: PatchableGraph, clt: CrossLayerTranscoder, edits: Sequence[FeatureEdit],
+                 seq: int) -> tuple[dict[str, list[Patch]], list[tuple[Any, int, int]]]:
+    """The patch map of one :func:`~gradpatch.dictionaries.splice_clt` per edited position (edits keyed by (CLT
+    layer, latent), the CLT layer of model layer ``edit.layer``), and for each edit (its splice, CLT layer,
+    feature)."""
+    index = {layer: i for i, layer in enumerate(clt.config.layers or range(clt.n_layers))}
+    groups: dict[int, list[FeatureEdit]] = defaultdict(list)
+    for edit in edits:
+        groups[edit.position % seq].append(edit)
+    patch_map: dict[str, list[Patch]] = {}
+    spliced: dict[int, Any] = {}
+    for position, group in sorted(groups.items()):
+        chosen = {kind: {(index[e.layer], e.feature): float(e.value) for e in group if e.kind == kind}
+                  for kind in EDIT_KINDS}
+        spliced[position] = splice_clt(pg, clt, ablate=sorted(chosen["ablate"]), scale=chosen["scale"],
+                                       clamp=chosen["clamp"], steer=chosen["steer"], slice=(slice(None), position))
+        for path, patches in spliced[position].patch_map().items():
+            patch_map.setdefault(path, []).extend(patches)
+    return patch_map, [(spliced[e.position % seq], index[e.layer], e.feature) for e in edits]
+
+
+def intervene(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary] | CrossLayerTranscoder,
+              ids: torch.Tensor,
               edits: Sequence[FeatureEdit], *, freeze_attention: bool = True, top_k: int = 10,
               forward_kwargs: Mapping[str, Any] | None = None) -> InterventionResult:
     """Run the prompt ``ids`` ``[1, seq]`` as it is and with ``edits`` (module docstring).
 
     Args:
         pg: the graph (extracted with ``use_cache=False``).
-        transcoders: layer -> transcoder whose config names its ``input_node`` and ``output_node``.
+        transcoders: layer -> transcoder whose config names its ``input_node`` and ``output_node``; or a
+            cross-layer transcoder (edits name model layers, ``config.layers``; each edited position gets one
+            :func:`~gradpatch.dictionaries.splice_clt` at that position alone, so an edit reaches every later
+            layer).
         ids: the prompt ``[1, seq]``.
         edits: the feature edits (several may share a layer and position).
         freeze_attention: hold the attention patterns at their values on the prompt (circuit-tracer's default).
@@ -142,17 +171,24 @@ def intervene(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], i
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise CircuitError(f"intervene on one prompt: give ids [1, seq], got {tuple(ids.shape)}")
     seq = ids.shape[1]
-    _check(edits, transcoders, seq)
+    clt = transcoders if isinstance(transcoders, CrossLayerTranscoder) else None
+    _check(edits, clt_layer_views(clt, *clt_nodes(clt, pg=pg)) if clt is not None else transcoders, seq)
     kwargs = dict(forward_kwargs or {})
     probes = {path: ProbePatch() for path in (find_frozen_nodes(pg).attention if freeze_attention else ())}
     with torch.no_grad(), pg.patch({path: [probe] for path, probe in probes.items()}):
         before = pg(ids, **kwargs).logits.detach()
-    patch_map, features = _splices(pg, transcoders, edits, seq)
+    if clt is not None:
+        patch_map, clt_features = _clt_splices(pg, clt, edits, seq)
+    else:
+        patch_map, features = _splices(pg, transcoders, edits, seq)
     for path, probe in probes.items():
         patch_map.setdefault(path, []).insert(0, ReplacePatch(value=probe.activation))
     with torch.no_grad(), pg.patch(patch_map):
         after = pg(ids, **kwargs).logits.detach()
-    activations = [float(spliced.latents[0, feature]) for spliced, feature in features]
+    if clt is not None:
+        activations = [float(spliced.latents[layer][0, feature]) for spliced, layer, feature in clt_features]
+    else:
+        activations = [float(spliced.latents[0, feature]) for spliced, feature in features]
     return InterventionResult(before, after, top_logits(before[0, -1], top_k), top_logits(after[0, -1], top_k),
                               activations)
 
@@ -191,8 +227,9 @@ def intervene_direct(model: ReplacementModel, edits: Sequence[FeatureEdit], *, t
         activations.append(activation)
         change = edit.value if edit.kind == "steer" else _edited_activation(edit, activation) - activation
         current[key] = _edited_activation(edit, activation)
-        delta = deltas.setdefault(edit.layer, torch.zeros_like(spliced.constant))
-        delta[0, position] += change * spliced.transcoder.W_dec[edit.feature].detach().to(delta.dtype)
+        for written, decoder in decoder_blocks(model, edit.layer):  # a CLT feature writes every later layer
+            delta = deltas.setdefault(written, torch.zeros_like(model.layers[written].constant))
+            delta[0, position] += change * decoder[edit.feature].to(delta.dtype)
     with torch.no_grad():
         before = model.run().logits.detach()
         after = model.run(1, deltas).logits.detach()

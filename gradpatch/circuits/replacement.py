@@ -34,12 +34,15 @@ from typing import Any
 import torch
 
 from ..dictionaries import SparseDictionary, TranscoderInput, splice
+from ..dictionaries.clt import CrossLayerTranscoder
+from ..dictionaries.clt_splice import clt_nodes, splice_clt
 from ..dictionaries.splice import dictionary_nodes
 from ..errors import FingerprintMismatchError
 from ..files.fingerprint import model_fingerprint
 from ..layouts import detect_layout
 from ..patchable_graph import PatchableGraph
 from ..patches import AddPatch, CustomPatch, HoldPatch, Patch, ProbePatch, ReplacePatch
+from .clt_layers import CLTLayerView, clt_layer_views
 from .errors import CircuitError
 from .freeze import FrozenLayerNorm, FrozenNodes, FrozenPattern, LinearisedOp, find_frozen_nodes
 from .paths import check_paths
@@ -52,7 +55,8 @@ class SplicedLayer:
     """One transcoder and what it read and wrote on the prompt.
 
     Attributes:
-        transcoder: the (skip) transcoder.
+        transcoder: the (skip) transcoder, or one layer of a cross-layer transcoder (:class:`CLTLayerView`; then
+            a_ℓ W_dec stands for Σ_{s ≤ ℓ} a_s W_dec[s → ℓ], the decoders of every CLT layer up to ℓ).
         input_node, output_node: the NodePaths it reads (the MLP input) and writes (the MLP output).
         inputs: x_ℓ ``[1, seq, d_in]``.
         activations: a_ℓ ``[1, seq, m]``.
@@ -61,7 +65,7 @@ class SplicedLayer:
         constant: c_ℓ = a_ℓ W_dec + b_dec + e_ℓ = y_ℓ − x_ℓ W_skipᵀ ``[1, seq, d_out]``.
     """
 
-    transcoder: SparseDictionary
+    transcoder: SparseDictionary | CLTLayerView
     input_node: str
     output_node: str
     inputs: torch.Tensor
@@ -83,7 +87,7 @@ class ReplacementRun:
 
     logits: torch.Tensor
     inputs: dict[int, torch.Tensor]
-    transcoders: dict[int, SparseDictionary]
+    transcoders: dict[int, SparseDictionary | CLTLayerView]
 
     @cached_property
     def pre_activations(self) -> dict[int, torch.Tensor]:
@@ -96,7 +100,10 @@ class ReplacementModel:
 
     Args:
         pg: the graph (extracted with ``use_cache=False``).
-        transcoders: layer index -> transcoder whose config names its ``input_node`` and ``output_node``.
+        transcoders: layer index -> transcoder whose config names its ``input_node`` and ``output_node``; or a
+            :class:`~gradpatch.dictionaries.CrossLayerTranscoder` whose config names its ``input_nodes`` and
+            ``output_nodes`` (model layer ``config.layers[l]`` per CLT layer l), spliced with
+            :func:`~gradpatch.dictionaries.splice_clt` (one error term per layer).
         ids: the prompt's token ids ``[1, seq]``.
         embed: the NodePath of the token embeddings ``[1, seq, d_model]`` (default: the model layout's).
         forward_kwargs: more keyword arguments of every forward pass.
@@ -113,15 +120,23 @@ class ReplacementModel:
             logits do not depend on (:func:`~gradpatch.circuits.paths.check_paths`).
     """
 
-    def __init__(self, pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], ids: torch.Tensor,
-                 embed: str | None = None, forward_kwargs: Mapping[str, Any] | None = None) -> None:
-        _check_inputs(pg, transcoders, ids)
+    def __init__(self, pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary] | CrossLayerTranscoder,
+                 ids: torch.Tensor, embed: str | None = None,
+                 forward_kwargs: Mapping[str, Any] | None = None) -> None:
+        self.clt: CrossLayerTranscoder | None = None
+        if isinstance(transcoders, CrossLayerTranscoder):
+            self.clt = transcoders
+            views = clt_layer_views(self.clt, *clt_nodes(self.clt, pg=pg))
+            _check_inputs(pg, {}, ids, views)
+            nodes = {layer: (view.config.input_node, view.config.output_node) for layer, view in views.items()}
+        else:
+            _check_inputs(pg, transcoders, ids)
+            nodes = {layer: dictionary_nodes(transcoder) for layer, transcoder in transcoders.items()}
         self.pg = pg
         self.ids = ids
         self.forward_kwargs = dict(forward_kwargs or {})
         self.embed = embed or detect_layout(pg).embed
-        check_paths(pg, {layer: dictionary_nodes(transcoder) for layer, transcoder in transcoders.items()}, ids,
-                    self.embed, self.forward_kwargs)
+        check_paths(pg, nodes, ids, self.embed, self.forward_kwargs)
         self.frozen: FrozenNodes = find_frozen_nodes(pg)
         self.layers: dict[int, SplicedLayer] = {}
         self.frozen_values: dict[str, torch.Tensor] = {}
@@ -131,11 +146,15 @@ class ReplacementModel:
         self.pattern_values: list[tuple[FrozenPattern, torch.Tensor]] = []
         self.embeddings = torch.empty(0)
         self.logits = torch.empty(0)
-        self._record(dict(sorted(transcoders.items())))
+        if self.clt is not None:
+            self._record({}, views)
+        else:
+            self._record(dict(sorted(transcoders.items())))
 
-    def _record(self, transcoders: dict[int, SparseDictionary]) -> None:
-        """One forward pass of the prompt with the transcoders spliced (error terms kept): x, a, e, c per layer,
-        the frozen values, the embeddings and the logits."""
+    def _record(self, transcoders: dict[int, SparseDictionary],
+                views: Mapping[int, CLTLayerView] | None = None) -> None:
+        """One forward pass of the prompt with the transcoders (or the CLT of ``views``) spliced, error terms
+        kept: x, a, e, c per layer, the frozen values, the embeddings and the logits."""
         patch_map: dict[str, list[Patch]] = {}
         op_paths = [path for op in (*self.frozen.layer_norms, *self.frozen.linearised)
                       for path in (op.input, op.output)]
@@ -151,6 +170,14 @@ class ReplacementModel:
             inputs[layer], outputs[layer] = ProbePatch(), ProbePatch()
             patch_map[splices[layer].input_node].append(inputs[layer])
             patch_map[splices[layer].output_node].append(outputs[layer])  # after the splice: y, bit for bit
+        clt_splice = splice_clt(self.pg, self.clt) if self.clt is not None and views else None
+        if clt_splice is not None:
+            for path, patches in clt_splice.patch_map().items():
+                patch_map.setdefault(path, []).extend(patches)
+            for layer, view in (views or {}).items():
+                inputs[layer], outputs[layer] = ProbePatch(), ProbePatch()
+                patch_map[view.config.input_node].append(inputs[layer])
+                patch_map[view.config.output_node].append(outputs[layer])
         for path, probe in probes.items():
             patch_map.setdefault(path, []).append(probe)
         with torch.no_grad(), self.pg.patch(patch_map):
@@ -177,6 +204,22 @@ class ReplacementModel:
                 y = outputs[layer].activation
                 self.layers[layer] = SplicedLayer(transcoder, splices[layer].input_node, splices[layer].output_node,
                                                   x, a, y - output, y, decoded + (y - output))
+            if clt_splice is not None and self.clt is not None and views:
+                self._record_clt(self.clt, views, clt_splice.latents, inputs, outputs)
+
+    def _record_clt(self, clt: CrossLayerTranscoder, views: Mapping[int, CLTLayerView],
+                    latents: Sequence[torch.Tensor | None], inputs: Mapping[int, ProbePatch],
+                    outputs: Mapping[int, ProbePatch]) -> None:
+        """The :class:`SplicedLayer` of each CLT layer from the recording pass: e_ℓ = y_ℓ − (Σ_{s ≤ ℓ} a_s
+        W_dec[s → ℓ] + b_dec[ℓ] + x_ℓ W_skip[ℓ]ᵀ), c_ℓ = y_ℓ − x_ℓ W_skip[ℓ]ᵀ (as :func:`splice_clt`'s error term)."""
+        recorded = [a for a in latents if a is not None]  # every layer's, after the pass
+        for layer, view in views.items():
+            x, y = inputs[layer].activation, outputs[layer].activation
+            decoded = clt.decode(view.index, recorded)
+            skip = view.skip(x)
+            output = decoded if skip is None else decoded + skip
+            self.layers[layer] = SplicedLayer(view, view.config.input_node, view.config.output_node, x,
+                                              recorded[view.index], y - output, y, decoded + (y - output))
 
     def run(self, batch: int = 1, deltas: Mapping[int, torch.Tensor] | None = None,
             embed_delta: torch.Tensor | None = None,
@@ -285,7 +328,8 @@ class ReplacementModel:
     def _output_op(spliced: SplicedLayer, reader: TranscoderInput, delta: torch.Tensor | None) -> Any:
         """The MLP output's replacement ``[batch, seq, d_out]``, c_ℓ + x_ℓ W_skipᵀ + δ_ℓ with x_ℓ read live by
         ``reader``, computed as y_ℓ + (x_ℓ − x_ℓ⁰) W_skipᵀ + δ_ℓ (x_ℓ⁰ the recorded input): the same value and
-        gradient, and y_ℓ bit for bit when nothing is perturbed."""
+        gradient, and y_ℓ bit for bit when nothing is perturbed. Without a skip term or δ_ℓ the value is a leaf
+        requiring gradients where autograd is on (the gradient at the MLP output is read there)."""
         with torch.no_grad():
             skip_recorded = spliced.transcoder.skip(spliced.inputs)
 
@@ -294,13 +338,19 @@ class ReplacementModel:
             value = spliced.outputs.to(original.dtype).expand(shape)
             if skip_recorded is not None:
                 value = value + (spliced.transcoder.skip(reader.held) - skip_recorded).to(original.dtype)
-            return value if delta is None else value + delta.to(original.dtype)
+            if delta is not None:
+                return value + delta.to(original.dtype)
+            if torch.is_grad_enabled() and not value.requires_grad:  # no skip term: a leaf, so gradients reach it
+                value = value.clone().requires_grad_()
+            return value
         return output
 
 
-def _check_inputs(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], ids: torch.Tensor) -> None:
-    """Raise (see :class:`ReplacementModel`) unless the transcoders and the prompt fit the model."""
-    if not transcoders:
+def _check_inputs(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], ids: torch.Tensor,
+                  views: Mapping[int, CLTLayerView] | None = None) -> None:
+    """Raise (see :class:`ReplacementModel`) unless the transcoders (or the CLT layers ``views``) and the prompt
+    fit the model."""
+    if not transcoders and not views:
         raise CircuitError("give at least one transcoder (layer -> Transcoder)")
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise CircuitError(f"an attribution graph is of one prompt: give ids [1, seq], got {tuple(ids.shape)}")
@@ -310,6 +360,13 @@ def _check_inputs(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary
         raise CircuitError(f"the prompt has {ids.shape[1]} tokens, more than the model's context of {context}; "
                            f"shorten it")
     fingerprint = None
+    for layer, view in (views or {}).items():
+        if view.config.model_fingerprint is not None:
+            fingerprint = fingerprint or model_fingerprint(pg.wrapped_model)
+            if view.config.model_fingerprint != fingerprint:
+                raise FingerprintMismatchError(f"the cross-layer transcoder was trained on a model with fingerprint "
+                                               f"{view.config.model_fingerprint}, but this model's is {fingerprint}: "
+                                               f"load the CLT of this model")
     for layer, transcoder in transcoders.items():
         recorded = transcoder.config
         if recorded.kind == "sae":

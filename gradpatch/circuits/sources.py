@@ -2,8 +2,9 @@
 perturbations that add a multiple of them (for :mod:`gradpatch.circuits.qk` and :mod:`gradpatch.circuits.heads`).
 
 A source's contribution (Ameisen et al. 2025, section 2.3; docs/circuits.md) is a vector added at one position:
-a_ℓpf W_dec[f] to the MLP output of ℓ for a feature, e_ℓp for an error, E_p to the token embeddings for a token. The
-graph's source columns are ``0 .. graph.logit_start − 1`` (features, errors, tokens); with
+a_ℓpf W_dec[f] to the MLP output of ℓ for a feature (to every MLP output it writes for a cross-layer transcoder's
+feature: :func:`~gradpatch.circuits.complete.decoder_blocks`), e_ℓp for an error, E_p to the token embeddings for a
+token. The graph's source columns are ``0 .. graph.logit_start − 1`` (features, errors, tokens); with
 ``graph.zero_first_position`` the error nodes at position 0 contribute nothing (their vectors belong to the bias).
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from .complete import decoder_blocks
 from .errors import CircuitError
 from .graph import AttributionGraph
 from .replacement import ReplacementModel
@@ -41,15 +43,18 @@ def contract_sources(model: ReplacementModel, graph: AttributionGraph, gradients
     activations = graph.activations.to(embed_gradient.device, dtype)
     first = int(graph.zero_first_position)
     for index, layer in enumerate(graph.layers):
+        columns = (features[:, 0] == layer).nonzero().squeeze(-1)
+        for written, block in decoder_blocks(model, layer):
+            if written not in gradients:
+                continue
+            grad, decoder = gradients[written].to(dtype), block.to(dtype)
+            for position in features[columns, 1].unique().tolist():
+                here = columns[features[columns, 1] == position]
+                out[:, here] += (grad[:, position] @ decoder[features[here, 2]].T) * activations[here]
         if layer not in gradients:
             continue
         grad = gradients[layer].to(dtype)
         spliced = model.layers[layer]
-        decoder = spliced.transcoder.W_dec.detach().to(dtype)
-        columns = (features[:, 0] == layer).nonzero().squeeze(-1)
-        for position in features[columns, 1].unique().tolist():
-            here = columns[features[columns, 1] == position]
-            out[:, here] = (grad[:, position] @ decoder[features[here, 2]].T) * activations[here]
         start = graph.error_start + index * graph.n_pos
         out[:, start + first:start + graph.n_pos] = (grad[:, first:] * spliced.errors[:, first:].to(dtype)).sum(-1)
     out[:, graph.token_start:graph.logit_start] = (embed_gradient.to(dtype) * model.embeddings.to(dtype)).sum(-1)
@@ -77,7 +82,8 @@ def source_deltas(model: ReplacementModel, graph: AttributionGraph,
     deltas = {layer: torch.zeros(len(rows), *model.layers[layer].errors.shape[1:], dtype=embeddings.dtype,
                                  device=embeddings.device) for layer in graph.layers}
     embed = torch.zeros(len(rows), *embeddings.shape[1:], dtype=embeddings.dtype, device=embeddings.device)
-    decoders = {layer: model.layers[layer].transcoder.W_dec.detach().to(embeddings.dtype) for layer in graph.layers}
+    decoders = {layer: [(written, block.to(embeddings.dtype)) for written, block in decoder_blocks(model, layer)]
+                for layer in graph.layers}
     features = graph.active_features.to(embeddings.device)
     activations = graph.activations.to(embeddings.device, embeddings.dtype)
     first = int(graph.zero_first_position)
@@ -94,8 +100,9 @@ def source_deltas(model: ReplacementModel, graph: AttributionGraph,
             chosen = is_feature & (features[nodes.clamp(max=graph.error_start - 1).clamp(min=0), 0] == layer) \
                 if graph.error_start else torch.zeros_like(is_feature)
             found = features[nodes[chosen]]
-            scaled = (values[chosen] * activations[nodes[chosen]])[:, None] * decoders[layer][found[:, 2]]
-            deltas[layer][row].index_add_(0, found[:, 1], scaled)
+            for written, decoder in decoders[layer]:
+                scaled = (values[chosen] * activations[nodes[chosen]])[:, None] * decoder[found[:, 2]]
+                deltas[written][row].index_add_(0, found[:, 1], scaled)
             errors = nodes[is_error] - graph.error_start
             mine = (errors // graph.n_pos == index) & (errors % graph.n_pos >= first)
             positions = errors[mine] % graph.n_pos

@@ -13,6 +13,12 @@ reads). Three layouts:
   so the NodePaths read and written come from templates with ``{layer}`` (``ModelLayout.template("mlp_input")`` and
   ``template("mlp")`` of the model's layout; default: the Llama family's, :data:`LLAMA_MLP_INPUT` and
   :data:`LLAMA_MLP_OUTPUT`).
+
+A folder holding a cross-layer transcoder gives it whole (a :class:`~gradpatch.dictionaries.CrossLayerTranscoder`,
+which :class:`~gradpatch.circuits.ReplacementModel` takes in place of the per-layer mapping): gradpatch's
+``clt.json`` + ``clt.safetensors`` (:func:`~gradpatch.dictionaries.save_clt`), or circuit-tracer's
+``W_enc_{i}.safetensors`` + ``W_dec_{i}.safetensors`` without a ``config.yaml``
+(:func:`~gradpatch.dictionaries.load_circuit_tracer_clt`, NodePaths from the same templates).
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from pathlib import Path
 
 from torch import nn
 
-from ..dictionaries import SparseDictionary, load_circuit_tracer, load_dictionary
+from ..dictionaries import (CrossLayerTranscoder, SparseDictionary, load_circuit_tracer, load_circuit_tracer_clt,
+                            load_clt, load_dictionary)
+from ..dictionaries.clt_files import CLT_JSON_NAME
 from ..dictionaries.storage import JSON_NAME
 from ..layouts import LLAMA_LAYOUT
 from .errors import CircuitError
@@ -82,13 +90,13 @@ def _fit_folders(directory: Path) -> list[Path] | None:
 
 
 def load_transcoders(directory: str | Path, model: nn.Module | None = None, input_node: str = LLAMA_MLP_INPUT,
-                     output_node: str = LLAMA_MLP_OUTPUT) -> dict[int, SparseDictionary]:
-    """layer -> transcoder of ``directory`` (module docstring).
+                     output_node: str = LLAMA_MLP_OUTPUT) -> dict[int, SparseDictionary] | CrossLayerTranscoder:
+    """layer -> transcoder of ``directory``, or the cross-layer transcoder it holds (module docstring).
 
     Args:
         directory: the folder.
         model: the model they are for; gradpatch dictionaries that recorded another model's fingerprint are refused.
-        input_node: NodePath template with ``{layer}`` of the MLP inputs, for a circuit-tracer ``config.yaml`` only.
+        input_node: NodePath template with ``{layer}`` of the MLP inputs, for circuit-tracer's layouts only.
         output_node: NodePath template with ``{layer}`` of the MLP outputs: the NodePaths of a circuit-tracer set's
             outputs, and the layer of each transcoder ``gradpatch fit`` wrote (the layout's ``template("mlp")``).
 
@@ -96,16 +104,19 @@ def load_transcoders(directory: str | Path, model: nn.Module | None = None, inpu
         CircuitError: a folder that is missing or holds none of the layouts; a ``gradpatch fit`` dictionary that is
             a sparse autoencoder, writes no MLP output of ``output_node``, or writes a layer another one writes; a
             ``layer_<i>/`` transcoder that writes another layer's MLP output.
-        DictionaryLoadError: a dictionary that cannot be read (the message names the file and the fix), or a
-            cross-layer transcoder (naming its loader).
+        DictionaryLoadError: a dictionary or CLT that cannot be read (the message names the file and the fix).
         FingerprintMismatchError: a dictionary saved for another model.
     """
     directory = Path(directory)
     if not directory.is_dir():
         raise CircuitError(f"--dictionaries {directory} is not a folder; give the folder of layer_<i>/ dictionaries "
                            f"(save_dictionary), gradpatch fit's output folder, or a circuit-tracer config.yaml's")
-    if (directory / "config.yaml").is_file() or (directory / "W_enc_0.safetensors").is_file():
+    if (directory / CLT_JSON_NAME).is_file():
+        return load_clt(directory, model=model)
+    if (directory / "config.yaml").is_file():
         return load_circuit_tracer(directory, input_node, output_node)
+    if (directory / "W_enc_0.safetensors").is_file():
+        return load_circuit_tracer_clt(directory, input_node, output_node)
     folders = {int(match.group(1)): entry for entry in directory.iterdir()
                if entry.is_dir() and (match := _LAYER.fullmatch(entry.name))}
     if folders:

@@ -10,7 +10,9 @@ files, a self-contained HTML page, TensorBoard summaries, and interventions on i
 ``--dictionaries DIR``: ``DIR/layer_<i>/`` folders written by ``save_dictionary`` (one transcoder per layer; any
 subset of layers), ``gradpatch fit``'s output folder (its ``dictionary/<node>/`` transcoders, each placed at the layer
 whose ``--output-node`` it writes), or a circuit-tracer ``DIR/config.yaml`` whose transcoders read ``--input-node``
-and write ``--output-node`` (templates with ``{layer}``; :func:`gradpatch.circuits.load_transcoders`). Writes
+and write ``--output-node`` (templates with ``{layer}``; :func:`gradpatch.circuits.load_transcoders`), or a
+cross-layer transcoder (``save_clt``'s ``clt.json`` folder, or circuit-tracer's ``W_enc_<i>.safetensors`` files,
+which read and write the same templates). Writes
 ``OUT/adjacency.safetensors`` + ``OUT/nodes.json`` (the unpruned graph), ``OUT/graph.json`` (the pruned graph in
 circuit-tracer's frontend format), ``OUT/graph.html`` (one self-contained page), ``OUT/tensorboard/`` (scores, top
 nodes and edges as text, a feature-influence image) and, with ``--intervene``, ``OUT/interventions.json`` (the top
@@ -189,8 +191,9 @@ def _trace(args: argparse.Namespace, prompts: list[str], edits: list[FeatureEdit
         first = _prompt_ids(args, prompts[0], tokenizer, device)
         with torch.no_grad():  # built on a short prefix: each prompt's length is checked against the context later
             pg = PatchableGraph(model, first[:, :2], use_cache=False).eval()
-        transcoders = {layer: transcoder.to(device) for layer, transcoder in load_transcoders(
-            args.dictionaries, model, *_mlp_templates(args, pg)).items()}
+        loaded = load_transcoders(args.dictionaries, model, *_mlp_templates(args, pg))
+        transcoders = loaded.to(device) if isinstance(loaded, torch.nn.Module) else {  # a cross-layer transcoder
+            layer: transcoder.to(device) for layer, transcoder in loaded.items()}
         bar.advance()
         model_name = Path(args.model).name if args.model else EMBEDDED_MODEL_NAME
         several = len(prompts) > 1
@@ -234,7 +237,7 @@ def _prompt_ids(args: argparse.Namespace, prompt: str, tokenizer: Any, device: s
     return ids if args.keep_first_position else with_special_first(ids, tokenizer)
 
 
-def _one_prompt(args: argparse.Namespace, pg: Any, transcoders: dict[int, Any], tokenizer: Any, prompt: str,
+def _one_prompt(args: argparse.Namespace, pg: Any, transcoders: Any, tokenizer: Any, prompt: str,
                 edits: list[FeatureEdit], bound: int | None, device: str, bar: ProgressBar, out: Path,
                 slug: str | None, scan: str) -> dict[str, Any]:
     """One prompt's graph, interventions and files in ``out``, its peak memory measured from before the replacement
@@ -349,8 +352,9 @@ def register(subparsers: Any) -> None:
                         "(OUT/prompt_000/, ...), the model and dictionaries loaded once")
     p.add_argument("--dictionaries", required=True, metavar="DIR",
                    help="layer_<i>/ folders written by save_dictionary, gradpatch fit's output folder (its "
-                        "dictionary/<node>/ transcoders, placed by the MLP output each writes), or a circuit-tracer "
-                        "config.yaml's folder")
+                        "dictionary/<node>/ transcoders, placed by the MLP output each writes), a circuit-tracer "
+                        "config.yaml's folder, or a cross-layer transcoder's folder (clt.json, or circuit-tracer's "
+                        "W_enc_<i>.safetensors)")
     p.add_argument("--slug", default=None, help="graph.json's metadata.slug, Neuronpedia's name of the graph "
                                                 "(letters, digits, _ . -; default: the model, the time and a hash of "
                                                 "the prompt, unique per graph)")
