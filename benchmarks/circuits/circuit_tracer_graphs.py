@@ -76,7 +76,7 @@ def build_model(name: str) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _mlp_inputs(model: Any, ids: torch.Tensor) -> list[torch.Tensor]:
+def mlp_inputs(model: Any, ids: torch.Tensor) -> list[torch.Tensor]:
     """Each layer's MLP input on the prompt ``[seq, d_model]``."""
     inputs: list[torch.Tensor] = []
     handles = [layer.mlp.register_forward_pre_hook(lambda _m, args: inputs.append(args[0][0].detach()))
@@ -94,7 +94,7 @@ def make_transcoders(model: Any, ids: torch.Tensor, latents: int, k: int, nodes:
     quantile of its pre-activations on the prompt), so about k latents are active per position."""
     generator = torch.Generator().manual_seed(0)
     d_model = model.config.hidden_size
-    inputs = _mlp_inputs(model, ids) if k else []
+    inputs = mlp_inputs(model, ids) if k else []
     transcoders = {}
     for layer in range(model.config.num_hidden_layers):
         transcoder = SkipTranscoder(d_model, latents, activation="relu", input_node=nodes[0].format(layer=layer),

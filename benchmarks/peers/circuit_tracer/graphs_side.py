@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,12 +141,14 @@ def replacement_model(folder: Path, backend: str) -> Any:
                                                      tokenizer=tokenizer), state)
 
 
-def graph(folder: Path, backend: str = "nnsight") -> None:
+def graph(folder: Path, backend: str = "nnsight", build: Callable[[Path, str], Any] = replacement_model) -> None:
+    """circuit-tracer's graph of ``folder``'s prompt (module docstring) over the replacement model that ``build``
+    makes of ``(folder, backend)`` (default: :func:`replacement_model`, the per-layer transcoder set)."""
     from circuit_tracer import attribute
 
     prompt = json.loads((folder / "prompt.json").read_text())
     start = time.perf_counter()
-    model = replacement_model(folder, backend)
+    model = build(folder, backend)
     loaded = time.perf_counter() - start
     rss_loaded = resident_mib() / 1024
     reset_peak()
