@@ -105,12 +105,9 @@ class PatchableGraph(nn.Module):
         return self._graph_module(*args, **kwargs)
 
     def prepare(self, *args: Any, **kwargs: Any) -> None:
-        """Extract now, without a warning and without running them, the graphs of calls like this one (once per
-        training mode, kind of call and class of sizes, :mod:`gradpatch.extraction.variants`); a later call of
-        that kind runs at once. For a library that knows it will call the graph with other sizes, say
-        ``pg.prepare(ids.expand(2, -1))`` before a batched pass: the example is small (the class of sizes counts
-        each dimension as 1 or larger), so extraction costs what the one-row example's did, not a pass over the
-        large batch.
+        """Extract now, without a warning or a run, the graphs of calls like this one (per training mode, kind of
+        call and class of sizes, :mod:`gradpatch.extraction.variants`), e.g. ``pg.prepare(ids.expand(2, -1))`` before
+        a batched pass: a class of sizes counts each dimension as 1 or larger, so a small example stands for a batch.
 
         Raises:
             InputSignatureError: the arguments do not fit the model's ``forward``.

@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import json
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,8 +38,7 @@ from gradpatch.circuits import load_transcoders
 from gradpatch.files.atomic import atomic_write_text
 from gradpatch.files.cache import cache_folder
 from gradpatch.files.loaders import default_device, load_model
-from recipes.cli.circuit import with_special_first
-from recipes.cli.fit_dictionary import run_dictionary_fit
+from gradpatch.circuits import with_special_first
 from recipes.dictionary.corpus import read_documents
 
 from .pipeline import PromptReport, trace_prompt
@@ -69,9 +69,10 @@ def trained_transcoders(tokens: int, device: str, cache: Path | None = None) -> 
     shutil.rmtree(staging, ignore_errors=True)
     staging.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    status = run_dictionary_fit(["--config", str(CONFIG), "--trainer.default_root_dir", str(staging),
-                                 "--data.train_tokens", str(tokens),
-                                 "--trainer.accelerator", "gpu" if device.startswith("cuda") else "cpu"])
+    command = [sys.executable, "-m", "recipes.cli", "fit", "--config", str(CONFIG), "--trainer.default_root_dir",
+               str(staging), "--data.train_tokens", str(tokens),
+               "--trainer.accelerator", "gpu" if device.startswith("cuda") else "cpu"]
+    status = subprocess.run(command, check=False).returncode  # gradpatch fit, as a user runs it
     if status != 0:
         raise SystemExit(status)
     staging.rename(folder)

@@ -25,6 +25,7 @@ from .html import graph_html, node_label
 from .intervene import EDIT_KINDS, FeatureEdit, InterventionResult, intervene, intervene_direct, top_logits
 from .node_ids import cantor_unpair, parse_node_id
 from .paths import check_paths
+from .prompts import with_special_first
 from .prune import (GraphInfluence, PruneResult, compute_influence, graph_influence, graph_scores, logit_weights,
                     normalize_matrix, prune_graph)
 from .qk import QKAttribution, QKCheck, QKTerm, check_qk_term, pattern_row, qk_attributions, source_label
@@ -98,4 +99,5 @@ __all__ = [
     "salient_logits",
     "save_graph",
     "top_logits",
+    "with_special_first",
 ]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..patchable_graph import PatchableGraph
-from .errors import CircuitError
+from .errors import AttentionFitError
 from .freeze import _argument, _argument_path, _call
 
 __all__ = ["AttentionFitError", "AttentionSite", "find_attention_sites"]
@@ -34,11 +34,6 @@ _SDPA = "scaled_dot_product_attention"
 _SOFTMAX = ("call_function:softmax", "call_method:softmax")
 #: Ops between the scores and the softmax, or the pattern and the values, that do not change a value.
 _CASTS = frozenset({"to", "float", "type", "contiguous", "dropout", "clone"})
-
-
-class AttentionFitError(CircuitError):
-    """An attention layer whose pre-softmax score is not q · k · scale plus a constant (a nonlinearity between the
-    scores and the softmax, or queries and keys that are not nodes); the message names the op."""
 
 
 @dataclass(frozen=True)

@@ -37,3 +37,9 @@ class FeatureIndexError(CircuitError, DictionaryConfigError):
     :func:`~gradpatch.circuits.intervene` and :func:`~gradpatch.circuits.intervene_direct` before any forward pass. Both a :class:`CircuitError` and a
     :class:`~gradpatch.dictionaries.DictionaryConfigError` (what ``splice`` raises for a latent out of range), so
     either ``except`` catches it; the message names the valid range."""
+
+
+class AttentionFitError(CircuitError):
+    """An attention layer whose pre-softmax score is not q · k · scale plus a constant (a nonlinearity between the
+    scores and the softmax, or queries and keys that are not nodes), or a QK request out of range; the message names
+    the op or the range."""

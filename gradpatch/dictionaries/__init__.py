@@ -19,9 +19,9 @@ from .clt_circuit_tracer import export_circuit_tracer_clt, load_circuit_tracer_c
 from .clt_files import load_clt, save_clt
 from .clt_splice import CLTOutputPatch, CLTSplice, splice_clt
 from .errors import DictionaryConfigError, DictionaryError, DictionaryLoadError, DictionaryShapeError
-from .evaluation import (SAELENS_NAMES, AllSplicedMetrics, DictionaryLayers, DictionaryMetrics, LayerMetrics,
-                         cross_layer_layers, evaluate_dictionary, evaluate_layers, per_layer_dictionaries,
-                         splice_layers)
+from .evaluation import SAELENS_NAMES, DictionaryMetrics, evaluate_dictionary
+from .layers_evaluation import (AllSplicedMetrics, DictionaryLayers, LayerMetrics, cross_layer_layers, evaluate_layers,
+                                per_layer_dictionaries, splice_layers)
 from .losses import (auxk_loss, cross_layer_auxk_loss, jumprelu_l0, l1_penalty, normalized_mse, pre_activation_loss,
                      remove_parallel_gradient, sparse_decode, tanh_penalty, unit_norm_rows)
 from .modules import DictionaryConfig, SkipTranscoder, SparseAutoencoder, SparseDictionary, Transcoder

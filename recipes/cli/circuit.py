@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from gradpatch.circuits import FeatureEdit
     from gradpatch.progress import ProgressBar
 
-__all__ = ["NAME", "parse_edit", "register", "with_special_first"]
+__all__ = ["NAME", "parse_edit", "register"]
 
 NAME = "circuit"
 _EDIT = re.compile(r"(ablate|scale|clamp|steer):(-?\d+):(-?\d+):(\d+)(?:=(-?[0-9.eE+-]+))?")
@@ -81,22 +81,6 @@ def parse_edit(text: str) -> Any:
     except ValueError as error:
         raise ValueError(f"--intervene {text!r}: {value!r} is not a number") from error
     return FeatureEdit(int(layer), int(position), int(feature), kind, number)
-
-
-def with_special_first(ids: Any, tokenizer: Any) -> Any:
-    """``ids`` ``[1, seq]`` with a special token prepended where the first is not one (circuit-tracer 0.5.0's
-    ``ensure_tokenized``: the tokenizer's BOS, else pad, EOS or its first special token; none: ``ids`` as they
-    are)."""
-    import torch
-
-    special = list(tokenizer.all_special_ids)
-    if int(ids[0, 0]) in special:
-        return ids
-    candidates = [tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id, *special]
-    first = next((token for token in candidates if token is not None), None)
-    if first is None:
-        return ids
-    return torch.cat([torch.full((1, 1), int(first), dtype=ids.dtype, device=ids.device), ids], 1)
 
 
 def _feature_count(text: str) -> int | None:
@@ -234,6 +218,8 @@ def _prompt_ids(args: argparse.Namespace, prompt: str, tokenizer: Any, device: s
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
     if ids.shape[1] < 1:
         raise CircuitError(f"the prompt {prompt!r} gave no token; give some text")
+    from gradpatch.circuits import with_special_first
+
     return ids if args.keep_first_position else with_special_first(ids, tokenizer)
 
 

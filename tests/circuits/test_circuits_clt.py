@@ -175,7 +175,7 @@ def test_the_circuit_command_takes_a_clt_folder(tmp_path) -> None:
     CLI's replacement model (its prompt, a special token first); an --intervene runs through the CLT."""
     from gradpatch.files.loaders import load_model
     from recipes import cli
-    from recipes.cli.circuit import with_special_first
+    from gradpatch.circuits import with_special_first
     from recipes.testing import save_tiny_backbone
 
     torch.set_num_threads(1)

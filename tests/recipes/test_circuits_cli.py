@@ -25,7 +25,7 @@ from gradpatch.dictionaries import SkipTranscoder, export_circuit_tracer, save_d
 from gradpatch.files.loaders import load_model
 from gradpatch.patches import AddPatch
 from recipes import cli
-from recipes.cli.circuit import with_special_first
+from gradpatch.circuits import with_special_first
 from recipes.testing import save_tiny_backbone
 
 PROMPT = "the capital of France is Paris and the capital of Italy is"
