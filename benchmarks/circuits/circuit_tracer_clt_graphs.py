@@ -25,18 +25,14 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from benchmarks.circuits.circuit_tracer_graphs import (NODES, PROMPT, mlp_inputs, build_model, compare,
+from benchmarks.circuits.circuit_tracer_graphs import (NODES, build_model, compare, mlp_inputs, ours, prompt_ids,
                                                       save_model_folder)
-from benchmarks.harness import emit, peak_mib, peer_python, reset_peak, run_module
-from gradpatch import PatchableGraph
-from gradpatch.circuits import ReplacementModel, attribute
+from benchmarks.harness import emit, peer_python, run_module
 from gradpatch.dictionaries import (CLTConfig, CrossLayerTranscoder, export_circuit_tracer_clt,
                                     load_circuit_tracer_clt)
 
@@ -67,40 +63,16 @@ def make_clt(model: Any, ids: torch.Tensor, latents: int, activation: str, k: in
 def prepare(args: argparse.Namespace, folder: Path) -> None:
     """The shared inputs: the model folder, the exported CLT (``folder/clt``) and ``prompt.json``."""
     model, tokenizer = build_model(args.model)
-    bos = torch.tensor([[tokenizer.bos_token_id]])
-    if args.model == "smollm2":
-        text = " ".join([PROMPT] * (1 + args.tokens // 16))
-        ids = torch.cat([bos, tokenizer(text, return_tensors="pt").input_ids[:, :args.tokens - 1]], 1)
-    else:
-        generator = torch.Generator().manual_seed(3)
-        ids = torch.cat([bos, torch.randint(20, 100, (1, args.tokens - 1), generator=generator)], 1)
+    ids = prompt_ids(args.model, tokenizer, args.tokens)
     clt = make_clt(model, ids, args.latents, args.activation, args.k, NODES[args.model])
     export_circuit_tracer_clt(clt, folder / "clt")
     save_model_folder(model, tokenizer, folder / "model")
     (folder / "prompt.json").write_text(json.dumps({"ids": ids[0].tolist(), "batch_size": args.batch_size}))
 
 
-def ours(args: argparse.Namespace, folder: Path) -> None:
-    """gradpatch's side (its own process): the graph of the saved prompt over the exported CLT read back."""
-    prompt = json.loads((folder / "prompt.json").read_text())
-    start = time.perf_counter()
-    model, _ = build_model(args.model)
-    ids = torch.tensor([prompt["ids"]])
-    clt = load_circuit_tracer_clt(folder / "clt", *NODES[args.model])
-    replacement = ReplacementModel(PatchableGraph(model, ids, use_cache=False), clt, ids)
-    loaded = time.perf_counter() - start
-    reset_peak()
-    start, cpu = time.perf_counter(), time.process_time()
-    graph = attribute(replacement, max_feature_nodes=None, batch_size=prompt["batch_size"])
-    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    save_file({"adjacency": graph.adjacency.contiguous(), "active_features": graph.active_features.contiguous(),
-               "activation_values": graph.activations.contiguous(), "logit_tokens": graph.logit_tokens.contiguous(),
-               "logit_probabilities": graph.logit_probabilities.contiguous()},
-              str(folder / "gradpatch_graph.safetensors"))
-    (folder / "gradpatch_run.json").write_text(json.dumps({
-        "load_seconds": round(loaded, 2), "attribute_seconds": round(seconds, 2),
-        "attribute_cpu_seconds": round(cpu, 2), "peak_rss_during_attribute_gib": round(peak_mib() / 1024, 3),
-        "torch_threads": torch.get_num_threads(), "zero_first_position": True}))
+def load_clt(folder: Path, input_node: str, output_node: str) -> CrossLayerTranscoder:
+    """The exported CLT read back (``folder/clt``)."""
+    return load_circuit_tracer_clt(folder / "clt", input_node, output_node)
 
 
 def main() -> None:
@@ -120,7 +92,7 @@ def main() -> None:
     parser.add_argument("--ours", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ours:
-        ours(args, Path(args.ours))
+        ours(args, Path(args.ours), load_clt)
         return
     environment = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

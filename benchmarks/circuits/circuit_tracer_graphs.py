@@ -37,6 +37,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,41 +131,50 @@ def save_model_folder(model: Any, tokenizer: Any, folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=1))
 
 
+def prompt_ids(name: str, tokenizer: Any, tokens: int) -> torch.Tensor:
+    """The prompt ``[1, tokens]``: the BOS token, then a prefix of :data:`PROMPT` repeated (``smollm2``) or seeded
+    random ids in [20, 100) (``tiny-llama``)."""
+    bos = torch.tensor([[tokenizer.bos_token_id]])
+    if name == "smollm2":
+        text = " ".join([PROMPT] * (1 + tokens // 16))  # a prefix of it is the prompt
+        return torch.cat([bos, tokenizer(text, return_tensors="pt").input_ids[:, :tokens - 1]], 1)
+    generator = torch.Generator().manual_seed(3)
+    return torch.cat([bos, torch.randint(20, 100, (1, tokens - 1), generator=generator)], 1)
+
+
 def prepare(args: argparse.Namespace, folder: Path) -> None:
     """The shared inputs: the model folder, the exported transcoder set and ``prompt.json``."""
     model, tokenizer = build_model(args.model)
-    bos = torch.tensor([[tokenizer.bos_token_id]])
-    if args.model == "smollm2":
-        text = " ".join([PROMPT] * (1 + args.tokens // 16))  # a prefix of it is the prompt
-        ids = torch.cat([bos, tokenizer(text, return_tensors="pt").input_ids[:, :args.tokens - 1]], 1)
-        latents, k = 1024, args.k
-    else:
-        generator = torch.Generator().manual_seed(3)
-        ids = torch.cat([bos, torch.randint(20, 100, (1, args.tokens - 1), generator=generator)], 1)
-        latents, k = 64, 0
+    ids = prompt_ids(args.model, tokenizer, args.tokens)
+    latents, k = (1024, args.k) if args.model == "smollm2" else (64, 0)
     transcoders = make_transcoders(model, ids, latents, k, NODES[args.model])
     export_circuit_tracer(transcoders, folder / "transcoders", str(folder / "model"), "mlp.hook_in", "mlp.hook_out")
     save_model_folder(model, tokenizer, folder / "model")
     (folder / "prompt.json").write_text(json.dumps({"ids": ids[0].tolist(), "batch_size": args.batch_size}))
 
 
-def ours(args: argparse.Namespace, folder: Path) -> None:
-    """gradpatch's side (its own process): the graph of the saved prompt with the exported transcoders read back."""
+def ours(args: argparse.Namespace, folder: Path,
+         load: Callable[[Path, str, str], Any] = lambda folder, *nodes: load_circuit_tracer(
+             folder / "transcoders" / "config.yaml", *nodes)) -> None:
+    """gradpatch's side (its own process): the graph of the saved prompt over the dictionaries ``load(folder,
+    *NODES[model])`` reads back from the exported files (by default the transcoder set)."""
     prompt = json.loads((folder / "prompt.json").read_text())
     start = time.perf_counter()
     model, _ = build_model(args.model)
     ids = torch.tensor([prompt["ids"]])
-    transcoders = load_circuit_tracer(folder / "transcoders" / "config.yaml", *NODES[args.model])
+    dictionaries = load(folder, *NODES[args.model])
     pg_cpu = time.process_time()
     pg = PatchableGraph(model, ids, use_cache=False)
     replacement_cpu = time.process_time()
-    replacement = ReplacementModel(pg, transcoders, ids)
+    replacement = ReplacementModel(pg, dictionaries, ids)
     pg_cpu, replacement_cpu = replacement_cpu - pg_cpu, time.process_time() - replacement_cpu
     loaded = time.perf_counter() - start
     rss_loaded = resident_mib() / 1024
     reset_peak()
-    start, cpu, load = time.perf_counter(), time.process_time(), os.getloadavg()[0]
-    graph = attribute(replacement, batch_size=prompt["batch_size"], zero_first_position=not args.keep_first_position)
+    zero_first = not getattr(args, "keep_first_position", False)
+    start, cpu, load_average = time.perf_counter(), time.process_time(), os.getloadavg()[0]
+    graph = attribute(replacement, max_feature_nodes=None, batch_size=prompt["batch_size"],
+                      zero_first_position=zero_first)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     save_file({"adjacency": graph.adjacency.contiguous(), "active_features": graph.active_features.contiguous(),
                "activation_values": graph.activations.contiguous(), "logit_tokens": graph.logit_tokens.contiguous(),
@@ -173,10 +183,11 @@ def ours(args: argparse.Namespace, folder: Path) -> None:
     (folder / "gradpatch_run.json").write_text(json.dumps({
         "load_seconds": round(loaded, 2), "patchable_graph_cpu_seconds": round(pg_cpu, 2),
         "replacement_model_cpu_seconds": round(replacement_cpu, 2), "attribute_seconds": round(seconds, 2),
-        "attribute_cpu_seconds": round(cpu, 2), "load_average_1min": [round(load, 1), round(os.getloadavg()[0], 1)],
+        "attribute_cpu_seconds": round(cpu, 2),
+        "load_average_1min": [round(load_average, 1), round(os.getloadavg()[0], 1)],
         "rss_after_load_gib": round(rss_loaded, 3), "peak_rss_during_attribute_gib": round(peak_mib() / 1024, 3),
         "max_rss_gib": round(max_rss_mib() / 1024, 3),
-        "torch_threads": torch.get_num_threads(), "zero_first_position": not args.keep_first_position}))
+        "torch_threads": torch.get_num_threads(), "zero_first_position": zero_first}))
 
 
 def _node_indices(features: torch.Tensor, layers: int, seq: int, logit_tokens: list[int],

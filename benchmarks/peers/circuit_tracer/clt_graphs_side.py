@@ -21,23 +21,17 @@ from typing import Any
 
 import torch
 
-from benchmarks.peers.circuit_tracer.graphs_side import graph, hooked_transformer, load_weights
+from benchmarks.peers.circuit_tracer.graphs_side import graph, with_dictionaries
 
 
 def clt_replacement_model(folder: Path, backend: str) -> Any:
     """circuit-tracer 0.5.0's replacement model of ``folder/model`` with the CLT ``folder/clt``."""
-    from circuit_tracer import ReplacementModel
     from circuit_tracer.transcoder.cross_layer_transcoder import load_clt
 
     clt = load_clt(str(folder / "clt"), feature_input_hook="mlp.hook_in", feature_output_hook="mlp.hook_out",
                    scan="gradpatch-export", device=torch.device("cpu"), dtype=torch.float32, lazy_decoder=False,
                    lazy_encoder=False)
-    if backend == "nnsight":
-        return ReplacementModel.from_pretrained_and_transcoders(str(folder / "model"), clt, backend="nnsight",
-                                                                device=torch.device("cpu"), dtype=torch.float32)
-    model_config, state, tokenizer = hooked_transformer(folder / "model")
-    return load_weights(ReplacementModel.from_config(model_config, clt, backend="transformerlens",
-                                                     tokenizer=tokenizer), state)
+    return with_dictionaries(folder, clt, backend)
 
 
 if __name__ == "__main__":

@@ -126,18 +126,25 @@ def replacement_model(folder: Path, backend: str) -> Any:
         return load_weights(OldReplacementModel.from_config(
             config, settings.transcoders, feature_input_hook=settings.feature_input_hook,
             feature_output_hook=settings.feature_output_hook, scan=settings.scan, tokenizer=tokenizer), state)
-    from circuit_tracer import ReplacementModel
     from circuit_tracer.transcoder.single_layer_transcoder import load_transcoder_set
 
     transcoders = load_transcoder_set(dict(enumerate(config["transcoders"])), "gradpatch-export",
                                       config["feature_input_hook"], config["feature_output_hook"],
                                       device=torch.device("cpu"), dtype=torch.float32, lazy_encoder=False,
                                       lazy_decoder=False)
+    return with_dictionaries(folder, transcoders, backend)
+
+
+def with_dictionaries(folder: Path, dictionaries: Any, backend: str) -> Any:
+    """circuit-tracer 0.5.0's replacement model of ``folder/model`` over ``dictionaries`` (a transcoder set or a
+    CLT) with its ``nnsight`` or ``transformerlens`` backend, on the CPU in float32."""
+    from circuit_tracer import ReplacementModel
+
     if backend == "nnsight":
-        return ReplacementModel.from_pretrained_and_transcoders(str(folder / "model"), transcoders, backend="nnsight",
+        return ReplacementModel.from_pretrained_and_transcoders(str(folder / "model"), dictionaries, backend="nnsight",
                                                                 device=torch.device("cpu"), dtype=torch.float32)
     model_config, state, tokenizer = hooked_transformer(folder / "model")
-    return load_weights(ReplacementModel.from_config(model_config, transcoders, backend="transformerlens",
+    return load_weights(ReplacementModel.from_config(model_config, dictionaries, backend="transformerlens",
                                                      tokenizer=tokenizer), state)
 
 
