@@ -18,7 +18,7 @@ from .attribute import DEFAULT_MAX_FEATURE_NODES, AttributionGraph, attribute, s
 from .complete import Completeness, check_completeness, completeness, default_tolerance
 from .errors import (CircuitError, FeatureIndexError, FrozenNodesNotFoundError, IncompleteGraphError, MemoryBoundError,
                      NoPathError)
-from .files import frontend_graph, graph_slug, node_records, save_graph
+from .files import add_head_loadings, frontend_graph, graph_slug, load_head_loadings, node_records, save_graph
 from .freeze import FrozenLayerNorm, FrozenNodes, FrozenPattern, LinearisedOp, find_frozen_nodes
 from .heads import HeadLoadings, head_loadings, save_head_loadings
 from .html import graph_html, node_label
@@ -43,6 +43,8 @@ __all__ = [
     "check_qk_term",
     "find_attention_sites",
     "head_loadings",
+    "add_head_loadings",
+    "load_head_loadings",
     "pattern_row",
     "qk_attributions",
     "save_head_loadings",

@@ -13,13 +13,17 @@ with the optional fields of :mod:`gradpatch.circuits.annotate`) shows:
 - tooltips naming nodes (:func:`node_label`) and links (``source → target: weight``); a click shows a node's
   details (its top logits and top activating snippets where ``graph.json`` has them, its strongest inputs and
   outputs) and highlights its links;
+- a selected link (clicked, or picked from a node's inputs and outputs or from the list of links with head
+  loadings): its weight and, where ``graph.json`` has them, its head loadings per attention layer
+  (:mod:`gradpatch.circuits.html_heads`);
 - the node table, sorted by influence (most influential first; re-sortable by any column);
 - supernodes as circuit-tracer's frontend keeps them (``qParams.supernodes``: ``[[name, node_id, ...], ...]``):
   shift-click nodes (or tick them in the table), name the group, group; groups are read from ``graph.json``'s
   ``qParams.supernodes`` when the page is built, saved by downloading ``graph.json`` with them (their members added
   to ``qParams.pinnedIds``, which circuit-tracer's subgraph needs), and loaded from such a file.
 
-The script (:mod:`gradpatch.circuits.html_script`) reads the graph from a JSON block in the page.
+The scripts (:mod:`gradpatch.circuits.html_script`, :mod:`gradpatch.circuits.html_heads`) read the graph from a
+JSON block in the page.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import re
 from collections import defaultdict
 from typing import Any
 
+from .html_heads import HEADS_SCRIPT, HEADS_STYLE, head_loadings_section
 from .html_script import SCRIPT, STYLE
 from .node_ids import parse_node_id
 
@@ -254,14 +259,15 @@ def graph_html(frontend: dict[str, Any]) -> str:
     tokens = [str(t) for t in metadata.get("prompt_tokens", [])]
     n_pos = max([len(tokens)] + [int(n["ctx_idx"]) + 1 for n in nodes])
     labels = [node_label(node, tokens) for node in nodes]
+    labels_by_id = {node["node_id"]: label for node, label in zip(nodes, labels)}
     title = html.escape(str(metadata.get("slug", "attribution graph")))
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{title}</title>",
-        f"<style>{STYLE}</style></head><body>", f"<h1>{title}</h1>",
+        f"<style>{STYLE}\n{HEADS_STYLE}</style></head><body>", f"<h1>{title}</h1>",
         *_header(metadata, nodes, links), _LEGEND,
         '<div id="main"><div id="drawing">', *_svg(nodes, links, tokens, n_pos), "</div>",
-        '<div id="details"><p class="small">Click a node for its details; hover a node or a link for its '
-        "label.</p></div></div>",
+        '<div id="details"><p class="small">Click a node for its details, a link for its weight and head loadings; '
+        "hover a node or a link for its label.</p></div></div>", *head_loadings_section(links, labels_by_id),
         '<div id="supernodes"><h2>Supernodes</h2><p><span id="sn-count">0 selected</span> · name <input '
         'id="sn-name" value="supernode"> <button id="sn-group">Group selected</button> <button id="sn-clear">Clear '
         'selection</button> · <button id="sn-download">Download graph.json with these supernodes</button> · load '
@@ -270,4 +276,5 @@ def graph_html(frontend: dict[str, Any]) -> str:
         "<h2>Nodes, most influential first</h2>", *_table(nodes, labels),
         '<div id="tip" hidden></div>',
         f'<script type="application/json" id="graph-data">{_data_json(frontend, labels)}</script>',
-        f'<script id="graph-script">{SCRIPT}</script></body></html>', ""])
+        f'<script id="graph-script">{SCRIPT}</script>', f'<script id="heads-script">{HEADS_SCRIPT}</script>',
+        "</body></html>", ""])

@@ -194,7 +194,10 @@ if (typeof document !== "undefined") (function () {
       var item = el("li"), a = el("a", labels[pair[1]]);
       a.addEventListener("click", function () { pick(nodes[pair[1]].node_id); });
       item.appendChild(a);
-      item.appendChild(document.createTextNode("  " + GP.fmt(pair[0].weight)));
+      item.appendChild(document.createTextNode("  " + GP.fmt(pair[0].weight) + " "));
+      var edge = el("a", pair[0].head_loadings ? "heads" : "edge");  /* the link's details: html_heads.py */
+      edge.addEventListener("click", function () { window.gpPickLink(links.indexOf(pair[0])); });
+      item.appendChild(edge);
       list.appendChild(item);
     });
     if (!entries.length) list.appendChild(el("li", "none kept"));
@@ -238,7 +241,7 @@ if (typeof document !== "undefined") (function () {
   function pick(id) {
     var i = index[id];
     document.querySelectorAll(".sel").forEach(function (e) { e.classList.remove("sel"); });
-    if (state.picked !== null) linesOf[state.picked].forEach(function (l) { l.classList.remove("hi"); });
+    document.querySelectorAll("line.hi").forEach(function (l) { l.classList.remove("hi"); });
     state.picked = i === undefined ? null : i;
     svg.classList.toggle("picked", i !== undefined);
     if (i === undefined) return;

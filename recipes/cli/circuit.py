@@ -20,8 +20,11 @@ logits before and after) and ``OUT/attribution.json`` (counts, scores, seconds a
 on the CPU, ``torch.cuda.max_memory_allocated`` on a GPU; :mod:`recipes.cli.memory`), every JSON file with a
 ``provenance`` record (the command line, every option, the
 versions) and ``OUT/provenance.json`` listing every file (:mod:`recipes.cli.outputs`). An ``--out`` that holds an
-earlier run is refused unless ``--overwrite`` is given, and then replaced whole. Bad input exits with status 2, the fix
-on stderr, and writes nothing. A progress bar on stderr (off with ``--quiet``) counts the steps. See docs/circuits.md.
+earlier run is refused unless ``--overwrite`` is given, and then replaced whole. With ``--head-loadings``
+(:mod:`recipes.cli.circuit_qk`), the links of ``graph.json`` whose edges were split also carry their head loadings
+(:func:`gradpatch.circuits.add_head_loadings`), which ``graph.html`` shows for a selected link. Bad input exits
+with status 2, the fix on stderr, and writes nothing. A progress bar on stderr (off with ``--quiet``) counts the
+steps. See docs/circuits.md.
 
 Position 0, as circuit-tracer 0.5.0 does: a prompt whose first token is not a special token gets one prepended (the
 tokenizer's BOS, else its pad, EOS or first special token), and position 0 has no feature nodes and its error nodes
@@ -228,8 +231,8 @@ def _one_prompt(args: argparse.Namespace, pg: Any, transcoders: Any, tokenizer: 
                 slug: str | None, scan: str) -> dict[str, Any]:
     """One prompt's graph, interventions and files in ``out``, its peak memory measured from before the replacement
     model is built to after the files are written; returns its summary (also written as ``out/attribution.json``)."""
-    from gradpatch.circuits import (ReplacementModel, annotate_frontend, attribute, graph_influence, graph_scores,
-                                    intervene, intervene_direct, live_mlp_layers)
+    from gradpatch.circuits import (ReplacementModel, add_head_loadings, annotate_frontend, attribute, graph_influence,
+                                    graph_scores, intervene, intervene_direct, live_mlp_layers, load_head_loadings)
     from gradpatch.files.atomic import atomic_write_text
 
     from ..reports.circuit_report import intervention_record, save_circuit
@@ -254,12 +257,16 @@ def _one_prompt(args: argparse.Namespace, pg: Any, transcoders: Any, tokenizer: 
         bar.advance()
         record = intervention_record(result, edits, decode) if result is not None else None
         unpruned = graph_influence(graph)  # once: pruning, the scores and the report's figure start from it
-        names = [path.name for path in save_circuit(
+        names = [path.name for path in write_qk_results(args, replacement, graph, out, decode)]
+        loadings = load_head_loadings(out) if args.head_loadings else None  # written just now, onto graph.json's links
+        annotated = partial(annotate_frontend, graph=graph, replacement=replacement, decode=decode, unpruned=unpruned)
+
+        def annotate(frontend: dict[str, Any]) -> dict[str, Any]:
+            return annotated(frontend) if loadings is None else add_head_loadings(annotated(frontend), graph, loadings)
+
+        names += [path.name for path in save_circuit(
             graph, out, decode=decode, prompt=prompt, slug=slug, scan=scan, node_threshold=args.node_threshold,
-            edge_threshold=args.edge_threshold, unpruned=unpruned, intervention=record,
-            annotate=partial(annotate_frontend, graph=graph, replacement=replacement, decode=decode,
-                             unpruned=unpruned))]
-        names += [path.name for path in write_qk_results(args, replacement, graph, out, decode)]
+            edge_threshold=args.edge_threshold, unpruned=unpruned, intervention=record, annotate=annotate)]
         live = live_mlp_layers(replacement)
         del replacement
         replacement_score, completeness = graph_scores(graph, unpruned)

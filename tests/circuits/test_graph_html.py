@@ -119,7 +119,7 @@ def test_page_is_self_contained_and_draws_every_node_and_link() -> None:
 def test_embedded_data_survives_text_that_would_end_a_script() -> None:
     frontend = _frontend(token='</script><b>&"x')
     page = graph_html(frontend)
-    assert page.count("</script>") == 2  # the data block's and the script's, no other
+    assert page.count("</script>") == 3  # the data block's and the two scripts', no other
     assert _embedded(page)["frontend"] == frontend
 
 
@@ -193,13 +193,15 @@ _FAMILIES = {"llama": ("model.layers_{}.mlp.x", "model.layers_{}.mlp.output"),
              "gpt2": ("transformer.h_{}.mlp.hidden_states", "transformer.h_{}.mlp.output")}
 
 
-def _replacement(family: str, layers: tuple[int, ...]) -> ReplacementModel:
-    """The tiny ``family`` model (2 layers) with random ReLU skip transcoders (64 latents) at ``layers``."""
+def _replacement(family: str, layers: tuple[int, ...], dtype: torch.dtype = torch.float32) -> ReplacementModel:
+    """The tiny ``family`` model (2 layers) with random ReLU skip transcoders (64 latents) at ``layers``, in
+    ``dtype``."""
     if family == "llama":
         model = testing.tiny_llama(100, hidden=64, intermediate=128, init_std=0.02, max_position_embeddings=64,
                                    pad_token_id=None, bos_token_id=1, eos_token_id=2)
     else:
         model = testing.tiny_gpt2(100, hidden=64, init_std=0.02, n_positions=64)
+    model = model.to(dtype)
     ids = torch.randint(0, 100, (1, 6), generator=torch.Generator().manual_seed(3))
     read, write = _FAMILIES[family]
     generator = torch.Generator().manual_seed(0)
@@ -209,7 +211,7 @@ def _replacement(family: str, layers: tuple[int, ...]) -> ReplacementModel:
                                     output_node=write.format(layer), generator=generator)
         with torch.no_grad():
             transcoder.W_skip.normal_(0, 0.05, generator=generator)
-        transcoders[layer] = transcoder
+        transcoders[layer] = transcoder.to(dtype)
     return ReplacementModel(PatchableGraph(model, ids, use_cache=False), transcoders, ids)
 
 
