@@ -17,25 +17,27 @@ from typing import Any
 from torch import fx, nn
 
 from .attributes import attribute_value, patchable_attributes
-from .compilable_ops import compilable_target
 from .dispatch import Dispatch, accelerate_hook, run_hooked
 from ..errors import CompilationWarning, ExtractionError
+from .compilable_ops import compilable_target
 from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, UnusedModule
 from .hierarchy import (
     assemble,
-    is_structured,
+    call_sites,
     node_name,
     shallow_copy,
     stand_ins,
     with_call_sites,
-    wrapper_target,
 )
 from .inputs import InputPlan, plan_inputs, substitute
 from .naming import assign_node_names, unique_names
 from .options import ExtractionOptions
 from ..patch_table import LEAF_NAME
-from .tracer import ValueTracer, check_traceable, concrete_execution, contains_proxy, resolve_attribute
+from .reads import ReadRecording
+from .reuse import TemplateStore
+from .tracer import ValueTracer, _map_proxies, check_traceable, concrete_execution, contains_proxy, resolve_attribute
 from ..value_info import ValueInfo, describe, holds_input
+from .wrappers import assemble_wrapper, group_calls, replayed_wrapper
 
 __all__ = [
     "CompiledGraphModule",
@@ -58,6 +60,8 @@ class Extractor:
     def __init__(self, options: ExtractionOptions) -> None:
         self.options = options
         self.guard_count = 0  # size-dependent Python decisions in the graphs extracted so far
+        # graphs that repeated modules may reuse (gradpatch.extraction.reuse)
+        self.templates = TemplateStore(share_graphs=options.postprocessing_function is None)
 
     def extract(self, module: nn.Module, args: tuple, kwargs: dict, path: str) -> tuple[nn.Module, Any]:
         """Extract the wrapper for one call ``module(*args, **kwargs)`` (concrete values).
@@ -72,6 +76,7 @@ class Extractor:
             ExtractionError: with ``error_on_compilation_failure`` when no graph can be extracted, or (unless
                 ``allow_unused_submodules``) when a submodule of a compiled module is never called.
         """
+        self.templates.start(module)  # the first call is the root's
         hook = accelerate_hook(module)
         if hook is None:
             return self._extract(module, args, kwargs, path)
@@ -115,31 +120,64 @@ class Extractor:
         if custom is not None:
             replacement = custom(module)
             if isinstance(replacement, fx.Graph):
-                return _from_graph(module, replacement, args, kwargs)
+                wrapper, output = _from_graph(module, replacement, args, kwargs)
+                wrapper._gp_graph_path = path
+                return wrapper, output
             traced = replacement
         check_traceable(type(traced).forward)
-        root, sites = with_call_sites(traced)
         plan = plan_inputs(traced, args, kwargs)
+        if custom is None and self.templates.has(module):
+            reused = self._reuse(module, plan, path)
+            if reused is not None:
+                return reused
+        root, sites = with_call_sites(traced)
+        recording = None
+        if custom is None and self.templates.records(module):
+            try:
+                recording = ReadRecording(module, [(copy, name) for name, copy in root.named_modules(
+                    remove_duplicate=False)])
+            except (TypeError, AttributeError):  # its classes cannot be instrumented: traced, never reused
+                recording = None
         calls: dict[str, list[tuple[fx.Node, nn.Module]]] = {}
+        call_records: dict[fx.Node, tuple[str, Any, Any, Any]] = {}
 
         def on_child_call(tracer: ValueTracer, child: nn.Module, name: str, args: tuple, kwargs: dict) -> Any:
             site, original = sites.get(id(child), (name, child))
-            wrapper, output = self.extract(original, tracer.value_of(args), tracer.value_of(kwargs),
-                                           _join(path, node_name(site)))
+            if recording is not None:
+                recording.active = False  # the child's extraction is not this module's code
+            try:
+                wrapper, output = self.extract(original, tracer.value_of(args), tracer.value_of(kwargs),
+                                               _join(path, node_name(site)))
+            finally:
+                if recording is not None:
+                    recording.active = True
             # Compiled parents pass what holds tensors; constants are baked into the child (or kept by it).
             node_kwargs = {key: value for key, value in kwargs.items() if contains_proxy(value)}
             proxy = tracer.create_proxy_with_value("call_module", site, tuple(args), node_kwargs, output)
             calls.setdefault(site, []).append((proxy.node, wrapper))
+            if recording is not None and id(child) in sites:
+                call_records[proxy.node] = (site, _map_proxies(tuple(args), _node_of), _map_proxies(kwargs, _node_of),
+                                            output)
             return proxy
 
         def call(proxies: list[Any]) -> Any:
             by_target = dict(zip((target for target, _ in plan.placeholders), proxies))
             call_args, call_kwargs = substitute(plan, by_target)
-            return type(traced).forward(root, *call_args, **call_kwargs)
+            if recording is not None:
+                recording.active = True
+            try:
+                return type(traced).forward(root, *call_args, **call_kwargs)
+            finally:
+                if recording is not None:
+                    recording.active = False
 
         tracer = ValueTracer(on_child_call)
-        graph = tracer.trace_call(root, plan.placeholders, call)
-        tracer.insert_guards(path)
+        try:
+            graph = tracer.trace_call(root, plan.placeholders, call)
+        finally:
+            if recording is not None:
+                recording.stop()
+        tracer.insert_guards()
         self.guard_count += len(tracer.guards)
         output = tracer.output_value
         for node in graph.nodes:
@@ -148,10 +186,39 @@ class Extractor:
                 value = resolve_attribute(root, str(node.target))
             node.meta["gp_info"] = describe(value)
         self._check_unused({site for site, _ in sites.values()} - set(calls), path)
-        wrapper = _compiled_wrapper(traced, root, graph, calls, plan, type(module).__name__)
+        attribute_values = {node: tracer.values.get(node) for node in graph.nodes if node.op == "get_attr"}
+        wrapper = _compiled_wrapper(traced, root, graph, calls, plan, type(module).__name__, path)
         wrapper.training = module.training
         object.__setattr__(wrapper, "original_module", module)
+        if recording is not None and len(call_records) == sum(len(entries) for entries in calls.values()):
+            sources = wrapper._gp_attribute_sources
+            self.templates.add(module, recording, plan, graph,
+                               {node.name: (sources[node.name], value) for node, value in attribute_values.items()},
+                               {node.name: record for node, record in call_records.items()}, output,
+                               len(tracer.guards), wrapper.code_bundle())
         return wrapper, output
+
+    def _reuse(self, module: nn.Module, plan: InputPlan, path: str) -> tuple[nn.Module, Any] | None:
+        """The wrapper and output of this call from a template of an earlier module, if one provably fits
+        (:mod:`gradpatch.extraction.reuse`); ``None`` to trace."""
+        sites = call_sites(module)
+        by_site = dict(sites)
+
+        def extract_child(site: str, args: tuple, kwargs: dict) -> tuple[nn.Module, Any]:
+            return self.extract(by_site[site], args, kwargs, _join(path, node_name(site)))
+
+        for template in self.templates.candidates(module, plan, sites):
+            guard_count = self.guard_count
+            replay = self.templates.replay(template, module, plan, extract_child)
+            if replay is None:
+                self.guard_count = guard_count
+                continue
+            self.guard_count += template.guards
+            called = {record[0] for record in template.calls.values()}
+            self._check_unused(set(by_site) - called, path)
+            wrapper = replayed_wrapper(module, replay, plan, path)
+            return wrapper, replay.output
+        return None
 
     def _check_unused(self, unused: set[str], path: str) -> None:
         options = self.options
@@ -219,18 +286,10 @@ class _Recorder(nn.Module):
 
 def _compiled_wrapper(traced: nn.Module, root: nn.Module, graph: fx.Graph,
                       calls: dict[str, list[tuple[fx.Node, nn.Module]]], plan: InputPlan,
-                      class_name: str) -> CompiledGraphModule:
+                      class_name: str, path: str) -> CompiledGraphModule:
     """Name the call sites, point ``get_attr`` nodes at flat attributes, and build the wrapper with the original
     hierarchy around the children's wrappers."""
-    flat: dict[str, list[nn.Module]] = {}
-    structured: dict[str, list[nn.Module]] = {}
-    targets: dict[fx.Node, str] = {}
-    for site, entries in calls.items():
-        keep = is_structured(traced, site)
-        base = wrapper_target(site) if keep else node_name(site)
-        (structured if keep else flat)[site if keep else base] = [wrapper for _, wrapper in entries]
-        for index, (node, _) in enumerate(entries):
-            targets[node] = base if len(entries) == 1 else f"{base}.{index}"
+    structured, flat, targets = group_calls(traced, calls)
     names = {}
     for site, entries in calls.items():
         for index, (node, _) in enumerate(entries):
@@ -248,19 +307,12 @@ def _compiled_wrapper(traced: nn.Module, root: nn.Module, graph: fx.Graph,
             mapping[node.target] = _wrapper_at(calls, node)
         elif node.op == "call_function":  # eager-only kernels (torch._grouped_mm) made compilable
             node.target = compilable_target(node.target)
-    wrapper = CompiledGraphModule(mapping, graph, class_name)
-    modules = assemble(traced, structured, lambda child, site: UnusedModule(), safe_names=True)
-    for base, wrappers in flat.items():
-        modules[base] = wrappers[0] if len(wrappers) == 1 else MultiplyInvokedModule(wrappers)
-    wrapper._modules = modules
-    wrapper._gp_attribute_sources = sources
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
     others = {node.name for node in graph.nodes if node.op != "placeholder"} | {"output"}
     for node, name in zip(placeholders, unique_names([str(node.target).lstrip("*") for node in placeholders],
                                                      others)):
         node.meta[LEAF_NAME] = name
-    wrapper.input_names = [node.meta[LEAF_NAME] for node in placeholders if node.target in plan.dynamic]
-    return wrapper
+    return assemble_wrapper(traced, graph, mapping, structured, flat, sources, plan, class_name, path, None)
 
 
 def _wrapper_at(calls: dict[str, list[tuple[fx.Node, nn.Module]]], node: fx.Node) -> nn.Module:
@@ -269,6 +321,10 @@ def _wrapper_at(calls: dict[str, list[tuple[fx.Node, nn.Module]]], node: fx.Node
             if candidate is node:
                 return wrapper
     raise AssertionError(f"no wrapper recorded for {node.name}")
+
+
+def _node_of(proxy: fx.Proxy) -> fx.Node:
+    return proxy.node
 
 
 def _from_graph(module: nn.Module, graph: fx.Graph, args: tuple, kwargs: dict) -> tuple[nn.Module, Any]:

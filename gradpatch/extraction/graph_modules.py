@@ -13,6 +13,7 @@ cost nothing.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from torch import fx, nn
@@ -23,6 +24,19 @@ from ..patch_table import PATCH_TABLE_ATTRIBUTE, PatchTable, apply_patches, patc
 from ..value_info import ValueInfo
 
 
+@dataclass(frozen=True)
+class GraphCode:
+    """A graph's generated forward: its source, fx's line map (for error messages), the compiled function, the key
+    under which wrappers share patched versions of it, and the class-level trampoline carrying its signature."""
+
+    src: str
+    lineno_map: Any
+    prologue_start: int
+    forward: Callable[..., Any]
+    key: tuple[Any, ...]
+    trampoline: Callable[..., Any]
+
+
 class CompiledGraphModule(fx.GraphModule):
     """A module whose forward is an extracted fx graph; every node is patchable.
 
@@ -30,6 +44,10 @@ class CompiledGraphModule(fx.GraphModule):
         root: maps each ``get_attr``/``call_module`` target of ``graph`` to its tensor or wrapper module.
         graph: the extracted graph.
         class_name: the original module's class name (shown in the generated code).
+        code: the generated code of an identical graph (:meth:`code_bundle`), used instead of generating it.
+
+    ``_gp_graph_path`` holds the NodePath of the module call the graph was extracted for (``""`` for the root,
+    ``None`` where unknown): a failed shape guard names it.
     """
 
     # Defined here, not inherited, so that torch.fx's patching of nn.Module's __call__ and __getattr__ (four class
@@ -40,13 +58,19 @@ class CompiledGraphModule(fx.GraphModule):
     __call__ = nn.Module.__call__
     __getattr__ = nn.Module.__getattr__
 
-    def __init__(self, root: dict[str, Any] | nn.Module, graph: fx.Graph, class_name: str) -> None:
-        self._gp_dispatch: Dispatch | None = None
+    def __init__(self, root: dict[str, Any] | nn.Module, graph: fx.Graph, class_name: str,
+                 code: GraphCode | None = None) -> None:
+        # Plain attributes go straight into the instance dict (what nn.Module.__setattr__ does for a value that is
+        # neither a tensor nor a module, at a tenth of the cost: a few hundred wrappers per extraction).
+        state = self.__dict__
+        state["_gp_dispatch"] = None
+        state["_gp_given_code"] = code
+        state["_gp_graph_path"] = None
         super().__init__(root, graph, class_name)
-        self._gp_patched_forwards: dict[frozenset[str], Callable[..., Any]] = {}
+        state["_gp_patched_forwards"] = {}
         #: wrapper attribute (a ``get_attr`` target) -> dotted path of that tensor in the original module.
-        self._gp_attribute_sources: dict[str, str] = {}
-        setattr(self, PATCH_TABLE_ATTRIBUTE, {})
+        state["_gp_attribute_sources"] = {}
+        state[PATCH_TABLE_ATTRIBUTE] = {}
 
     def recompile(self) -> Any:
         """Generate this graph's code only.
@@ -54,13 +78,24 @@ class CompiledGraphModule(fx.GraphModule):
         ``GraphModule.recompile`` also recompiles every GraphModule below (quadratic in the depth of a model's
         hierarchy) and wraps ``__call__`` in an error reporter that costs a call per module on the hot path.
         """
-        code, forward = compile_graph_code(self)
-        self._gp_clean_forward = forward
-        self._gp_patched_forwards = {}
-        self._gp_code_key = (code.src, tuple(sorted((name, id(value)) for name, value in code.globals.items())))
-        type(self).forward = _trampoline(forward)
-        self._install_forward(forward)
+        given, self._gp_given_code = self.__dict__.get("_gp_given_code"), None
+        if given is None:
+            code, forward = compile_graph_code(self)
+            key = (code.src, tuple(sorted((name, id(value)) for name, value in code.globals.items())))
+            given = GraphCode(code.src, code._lineno_map, code._prologue_start, forward, key, _trampoline(forward))
+        else:
+            code = None
+        self.__dict__.update(_code=given.src, _lineno_map=given.lineno_map, _prologue_start=given.prologue_start,
+                             _gp_clean_forward=given.forward, _gp_patched_forwards={}, _gp_code_key=given.key,
+                             _gp_code=given)
+        type(self).forward = given.trampoline
+        self._install_forward(given.forward)
         return code
+
+    def code_bundle(self) -> GraphCode:
+        """This graph's generated and compiled code, for a wrapper around the same graph or an identical one
+        (:mod:`gradpatch.extraction.reuse`) to use instead of generating it again."""
+        return self._gp_code
 
     def set_patch_table(self, table: PatchTable) -> None:
         """Activate ``table`` (node name -> patches); an empty table restores the clean, hook-free code."""
@@ -92,7 +127,7 @@ class CompiledGraphModule(fx.GraphModule):
 
     def _install_forward(self, forward: Callable[..., Any]) -> None:
         dispatch = self._gp_dispatch
-        self._gp_forward = forward if dispatch is None else dispatch.wrap(forward)
+        self.__dict__["_gp_forward"] = forward if dispatch is None else dispatch.wrap(forward)
 
 
 class OpaqueGraphModule(nn.Module):

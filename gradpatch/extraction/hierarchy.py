@@ -100,6 +100,24 @@ def with_call_sites(module: nn.Module) -> tuple[nn.Module, dict[int, tuple[str, 
     return root, sites
 
 
+def call_sites(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(dotted path, submodule)`` of every call site of ``module`` (the paths :func:`with_call_sites` gives its
+    copies), in registration order, without copying anything."""
+    sites: list[tuple[str, nn.Module]] = []
+
+    def walk(owner: nn.Module, prefix: str) -> None:
+        for name, child in owner._modules.items():
+            if child is None:
+                continue
+            if is_container(child):
+                walk(child, f"{prefix}{name}.")
+            else:
+                sites.append((f"{prefix}{name}", child))
+
+    walk(module, "")
+    return sites
+
+
 def is_structured(module: nn.Module, path: str) -> bool:
     """Whether every proper prefix of ``path`` names a container of ``module`` (so the path can be kept as is)."""
     current = module

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,11 @@ class InputPlan:
 
 def plan_inputs(module: nn.Module, args: tuple, kwargs: dict) -> InputPlan:
     """Bind the example call to ``type(module).forward`` and decide one placeholder per parameter."""
-    signature = inspect.signature(type(module).forward)
+    forward = type(module).forward
+    try:
+        signature = _signature(forward)
+    except TypeError:  # an unhashable callable
+        signature = inspect.signature(forward)
     bound = signature.bind(module, *args, **kwargs)
     bound.apply_defaults()
     placeholders: list[tuple[str, Any]] = []
@@ -44,6 +49,12 @@ def plan_inputs(module: nn.Module, args: tuple, kwargs: dict) -> InputPlan:
             placeholders.append((parameter.name, value))
     dynamic = {target for target, value in placeholders if holds_input(value)}
     return InputPlan(bound=bound, placeholders=placeholders, dynamic=dynamic)
+
+
+@functools.lru_cache(maxsize=1024)
+def _signature(function: Any) -> inspect.Signature:
+    """``inspect.signature`` of a ``forward`` function, computed once per function (signatures are immutable)."""
+    return inspect.signature(function)
 
 
 def substitute(plan: InputPlan, proxies: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:

@@ -19,7 +19,8 @@ from .graph_code import graph_code
 from .graph_modules import CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule, UnusedModule
 from .hierarchy import is_container, node_name
 from ..patch_table import leaf_name
-from .tracer import OutputRebuilder, check_shape_guard
+from .guards import check_shape_guard
+from .tracer import OutputRebuilder
 from ..value_info import ValueInfo
 
 #: The attributes every node has besides its children (graphpatch's names).

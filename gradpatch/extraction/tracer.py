@@ -16,15 +16,18 @@ from the concrete arguments of that call and returns the child's output value.
 from __future__ import annotations
 
 import dis
+import functools
 import operator
 from contextlib import contextmanager
+from types import CodeType
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx, nn
 
 from .._torch_compat import TreeSpec, tree_flatten, tree_unflatten, untraced_modules
-from ..errors import DataDependentControlFlow, ShapeSpecializationError
+from ..errors import DataDependentControlFlow
+from .guards import check_shape_guard
 from .variable_names import VariableNamer
 
 #: Tensor attributes whose values are fixed by the example (rank, dtype, device) and are returned concretely.
@@ -189,11 +192,12 @@ class ValueTracer(fx.Tracer):
     def to_bool(self, obj: fx.Proxy) -> bool:
         return bool(self.concrete_scalar(obj))
 
-    def insert_guards(self, where: str) -> None:
-        """After each node the trace decided on, check at run time that it still has its example value."""
+    def insert_guards(self) -> None:
+        """After each node the trace decided on, check at run time that it still has its example value (the
+        check names the node; its module's path is found when it fails, so that repeated modules share graphs)."""
         for node, value in self.guards:
             with self.graph.inserting_after(node):
-                self.graph.call_function(check_shape_guard, (node, value, f"{node.name} in '{where or '<root>'}'"))
+                self.graph.call_function(check_shape_guard, (node, value, node.name))
 
     def iter(self, obj: fx.Proxy) -> Iterator[Any]:
         value = self.values[obj.node]
@@ -287,51 +291,45 @@ def check_traceable(function: Any) -> None:
     if code is None:
         return
     names = getattr(function, "__globals__", {})
-    for instruction in dis.get_instructions(code):
-        value = names.get(instruction.argval) if instruction.opname == "LOAD_GLOBAL" else None
-        if instruction.argval == "graph_break" and (instruction.opname != "LOAD_GLOBAL" or _is_graph_break(value)):
+    for opname in _graph_break_loads(code):
+        if opname != "LOAD_GLOBAL" or _is_graph_break(names.get("graph_break")):
             raise DataDependentControlFlow("the forward calls torch._dynamo.graph_break(), which asks graph "
                                            "compilers not to capture it as one graph")
+
+
+@functools.lru_cache(maxsize=4096)
+def _graph_break_loads(code: CodeType) -> tuple[str, ...]:
+    """The opcodes of ``code``'s instructions naming ``graph_break`` (disassembled once per code object)."""
+    return tuple(instruction.opname for instruction in dis.get_instructions(code)
+                 if instruction.argval == "graph_break")
 
 
 def _is_graph_break(value: Any) -> bool:
     return getattr(value, "__name__", "") == "graph_break" and getattr(value, "__module__", "").startswith("torch")
 
 
-def check_shape_guard(value: Any, expected: Any, where: str) -> None:
-    """Raise :class:`ShapeSpecializationError` when a size-dependent Python decision differs from the example's.
-
-    A decision recorded as a bool is checked as a truth test (``if value`` / ``if not value``), not by comparing
-    bools: under ``torch.compile`` with dynamic shapes ``value`` is a symbolic bool, which can be tested for truth
-    (a guard on the sizes) but not compared with ``True`` or ``False``.
-
-    Raises:
-        ShapeSpecializationError: the graph does not hold for this call's shapes.
-    """
-    if isinstance(expected, bool):
-        holds = bool(value) if expected else not value
-    else:
-        holds = bool(value == expected)
-    if not holds:
-        raise ShapeSpecializationError(
-            f"the model's code decides on {where} from input sizes; the graph was extracted where it was "
-            f"{expected!r} and this call gives {value!r}, within the same class of sizes (each dimension 1 or "
-            f"larger). Build the PatchableGraph with example inputs shaped like this call"
-        )
-
-
 def resolve_attribute(root: nn.Module, target: str) -> Any:
     """The parameter, buffer, submodule or plain attribute at dotted ``target``, without ``__getattr__`` hooks."""
     obj: Any = root
     for part in target.split("."):
+        state = _instance_dict(obj)
         for registry in ("_parameters", "_buffers", "_modules"):
-            entries = getattr(obj, "__dict__", {}).get(registry, {})
+            entries = state.get(registry, {})
             if part in entries:
                 obj = entries[part]
                 break
         else:
-            obj = obj.__dict__[part] if part in getattr(obj, "__dict__", {}) else getattr(obj, part)
+            obj = state[part] if part in state else getattr(obj, part)
     return obj
+
+
+def _instance_dict(obj: Any) -> dict[str, Any]:
+    """``obj.__dict__`` read past any ``__getattribute__`` of its class (attribute reads are recorded while a
+    module traces, :mod:`gradpatch.extraction.reuse`; this read is the tracer's own); ``{}`` without one."""
+    try:
+        return object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return {}
 
 
 def depends_on_input_values(node: fx.Node) -> bool:

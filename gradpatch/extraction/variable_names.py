@@ -25,7 +25,7 @@ from torch import fx
 from .._torch_compat import set_node_name
 
 #: Frames of these packages are library code, not the model's: their locals never name nodes.
-_LIBRARY_DIRS = tuple(str(Path(module.__file__).resolve().parent) for module in (torch, sys.modules[__package__]))
+LIBRARY_DIRS = tuple(str(Path(module.__file__).resolve().parent) for module in (torch, sys.modules[__package__]))
 _RESERVED = frozenset(dir(builtins)) | frozenset(keyword.kwlist) | {"self"}
 
 
@@ -57,7 +57,7 @@ class VariableNamer:
         live: list[FrameType] = []
         frame = sys._getframe(1)
         while frame is not None and frame.f_code is not self._stop:
-            if not frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+            if not frame.f_code.co_filename.startswith(LIBRARY_DIRS):
                 live.append(frame)
             frame = frame.f_back
         for finished in [seen for seen in self._frames if seen not in live]:
