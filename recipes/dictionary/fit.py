@@ -45,7 +45,7 @@ from ..errors import RecipeConfigError
 from ..training.frozen import DtypeName, EMBEDDED_MODEL_LABEL, OptimizerName
 from .corpus import packed_chunks, read_documents, tokenize_documents
 from .end_to_end import EndToEndDictionaryModule, downstream_residual_nodes
-from .module import AUXK_COEFFICIENT, AuxKNormalization, BDecInit, DictionaryModule
+from .module import AUXK_COEFFICIENT, AuxKNormalization, BDecInit, DictionaryModule, SkipInit
 from .streaming import StreamingModule
 
 __all__ = ["DictionaryDataModule", "DictionaryFitModule", "DictionarySpec", "EndToEndDictionaryFitModule",
@@ -191,8 +191,8 @@ class DictionaryFitModule(DictionaryModule):
         dtype: the model's dtype (the dictionary trains in float32).
         buffer_rows, lr, optimizer, sparsity_coefficient, auxk_coefficient, dead_after_tokens, unit_norm_decoder,
             seed, density_every_n_steps, ce_every_n_steps, b_dec_init, auxk_normalization, lr_warmup_steps,
-            lr_decay_fraction, sparsity_warmup_steps: as :class:`DictionaryModule` (``seed`` also seeds the initial
-            weights).
+            lr_decay_fraction, sparsity_warmup_steps, skip_init, skip_ridge: as :class:`DictionaryModule` (``seed``
+            also seeds the initial weights).
 
     Raises:
         RecipeConfigError, NodePathError, DictionaryConfigError: as :func:`build_dictionary` and
@@ -206,7 +206,8 @@ class DictionaryFitModule(DictionaryModule):
                  unit_norm_decoder: bool = True, seed: int = 0, density_every_n_steps: int = 50,
                  ce_every_n_steps: int = 50, b_dec_init: BDecInit = "mean",
                  auxk_normalization: AuxKNormalization = "residual", lr_warmup_steps: int = 0,
-                 lr_decay_fraction: float = 0.0, sparsity_warmup_steps: int = 0) -> None:
+                 lr_decay_fraction: float = 0.0, sparsity_warmup_steps: int = 0, skip_init: SkipInit = "zero",
+                 skip_ridge: float = 1e-4) -> None:
         pg, tokenizer = load_graph(model_path, dtype)
         super().__init__(pg, build_dictionaries(pg, dictionary, seed), buffer_rows=buffer_rows, lr=lr,
                          optimizer=optimizer, sparsity_coefficient=sparsity_coefficient,
@@ -214,7 +215,8 @@ class DictionaryFitModule(DictionaryModule):
                          unit_norm_decoder=unit_norm_decoder, seed=seed, density_every_n_steps=density_every_n_steps,
                          ce_every_n_steps=ce_every_n_steps, b_dec_init=b_dec_init,
                          auxk_normalization=auxk_normalization, lr_warmup_steps=lr_warmup_steps,
-                         lr_decay_fraction=lr_decay_fraction, sparsity_warmup_steps=sparsity_warmup_steps)
+                         lr_decay_fraction=lr_decay_fraction, sparsity_warmup_steps=sparsity_warmup_steps,
+                         skip_init=skip_init, skip_ridge=skip_ridge)
         self.tokenizer = tokenizer
         self.model_label = model_path or EMBEDDED_MODEL_LABEL
 

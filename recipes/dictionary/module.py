@@ -26,8 +26,8 @@ by side in the buffer, their losses summed). Each training batch is token ids ``
 The settings that matter at small budgets (:mod:`recipes.dictionary.settings`, each cited there): ``b_dec_init``
 (the decoder bias set from the first step's targets: their mean, or their geometric median), ``lr_warmup_steps`` and
 ``lr_decay_fraction`` (linear warm-up, linear decay to 0 over the run's last fraction), ``sparsity_warmup_steps``
-(λ ramped up linearly), AuxK for dead latents (TopK, BatchTopK) and ``exclude_first_positions`` (the dictionaries'
-configs).
+(λ ramped up linearly), AuxK for dead latents (TopK, BatchTopK), ``skip_init`` (a skip transcoder's linear part
+fitted by least squares before the first step) and ``exclude_first_positions`` (the dictionaries' configs).
 
 A latent is dead when it has not fired on the last ``dead_after_tokens`` training tokens (Gao et al.: 10M). Logged
 every step: ``fvu``, ``l0`` (mean active latents per token), ``dead_fraction`` and the loss terms; to TensorBoard
@@ -40,7 +40,7 @@ is given one).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,15 +55,18 @@ from gradpatch.dictionaries.splice import dictionary_nodes
 
 from ..errors import RecipeConfigError
 from ..training.frozen import OptimizerName
+from .settings import least_squares_skip
 from .spliced import spliced_ce_increase
 from .streaming import BDecInit, StreamingModule
 
-__all__ = ["AUXK_COEFFICIENT", "AuxKNormalization", "BDecInit", "DictionaryModule"]
+__all__ = ["AUXK_COEFFICIENT", "AuxKNormalization", "BDecInit", "DictionaryModule", "SkipInit"]
 
 #: α of the AuxK term (Gao et al. 2024, appendix A.2).
 AUXK_COEFFICIENT = 1 / 32
 #: What AuxK is divided by: the residual's variance (Gao et al.) or the target's (sparsify).
 AuxKNormalization = Literal["residual", "target"]
+#: How a skip transcoder's ``W_skip`` starts: at 0, or fitted by least squares on the first rows.
+SkipInit = Literal["zero", "least_squares"]
 
 
 class DictionaryModule(StreamingModule):
@@ -110,13 +113,22 @@ class DictionaryModule(StreamingModule):
             (``max_steps``, or the epochs' batches less those that only filled the buffer).
         sparsity_warmup_steps: optimizer steps over which λ (``sparsity_coefficient``) ramps up linearly from ~0
             (0: none; Rajamanoharan et al. 2024: 10,000 for JumpReLU).
+        skip_init: ``"zero"`` (default): a skip transcoder's ``W_skip`` starts at 0 (Paulo et al. 2025);
+            ``"least_squares"``: before the first optimizer step, with the decoder bias, each skip transcoder's
+            ``W_skip`` and ``b_dec`` are set to the ridge regression of its targets on its inputs over that step's
+            rows and the buffer's (:func:`~recipes.dictionary.settings.least_squares_skip`, averaged over the DDP
+            ranks); the other dictionaries' ``b_dec`` as ``b_dec_init`` says. Needs ``b_dec_init`` other than
+            ``"keep"``.
+        skip_ridge: λ of that regression, relative to the inputs' mean variance.
 
     Raises:
         RecipeConfigError: no dictionary, a dictionary whose config names no input node (or no output node for a
             transcoder), two writing the same node or leaving out different first positions, a non-positive
             ``buffer_rows`` or ``dead_after_tokens``, a negative ``density_every_n_steps`` or ``ce_every_n_steps``, a
             ``b_dec_init`` other than ``"mean"``, ``"geometric_median"`` or ``"keep"``, an ``auxk_normalization``
-            other than ``"residual"`` or ``"target"``, a negative warm-up or a decay fraction outside [0, 1].
+            other than ``"residual"`` or ``"target"``, a negative warm-up or a decay fraction outside [0, 1], a
+            ``skip_init`` other than ``"zero"`` or ``"least_squares"``, or ``"least_squares"`` with ``b_dec_init:
+            keep`` or a negative ``skip_ridge``.
     """
 
     def __init__(self, pg: Any, dictionary: SparseDictionary | Sequence[SparseDictionary], buffer_rows: int = 65536,
@@ -125,9 +137,16 @@ class DictionaryModule(StreamingModule):
                  unit_norm_decoder: bool = True, seed: int = 0, density_every_n_steps: int = 50,
                  ce_every_n_steps: int = 50, b_dec_init: BDecInit = "mean",
                  auxk_normalization: AuxKNormalization = "residual", lr_warmup_steps: int = 0,
-                 lr_decay_fraction: float = 0.0, sparsity_warmup_steps: int = 0) -> None:
+                 lr_decay_fraction: float = 0.0, sparsity_warmup_steps: int = 0, skip_init: SkipInit = "zero",
+                 skip_ridge: float = 1e-4) -> None:
         if auxk_normalization not in ("residual", "target"):
             raise RecipeConfigError(f"auxk_normalization must be 'residual' or 'target', got {auxk_normalization!r}")
+        if skip_init not in ("zero", "least_squares") or skip_ridge < 0:
+            raise RecipeConfigError(f"skip_init must be 'zero' or 'least_squares' (got {skip_init!r}) and "
+                                    f"skip_ridge >= 0 (got {skip_ridge})")
+        if skip_init == "least_squares" and b_dec_init == "keep":
+            raise RecipeConfigError("skip_init='least_squares' sets b_dec with W_skip before the first step; give "
+                                    "b_dec_init 'mean' or 'geometric_median' (for the other dictionaries), not 'keep'")
         dictionaries = [dictionary] if isinstance(dictionary, SparseDictionary) else list(dictionary)
         written = [_nodes(d)[-1] for d in dictionaries]
         if not dictionaries or len(set(written)) < len(written):
@@ -145,6 +164,8 @@ class DictionaryModule(StreamingModule):
                          buffer_rows, lr, optimizer, seed, b_dec_init, lr_warmup_steps, lr_decay_fraction,
                          sparsity_warmup_steps)
         self.dictionaries = nn.ModuleList(dictionaries)
+        self.skip_init: SkipInit = skip_init
+        self.skip_ridge = float(skip_ridge)
         self.sparsity_coefficient = float(sparsity_coefficient)
         self.auxk_coefficient = float(auxk_coefficient)
         self.auxk_normalization: AuxKNormalization = auxk_normalization
@@ -171,22 +192,47 @@ class DictionaryModule(StreamingModule):
         return "" if len(self.dictionaries) == 1 else "/" + _nodes(self.dictionaries[index])[-1]
 
     def initialize_from_rows(self, rows: torch.Tensor) -> None:
-        """Set each dictionary's ``b_dec`` from its target columns of the first drawn ``rows`` (``b_dec_init``)."""
-        self.initialize_b_dec(lambda index: self.columns(rows, self.nodes_of(index)[1]))
+        """Set each dictionary's ``b_dec`` from its target columns of the first drawn ``rows`` (``b_dec_init``); with
+        ``skip_init="least_squares"``, each skip transcoder's ``W_skip`` and ``b_dec`` from its columns of ``rows``
+        and of the rows the buffer still holds."""
+        fitted = self.fit_skips(rows) if self.skip_init == "least_squares" and bool(self.b_dec_pending) else set()
+        self.initialize_b_dec(lambda index: self.columns(rows, self.nodes_of(index)[1]), fitted)
+
+    def fit_skips(self, rows: torch.Tensor) -> set[int]:
+        """Set each skip transcoder's ``W_skip`` and ``b_dec`` to the ridge regression of its target columns on its
+        input columns of ``rows`` and the buffer's rows (:func:`~recipes.dictionary.settings.least_squares_skip`,
+        averaged over the DDP ranks); returns the indices of the dictionaries set."""
+        held = self.buffer.rows
+        rows = rows if held is None else torch.cat([rows, held.to(rows)])
+        fitted = set()
+        with torch.no_grad():
+            for index, dictionary in enumerate(self.dictionaries):
+                if dictionary.config.kind != "skip_transcoder":
+                    continue
+                read, write = self.nodes_of(index)
+                weight, bias = least_squares_skip(self.columns(rows, read), self.columns(rows, write), self.skip_ridge)
+                reduce = self.trainer.strategy.reduce
+                dictionary.W_skip.copy_(reduce(weight, reduce_op="mean").to(dictionary.W_skip))
+                dictionary.b_dec.copy_(reduce(bias, reduce_op="mean").to(dictionary.b_dec))
+                fitted.add(index)
+        return fitted
 
     def layer_stack(self) -> DictionaryLayers | None:
         """The dictionaries as :class:`gradpatch.dictionaries.DictionaryLayers` (what ``metrics.json`` of several
         layers evaluates, :func:`gradpatch.dictionaries.evaluate_layers`); ``None`` for one dictionary."""
         return per_layer_dictionaries(list(self.dictionaries)) if len(self.dictionaries) > 1 else None
 
-    def initialize_b_dec(self, targets: Callable[[int], torch.Tensor]) -> None:
+    def initialize_b_dec(self, targets: Callable[[int], torch.Tensor], fitted: Collection[int] = ()) -> None:
         """Before the first optimizer step (``b_dec_init`` not ``"keep"``): set dictionary ``index``'s ``b_dec`` to
         the mean or geometric median of ``targets(index)`` ``[n, d_out]``, averaged over the DDP ranks (each rank's
-        batch has as many rows); nothing afterwards."""
+        batch has as many rows), but for the ``fitted`` indices (already set with their skip term); nothing
+        afterwards."""
         if not bool(self.b_dec_pending):
             return
         with torch.no_grad():
             for index, dictionary in enumerate(self.dictionaries):
+                if index in fitted:
+                    continue
                 dictionary.b_dec.copy_(self.data_center(targets(index)).to(dictionary.b_dec))
             self.b_dec_pending.fill_(False)
 

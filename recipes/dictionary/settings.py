@@ -10,13 +10,16 @@
 - :func:`geometric_median`: the point minimising the summed Euclidean distance to the rows (Weiszfeld's iteration),
   the decoder bias's data initialisation of Bricken et al. 2023 ("Towards Monosemanticity", appendix) and SAELens's
   ``b_dec_init_method="geometric_median"``; more robust than the mean to the rare huge rows (attention sinks).
+- :func:`least_squares_skip`: a skip transcoder's linear part (W_skip, b_dec) fitted to the first rows by ridge
+  regression (Hoerl and Kennard 1970), so that training starts from the best affine map of the MLP input to its output
+  and the latents learn only what it leaves; Paulo et al. 2025 (arXiv 2501.18823) start W_skip at 0.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["geometric_median", "lr_factor", "warmup_factor"]
+__all__ = ["geometric_median", "least_squares_skip", "lr_factor", "warmup_factor"]
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, decay_fraction: float = 0.0) -> float:
@@ -63,3 +66,31 @@ def geometric_median(points: torch.Tensor, iterations: int = 100, tolerance: flo
         if moved <= tolerance * max(float(median.norm()), 1e-12):
             break
     return median.to(points.dtype)
+
+
+def least_squares_skip(x: torch.Tensor, y: torch.Tensor, ridge: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The affine map y ≈ x W_skipᵀ + b that minimises Σ‖x W_skipᵀ + b − y‖² + λ‖W_skip‖² (ridge regression,
+    Hoerl and Kennard 1970; float64 inside): a skip transcoder's skip term and decoder bias before training.
+
+    Args:
+        x: inputs ``[n, d_in]`` (n ≥ 1; below d_in rows the ridge term keeps the system solvable).
+        y: targets ``[n, d_out]``.
+        ridge: λ relative to the mean eigenvalue of the centred inputs' second moment (trace(XᵀX) / d_in).
+
+    Returns:
+        ``(W_skip [d_out, d_in], b [d_out])`` in ``x``'s dtype; b = mean(y) − mean(x) W_skipᵀ.
+
+    Raises:
+        ValueError: ``x`` and ``y`` with different row counts, or no row.
+    """
+    if x.shape[0] != y.shape[0] or x.shape[0] < 1:
+        raise ValueError(f"least_squares_skip needs as many rows of x {tuple(x.shape)} as of y {tuple(y.shape)}, "
+                         f"at least one")
+    xs, ys = x.double(), y.double()
+    x_mean, y_mean = xs.mean(0), ys.mean(0)
+    xc, yc = xs - x_mean, ys - y_mean
+    gram = xc.T @ xc
+    scale = float(gram.diagonal().mean()) if float(gram.diagonal().mean()) > 0 else 1.0
+    gram.diagonal().add_(ridge * scale)
+    weight = torch.linalg.solve(gram, xc.T @ yc).T  # [d_out, d_in]
+    return weight.to(x.dtype), (y_mean - x_mean @ weight.T).to(x.dtype)

@@ -1,6 +1,6 @@
 """``gradpatch fit`` on the tiny Llama saved to disk with dictionaries at every layer: a ``dictionary:`` spec with
 ``layers: all`` writes one save_dictionary folder per MLP output node and a metrics.json with every layer (spliced
-alone) and ``all_spliced``; a ``clt:`` section writes a loadable cross-layer transcoder and the same metrics."""
+alone) and ``all_spliced`` (the skip terms fitted by least squares when the config asks); a ``clt:`` section writes a loadable cross-layer transcoder and the same metrics."""
 
 from __future__ import annotations
 
@@ -68,6 +68,19 @@ def test_fit_trains_skip_transcoders_at_every_mlp_in_one_run(backbone: dict[str,
         transcoder = load_dictionary(root / "dictionary" / node, model=model)
         assert transcoder.config.input_node == f"model.layers_{layer}.mlp.x"
         assert transcoder.config.kind == "skip_transcoder" and transcoder.d_sae == 128
+
+
+def test_fit_takes_the_least_squares_skip_init_from_the_config(backbone: dict[str, Path]) -> None:
+    """``model.skip_init: least_squares`` reaches the module: the saved skip terms are the fitted ones, not ~0 (Adam at
+    lr 1e-6 moves a zero-started W_skip by ~1e-6 per entry per step, 4e-5 over this run's ≤ 40 steps)."""
+    root = _fit(backbone, "transcoders_lsq", {"dictionary": {
+        "node": "mlp_input", "output_node": "mlp", "layers": "all", "kind": "skip_transcoder", "k": 4,
+        "expansion_factor": 2, "exclude_first_positions": 2}, "skip_init": "least_squares", "skip_ridge": 0.01,
+        "lr": 1e-6})
+    _check_metrics(root)
+    model, _ = load_model(backbone["model"])
+    for node in NODES:
+        assert float(load_dictionary(root / "dictionary" / node, model=model).W_skip.abs().max()) > 1e-3
 
 
 def test_fit_trains_a_cross_layer_transcoder(backbone: dict[str, Path]) -> None:

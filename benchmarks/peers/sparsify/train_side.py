@@ -12,8 +12,14 @@ step, no shuffling, as its trainer reads a dataset), with
   with ``--warmup`` steps;
 - ``--loss-fn``: ``fvu`` (local, the default) or sparsify's end-to-end ``kl`` (the model then loaded with
   ``AutoModelForCausalLM``, as its command line does; benchmarks/dictionaries/end_to_end.py's ``--sparsify-python``);
-- AuxK α = 1/32 over latents dead for 10M tokens (sparsify's default α is 0; ours is 1/32), no wandb, one save at
-  the end to ``WORK/sparsify/run/layers.12``.
+- AuxK α = 1/32 over latents dead for ``--dead-after`` tokens (10M by default; sparsify's default α is 0; ours is
+  1/32), no wandb, one save at the end to ``WORK/sparsify/run/<hookpoint>``;
+- ``--transcode --skip`` (benchmarks/dictionaries/sparsify_transcoders.py): skip transcoders at the ``--hookpoints``
+  (MLP modules, ``layers.3.mlp``: sparsify's hook reads the module's input and output), sparsify's own
+  initialisation (``--init`` off: W_dec and W_skip 0, the encoder bias centring the inputs, b_dec the outputs'
+  mean), ``--expansion`` and ``--k``; ``--exclude-first N``: the first N positions of every sequence left out of
+  training, as gradpatch's ``exclude_first_positions`` leaves them out (sparsify masks tokens by id only,
+  ``exclude_tokens``: its ``torch.isin`` mask is narrowed here, in this process only).
 
 Prints one JSON object (under :func:`benchmarks.harness.emit`'s header): the wall time of ``Trainer.fit`` (model
 forwards included), tokens/s, the resident memory once the model is loaded, the peak during ``fit`` (``VmHWM`` reset
@@ -44,6 +50,21 @@ from benchmarks.harness import cuda_peak_mib, emit, max_rss_mib, peak_mib, reset
 HOOKPOINT = "layers.12"
 
 
+def narrow_token_mask(first: int) -> None:
+    """Leave the first ``first`` positions of every sequence out of sparsify's training: its trainer's token mask is
+    ``torch.isin(ids, exclude_tokens, invert=True)`` ``[batch, seq]``; that call returns the mask with those
+    positions False (every other ``torch.isin`` call is unchanged)."""
+    isin = torch.isin
+
+    def masked(elements: torch.Tensor, test_elements: torch.Tensor, *rest: object, **options: object) -> torch.Tensor:
+        result = isin(elements, test_elements, *rest, **options)
+        if options.get("invert") and result.dim() == 2 and result.dtype == torch.bool:
+            result[:, :first] = False
+        return result
+
+    torch.isin = masked  # type: ignore[assignment]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("work", type=Path)
@@ -54,19 +75,32 @@ def main() -> None:
     parser.add_argument("--schedule", choices=["constant", "sparsify"], default="constant")
     parser.add_argument("--warmup", type=int, default=1000)
     parser.add_argument("--loss-fn", choices=["fvu", "kl"], default="fvu")
+    parser.add_argument("--hookpoints", nargs="+", default=[HOOKPOINT])
+    parser.add_argument("--transcode", action="store_true", help="transcoders (module input -> output)")
+    parser.add_argument("--skip", action="store_true", help="a linear skip connection (skip transcoders)")
+    parser.add_argument("--expansion", type=int, default=4)
+    parser.add_argument("--k", type=int, default=32)
+    parser.add_argument("--dead-after", type=int, default=10_000_000, help="sparsify's dead_feature_threshold")
+    parser.add_argument("--exclude-first", type=int, default=0, help="positions left out of every sequence")
+    parser.add_argument("--no-init", dest="init", action="store_false",
+                        help="keep sparsify's own initialisation (no init_sparsify.safetensors)")
     args = parser.parse_args()
+    if args.exclude_first:
+        narrow_token_mask(args.exclude_first)
     train = load_file(str(args.work / "ids.safetensors"))["train"]
     dataset = [{"input_ids": row} for row in train]
     kind = AutoModel if args.loss_fn == "fvu" else AutoModelForCausalLM
     model = kind.from_pretrained(str(args.work / "model"), dtype=getattr(torch, args.dtype)).to(args.device)
-    config = TrainConfig(SaeConfig(expansion_factor=4, k=32), batch_size=args.batch_size, lr=args.lr,
+    coder = SaeConfig(expansion_factor=args.expansion, k=args.k, transcode=args.transcode, skip_connection=args.skip)
+    config = TrainConfig(coder, batch_size=args.batch_size, lr=args.lr,
                          lr_warmup_steps=args.warmup, optimizer="adam", auxk_alpha=1 / 32,
-                         dead_feature_threshold=10_000_000, hookpoints=[HOOKPOINT], log_to_wandb=False,
+                         dead_feature_threshold=args.dead_after, hookpoints=args.hookpoints, log_to_wandb=False,
                          save_dir=str(args.work / "sparsify"), run_name="run", save_every=10 ** 9,
                          loss_fn=args.loss_fn)
     trainer = Trainer(config, dataset, model)  # type: ignore[arg-type]
-    with torch.no_grad():
-        trainer.saes[HOOKPOINT].load_state_dict(load_file(str(args.work / "init_sparsify.safetensors")))
+    if args.init:
+        with torch.no_grad():
+            trainer.saes[HOOKPOINT].load_state_dict(load_file(str(args.work / "init_sparsify.safetensors")))
     if args.schedule == "constant":  # the scheduler set lr to 0 (warmup step 0) when it was built: back to base
         trainer.lr_schedulers = []
         for optimizer in trainer.optimizers:
