@@ -91,8 +91,10 @@ def mlp_inputs(model: Any, ids: torch.Tensor) -> list[torch.Tensor]:
 
 def make_transcoders(model: Any, ids: torch.Tensor, latents: int, k: int, nodes: tuple[str, str]
                      ) -> dict[int, SkipTranscoder]:
-    """Random ReLU skip transcoders at every MLP (seed 0); with ``k`` > 0 each layer's b_enc is −(the 1 − k/m
-    quantile of its pre-activations on the prompt), so about k latents are active per position."""
+    """Random ReLU skip transcoders at every MLP (seed 0); with ``k`` > 0 each layer's b_enc is lowered by the
+    midpoint between the (k·seq)-th and the next largest of its pre-activations on the prompt, so about k latents
+    are active per position and no pre-activation lies within rounding of 0 (where the two sides' float32 sums
+    could disagree on whether a feature is active)."""
     generator = torch.Generator().manual_seed(0)
     d_model = model.config.hidden_size
     inputs = mlp_inputs(model, ids) if k else []
@@ -104,8 +106,9 @@ def make_transcoders(model: Any, ids: torch.Tensor, latents: int, k: int, nodes:
             transcoder.W_skip.normal_(0, 0.05 if not k else 0.02, generator=generator)
             transcoder.b_dec.normal_(0, 0.01, generator=generator)
             if k:
-                pre = transcoder.pre_activations(inputs[layer]).flatten()
-                transcoder.b_enc.fill_(-float(torch.quantile(pre, 1 - k / latents)))
+                pre = transcoder.pre_activations(inputs[layer]).flatten().sort(descending=True).values
+                count = k * inputs[layer].shape[0]
+                transcoder.b_enc.sub_(float(pre[count - 1] + pre[count]) / 2)
         transcoders[layer] = transcoder
     return transcoders
 

@@ -27,6 +27,20 @@ stderr as it finishes; a point that fails is recorded with its exit status and t
 ``OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.circuits.scale --model smollm2 --k 8 --max-feature-nodes 1000
 --max-memory 8 --no-prune --curve 64,128,256,512,1024``.
 
+``--peer`` runs circuit-tracer 0.5.0 on the same point after gradpatch (``--model smollm2`` with every MLP spliced;
+each side its own process, one after the other, never together; with ``--curve``, both sides per point): gradpatch's
+side writes its model (``config.json`` with ``max_position_embeddings`` = the prompt's length, so that
+TransformerLens's per-layer ``[n_ctx, n_ctx]`` causal masks are not SmolLM2's 8,192²), its transcoders (exported by
+:func:`~gradpatch.dictionaries.export_circuit_tracer`; circuit-tracer's side gives them the same ReLU(TopK_k)
+activation, benchmarks/peers/circuit_tracer/scale_side.py) and the prompt, which is then the BOS token and the first
+T − 1 tokens of the text (circuit-tracer prepends a special token to a prompt that lacks one); circuit-tracer runs
+``attribute(max_feature_nodes=N, batch_size=--batch-size)`` with its TransformerLens backend in ``--peer-python``
+(default ``.peers/circuit_tracer/bin/python``), on as many threads as gradpatch (the environment's). Each point
+reports both sides' JSON (circuit-tracer's: seconds, CPU seconds, the resident memory after the load and its
+high-water mark during ``attribute``) and the graphs compared on their common feature nodes and logits: the selected
+feature sets, max |A_gradpatch − A_circuit-tracer| over the common rows and the common feature, error and token
+columns.
+
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.circuits.scale --model smollm2 --tokens 16 --k 8``; a long
 prompt under a bound: ``... --tokens 256 --layers 4 --k 2 --max-memory 1.0``; on a GPU: ``--random-weights --tokens 1024
 --k 1 --device cuda --max-memory 16 --no-prune`` (docs/circuits.md).
@@ -36,20 +50,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
-from benchmarks.harness import ROOT, emit, max_rss_mib, peak_mib, reset_peak, resident_mib, run_module
+from benchmarks.circuits.circuit_tracer_graphs import save_model_folder
+from benchmarks.harness import ROOT, emit, max_rss_mib, peak_mib, peer_python, reset_peak, resident_mib, run_module
 from gradpatch import PatchableGraph, testing
 from gradpatch.circuits import (AttributionGraph, ReplacementModel, attribute, completeness, graph_influence,
                                 graph_scores, prune_graph)
 from gradpatch.circuits.attribute import DEFAULT_MAX_FEATURE_NODES, memory_per_row
-from gradpatch.dictionaries import SkipTranscoder
+from gradpatch.dictionaries import SkipTranscoder, export_circuit_tracer
 from gradpatch.patches import AddPatch
 
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of"
+PEER_SIDE = "benchmarks.peers.circuit_tracer.scale_side"
 
 
 def _smollm2(args: argparse.Namespace) -> ReplacementModel:
@@ -65,6 +86,8 @@ def _smollm2(args: argparse.Namespace) -> ReplacementModel:
         model, tokenizer = load_embedded_model()
         text = " ".join([PROMPT] * (1 + args.tokens // 16))
         ids = tokenizer(text, return_tensors="pt").input_ids[:, :args.tokens]
+        if args.peer_folder:  # circuit-tracer's prompts start with a special token
+            ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids[:, :args.tokens - 1]], 1)
     model, ids = model.to(args.device), ids.to(args.device)
     generator = torch.Generator().manual_seed(0)
     layers = range(args.layers or model.config.num_hidden_layers)
@@ -72,7 +95,29 @@ def _smollm2(args: argparse.Namespace) -> ReplacementModel:
                                          input_node=f"model.layers_{layer}.mlp.x",
                                          output_node=f"model.layers_{layer}.mlp.output",
                                          generator=generator).to(args.device) for layer in layers}
+    if args.peer_folder:
+        _write_peer_inputs(Path(args.peer_folder), model, tokenizer, ids, transcoders, args)
     return ReplacementModel(PatchableGraph(model, ids, use_cache=False), transcoders, ids)
+
+
+def _write_peer_inputs(folder: Path, model: Any, tokenizer: Any, ids: torch.Tensor,
+                       transcoders: dict[int, SkipTranscoder], args: argparse.Namespace) -> None:
+    """circuit-tracer's inputs in ``folder`` (module docstring, ``--peer``): ``model/`` (its config's
+    ``max_position_embeddings`` the prompt's length), ``transcoders/`` (each TopK transcoder's weights exported as a
+    ReLU skip transcoder's; the side script sets ReLU(TopK_k) back) and ``prompt.json``."""
+    relu = {}
+    for layer, transcoder in transcoders.items():
+        twin = SkipTranscoder(576, args.latents, activation="relu", input_node=transcoder.config.input_node,
+                              output_node=transcoder.config.output_node)
+        twin.load_state_dict(transcoder.state_dict())
+        relu[layer] = twin
+    export_circuit_tracer(relu, folder / "transcoders", str(folder / "model"), "mlp.hook_in", "mlp.hook_out")
+    save_model_folder(model, tokenizer, folder / "model")
+    config = json.loads((folder / "model" / "config.json").read_text())
+    config["max_position_embeddings"] = int(ids.shape[1])
+    (folder / "model" / "config.json").write_text(json.dumps(config, indent=1))
+    (folder / "prompt.json").write_text(json.dumps({"ids": ids[0].tolist(), "batch_size": args.batch_size,
+                                                    "k": args.k, "max_feature_nodes": args.max_feature_nodes}))
 
 
 def _tiny(name: str) -> ReplacementModel:
@@ -138,34 +183,92 @@ def _sweep(model: ReplacementModel, graph: AttributionGraph, forwards: int) -> d
             "sweep_seconds_extrapolated": round(per_forward * graph.n_features, 1)}
 
 
-def _curve(args: argparse.Namespace, argv: list[str]) -> None:
-    """One run of this script per length of ``args.curve``, each in its own process (module docstring)."""
+def _run_point(python: str, module: str, arguments: list[str], env: dict[str, str] | None = None
+               ) -> dict[str, Any]:
+    """One process's JSON report (without its header; none: ``{}``), or its exit status and output's tail when it
+    failed; ``process_seconds`` its wall-clock seconds."""
+    start = time.perf_counter()
+    result = run_module(python, module, arguments, env=env, check=False)
+    if result.returncode == 0:
+        point = json.loads(result.stdout[result.stdout.index("{"):]) if "{" in result.stdout else {}
+        point.pop("header", None)
+    else:
+        point = {"exit_status": result.returncode, "output_tail": (result.stdout + result.stderr)[-2000:]}
+    point["process_seconds"] = round(time.perf_counter() - start, 1)
+    return point
+
+
+def _compare(folder: Path, layers: int) -> dict[str, Any]:
+    """gradpatch's and circuit-tracer's graphs (``gradpatch_rows.safetensors``, ``circuit_tracer_rows.safetensors``:
+    ``rows`` ``[N + n_logits, n_kept]``, ``features`` ``[N, 3]``, ``logit_tokens``) compared on the common feature
+    and logit rows and the common feature, error and token columns (both order the columns as circuit-tracer
+    does: the kept features, the errors layer by layer, the tokens, the logits)."""
+    sides = [load_file(str(folder / name)) for name in ("gradpatch_rows.safetensors",
+                                                         "circuit_tracer_rows.safetensors")]
+    seq = len(json.loads((folder / "prompt.json").read_text())["ids"])
+    where = [{tuple(f): i for i, f in enumerate(side["features"].tolist())} for side in sides]
+    logits = [side["logit_tokens"].tolist() for side in sides]
+    common = sorted(set(where[0]) & set(where[1]))
+    common_logits = [token for token in logits[0] if token in logits[1]]
+    blocks = []
+    for side, found, tokens in zip(sides, where, logits):
+        n = len(found)
+        feature_rows = [found[f] for f in common]
+        rows = feature_rows + [n + tokens.index(token) for token in common_logits]
+        columns = feature_rows + list(range(n, n + (layers + 1) * seq))
+        blocks.append(side["rows"][rows][:, columns].double())
+    diff = (blocks[0] - blocks[1]).abs()
+    return {"features_gradpatch": len(where[0]), "features_circuit_tracer": len(where[1]),
+            "features_common": len(common), "feature_sets_equal": set(where[0]) == set(where[1]),
+            "logits_gradpatch": logits[0], "logits_circuit_tracer": logits[1],
+            "compared_block": list(diff.shape), "max_abs_diff": float(diff.max()),
+            "max_abs": float(blocks[0].abs().max()), "entries_diff_gt_1e-4": int((diff > 1e-4).sum())}
+
+
+def _peer_point(args: argparse.Namespace, argv: list[str], tokens: int) -> dict[str, Any]:
+    """gradpatch's point, then circuit-tracer's on the same inputs (each its own process, in turn), compared."""
+    with tempfile.TemporaryDirectory(prefix="scale_peer_") as scratch:
+        folder = Path(scratch)
+        ours = _run_point(sys.executable, "benchmarks.circuits.scale",
+                          [*argv, "--tokens", str(tokens), "--peer-folder", str(folder)])
+        point: dict[str, Any] = {"tokens": tokens, "gradpatch": ours}
+        if "exit_status" in ours:
+            return point
+        environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                       "TOKENIZERS_PARALLELISM": "false"}
+        theirs = _run_point(peer_python("circuit_tracer", args.peer_python), PEER_SIDE, ["graph", str(folder)],
+                            env=environment)
+        if "exit_status" not in theirs:
+            theirs.update(json.loads((folder / "circuit_tracer_run.json").read_text()))
+            theirs["comparison"] = _compare(folder, ours["layers"])
+        point["circuit_tracer"] = theirs
+    return point
+
+
+def _points(args: argparse.Namespace, argv: list[str]) -> None:
+    """Each length of ``--curve`` (or ``--tokens``) in its own process(es) (module docstring), one JSON of all."""
     points = []
-    for tokens in [int(text) for text in args.curve.split(",")]:
-        start = time.perf_counter()
-        result = run_module(sys.executable, "benchmarks.circuits.scale", [*argv, "--tokens", str(tokens)],
-                            check=False)
-        if result.returncode == 0:
-            point = json.loads(result.stdout[result.stdout.index("{"):])
-            point.pop("header")
+    for tokens in [int(text) for text in (args.curve or str(args.tokens)).split(",")]:
+        if args.peer:
+            point = _peer_point(args, argv, tokens)
         else:
-            point = {"tokens": tokens, "exit_status": result.returncode,
-                     "output_tail": (result.stdout + result.stderr)[-2000:]}
-        point["process_seconds"] = round(time.perf_counter() - start, 1)
+            point = {"tokens": tokens, **_run_point(sys.executable, "benchmarks.circuits.scale",
+                                                    [*argv, "--tokens", str(tokens)])}
         print(json.dumps(point), file=sys.stderr, flush=True)
         points.append(point)
     emit({"curve": points, "arguments": argv}, device=args.device, indent=1)
 
 
-def _without_curve(argv: list[str]) -> list[str]:
-    """The command-line arguments without ``--curve`` and its value (and without ``--tokens``)."""
+def _point_arguments(argv: list[str]) -> list[str]:
+    """The command-line arguments of one point's process: without ``--curve``, ``--tokens``, ``--peer`` and
+    ``--peer-python`` (and their values)."""
     kept, skip = [], False
     for text in argv:
         if skip:
             skip = False
-        elif text in ("--curve", "--tokens"):
+        elif text in ("--curve", "--tokens", "--peer-python"):
             skip = True
-        elif not text.startswith(("--curve=", "--tokens=")):
+        elif text != "--peer" and not text.startswith(("--curve=", "--tokens=", "--peer-python=")):
             kept.append(text)
     return kept
 
@@ -189,9 +292,17 @@ def main() -> None:
     parser.add_argument("--no-prune", action="store_true")
     parser.add_argument("--keep-first-position", action="store_true",
                         help="position 0's features and errors as nodes (default: circuit-tracer's convention)")
+    parser.add_argument("--peer", action="store_true",
+                        help="also circuit-tracer 0.5.0 on each point, after gradpatch (module docstring)")
+    parser.add_argument("--peer-python", help="circuit-tracer's Python (default: .peers/circuit_tracer/bin/python)")
+    parser.add_argument("--peer-folder", help=argparse.SUPPRESS)  # gradpatch's side of a --peer point
     args = parser.parse_args()
-    if args.curve:
-        _curve(args, _without_curve(sys.argv[1:]))
+    if (args.peer or args.peer_folder) and (args.model != "smollm2" or args.random_weights or args.layers
+                                            or args.keep_first_position or args.device != "cpu"):
+        parser.error("--peer needs --model smollm2 with its weights and every MLP spliced (no --random-weights, "
+                     "--layers or --keep-first-position), on the CPU")
+    if args.curve or args.peer:
+        _points(args, _point_arguments(sys.argv[1:]))
         return
     start = time.perf_counter()
     model = _smollm2(args) if args.model == "smollm2" else _tiny(args.model[5:])
@@ -202,18 +313,19 @@ def main() -> None:
     extracted = time.perf_counter() - start
     bound = None if args.max_memory is None else int(args.max_memory * 2**30)
     limit = args.max_feature_nodes or None
-    first = 0 if args.keep_first_position else 1
-    n_features = sum(int(s.activations[:, first:].count_nonzero()) for s in model.layers.values())
-    n_nodes = n_features + (len(model.layers) + 1) * model.ids.shape[1] + 10  # at most 10 logits
-    n_rows = min(limit or n_features, n_features) + 10
-    fixed, per_row = memory_per_row(model, n_nodes, n_rows)  # plan_batch_size's arithmetic, without measuring again
-    batch = max(1, min(args.batch_size, n_rows, args.batch_size if bound is None else (bound - fixed) // per_row))
     with _PeakMemory(args.device) as memory:
         start, cpu = time.perf_counter(), time.process_time()
         graph = attribute(model, max_feature_nodes=limit, batch_size=args.batch_size, max_memory_bytes=bound,
                           zero_first_position=not args.keep_first_position)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     n_targets = graph.n_features + len(graph.logit_tokens)
+    n_nodes = graph.total_features + (len(model.layers) + 1) * model.ids.shape[1] + len(graph.logit_tokens)
+    fixed, per_row = memory_per_row(model, n_nodes, n_targets)  # plan_batch_size's arithmetic, after the call
+    batch = max(1, min(args.batch_size, n_targets, args.batch_size if bound is None else (bound - fixed) // per_row))
+    if args.peer_folder:
+        save_file({"rows": graph.rows.contiguous(), "features": graph.active_features.contiguous(),
+                   "logit_tokens": graph.logit_tokens.contiguous()},
+                  str(Path(args.peer_folder) / "gradpatch_rows.safetensors"))
     with torch.no_grad():
         replay = bool(torch.equal(model.run().logits, model.logits))
     report = {

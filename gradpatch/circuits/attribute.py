@@ -24,9 +24,12 @@ so every target is the sum of its sources' contributions plus a constant (biases
 
       A[target, source] = g · contribution.
 
-The gradients g come from one forward pass of the replacement model over ``batch`` copies of the prompt, kept for
-one backward pass per ``batch`` targets (:mod:`gradpatch.circuits.backward`, circuit-tracer's method); the batch
-fits ``max_memory_bytes`` where given (:func:`memory_per_row`). The logit rows come first; then the features are
+The gradients g come from one forward pass of the replacement model on the prompt, kept for backward passes of up
+to ``batch`` targets each, vectorised over the targets (:mod:`gradpatch.circuits.backward`, circuit-tracer's method
+without its ``batch`` copies of the forward pass); the targets share passes by layer and position, and those before
+the last positions are served by forward passes of the prompt's first positions, whose backward passes are shorter
+(:mod:`gradpatch.circuits.batches`); the edges are contracted by position (:mod:`gradpatch.circuits.edges`). The
+batch fits ``max_memory_bytes`` where given (:func:`memory_per_row`). The logit rows come first; then the features are
 visited in circuit-tracer's rounds (:func:`~gradpatch.circuits.select.feature_rounds`), at most ``max_feature_nodes``
 of them, and only the visited features' rows are computed; the graph keeps those features as its feature nodes. Only
 the targets' rows are held (:class:`~gradpatch.circuits.graph.AttributionGraph`: ``rows`` ``[n_targets, n]``, columns
@@ -36,12 +39,12 @@ their targets (edges + bias) is refused (:func:`~gradpatch.circuits.complete.che
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .backward import RetainedForward, Target, measure_saved_bytes
-from .complete import check_completeness, decoder_blocks
+from .batches import causal, choose_lengths, plan_batches
+from .complete import check_completeness
+from .edges import FEATURE_CHUNK, SourceBlock, edges, source_blocks
 from .errors import CircuitError, MemoryBoundError
 from .graph import AttributionGraph
 from .replacement import ReplacementModel
@@ -50,8 +53,6 @@ from .select import feature_rounds
 __all__ = ["DEFAULT_MAX_FEATURE_NODES", "FEATURE_CHUNK", "AttributionGraph", "attribute", "memory_per_row",
            "plan_batch_size", "salient_logits"]
 
-#: Feature sources whose gradients are gathered at once when the edges are contracted.
-FEATURE_CHUNK = 1024
 #: The feature nodes :func:`attribute` keeps by default: circuit-tracer 0.5.0's command's ``--max_feature_nodes``.
 DEFAULT_MAX_FEATURE_NODES = 7500
 
@@ -67,80 +68,23 @@ def salient_logits(logits: torch.Tensor, max_n_logits: int = 10,
     return top_ids[:cutoff], top_p[:cutoff]
 
 
-@dataclass(frozen=True)
-class _Sources:
-    """One spliced layer's feature sources: columns ``[k]``, positions ``[k]``, feature ids ``[k]`` and
-    activations ``[k]`` (on the model's device)."""
-
-    columns: torch.Tensor
-    positions: torch.Tensor
-    ids: torch.Tensor
-    activations: torch.Tensor
-
-
-@dataclass(frozen=True)
-class _Columns:
-    """Where each kind of source sits among the n columns: the error nodes from ``error_start`` (``n_pos`` per
-    layer of ``layers``), the tokens from ``token_start``; ``first`` = 1 when position 0's errors get no edges."""
-
-    layers: list[int]
-    n_pos: int
-    error_start: int
-    token_start: int
-    n_nodes: int
-    first: int
-
-
-def _sources(model: ReplacementModel, active: torch.Tensor, activations: torch.Tensor) -> dict[int, _Sources]:
-    """Each spliced layer's :class:`_Sources`, from the feature nodes (layer, position, feature) ``[k, 3]`` and their
-    activations ``[k]`` (column i = feature i)."""
-    device = model.embeddings.device
-    features, activations = active.to(device), activations.to(device)
-    found = {}
-    for layer in sorted(model.layers):
-        columns = (features[:, 0] == layer).nonzero().squeeze(-1)
-        found[layer] = _Sources(columns, features[columns, 1], features[columns, 2], activations[columns])
-    return found
-
-
-def _edges(model: ReplacementModel, columns: _Columns, sources: dict[int, _Sources],
-           gradients: dict[int, torch.Tensor], embed_gradient: torch.Tensor) -> torch.Tensor:
-    """The rows ``[batch, n]`` of the adjacency from each row's gradients at the MLP outputs ``[batch, seq, d_out]``
-    (layers absent: zero) and the embeddings ``[batch, seq, d_model]``: A[t, s] = g · contribution, for all sources
-    of a layer at once (feature sources in chunks of :data:`FEATURE_CHUNK`, summed over the MLP outputs their
-    decoder blocks write), as a product and a sum over d, whose rows do not depend on the batch (a batched matmul's
-    rounding does). With ``columns.first`` the error nodes at position 0 get no edges. The one place a row is
-    computed."""
-    first, n_pos = columns.first, columns.n_pos
-    batch = embed_gradient.shape[0]
-    rows = torch.zeros(batch, columns.n_nodes, dtype=torch.float32, device=embed_gradient.device)
-    for layer, found in sources.items():
-        blocks = [(written, decoder) for written, decoder in decoder_blocks(model, layer) if written in gradients]
-        for start in range(0, len(found.columns) if blocks else 0, FEATURE_CHUNK):
-            part = slice(start, start + FEATURE_CHUNK)
-            edges = sum((gradients[written][:, found.positions[part]].float()
-                         * decoder[found.ids[part]].float()).sum(-1) for written, decoder in blocks)
-            rows[:, found.columns[part]] = edges * found.activations[part]
-    for index, layer in enumerate(columns.layers):
-        if layer in gradients:
-            grad, errors = gradients[layer][:, first:].float(), model.layers[layer].errors[:, first:].float()
-            start = columns.error_start + index * n_pos
-            rows[:, start + first:start + n_pos] = (grad * errors).sum(-1)
-    rows[:, columns.token_start:columns.token_start + n_pos] = (embed_gradient.float()
-                                                                * model.embeddings.float()).sum(-1)
-    return rows
-
-
-def _fill_rows(model: ReplacementModel, forward: RetainedForward, batch: int, columns: _Columns,
-               sources: dict[int, _Sources], targets: list[Target], into: torch.Tensor) -> None:
-    """Compute the rows of ``targets`` into ``into`` ``[len(targets), n]`` (on the CPU), ``batch`` targets per
-    backward pass of ``forward`` (:func:`_edges`)."""
-    for start in range(0, len(targets), batch):
-        chunk = targets[start:start + batch]
-        gradients, embed_gradient = forward.gradients(chunk)
-        made = _edges(model, columns, sources, {layer: g[:len(chunk)] for layer, g in gradients.items()},
-                      embed_gradient[:len(chunk)])
-        into[start:start + len(chunk)] = made.cpu()
+def _fill_rows(model: ReplacementModel, forward: RetainedForward, blocks: list[SourceBlock], n_nodes: int,
+               targets: list[Target], into: torch.Tensor, prefixes: bool) -> None:
+    """Compute the rows of ``targets`` into ``into`` ``[len(targets), n]`` (on the CPU), at most ``forward.batch``
+    targets per backward pass (:func:`~gradpatch.circuits.edges.edges`): the passes of
+    :func:`~gradpatch.circuits.batches.plan_batches`, on ``forward`` (the whole prompt) or, with ``prefixes``, on
+    forward passes of the prompt's first positions (:func:`~gradpatch.circuits.batches.choose_lengths`), each run
+    when its targets come and freed after them."""
+    seq = model.ids.shape[1]
+    lengths = choose_lengths(targets, seq, forward.batch) if prefixes else [seq]
+    shorter: RetainedForward | None = None
+    for length, indices in plan_batches(targets, lengths, forward.batch):
+        if length != seq and (shorter is None or shorter.length != length):
+            shorter = None  # the previous length's kept graph, before the next one's forward pass
+            shorter = RetainedForward(model, forward.batch, length)
+        served = forward if length == seq else shorter
+        gradients, embed_gradient = served.gradients([targets[i] for i in indices])
+        into[torch.tensor(indices)] = edges(blocks, gradients, embed_gradient, n_nodes).cpu()
 
 
 def plan_batch_size(model: ReplacementModel, n_nodes: int, n_rows: int, batch_size: int,
@@ -170,16 +114,18 @@ def plan_batch_size(model: ReplacementModel, n_nodes: int, n_rows: int, batch_si
 
 def memory_per_row(model: ReplacementModel, n_nodes: int, n_rows: int) -> tuple[int, int]:
     """An estimate of the bytes :func:`attribute` holds on the model's device beyond the model's and transcoders'
-    parameters and the replacement model's recorded values, (fixed, per row of the batch).
+    parameters and the replacement model's recorded values, (fixed, per row of a backward pass).
 
-    Per row: what the forward pass keeps for backward passes and its peak above that (measured,
-    :func:`~gradpatch.circuits.backward.measure_saved_bytes`); the kept MLP outputs and embeddings, the gradients
-    read from them and the gradients injected (each ``[seq, Σ widths]``); the batch's adjacency row ``[n]``
-    (float32); a chunk of gathered gradients and their products ``2 × [FEATURE_CHUNK, d_out]``; and a backward
-    pass's working gradients, taken as 8 ``[seq, d_model]``. Fixed: what the forward pass keeps whatever the batch,
-    plus, when the model is on the CPU (elsewhere the rows are moved to the CPU as they are made), twice the rows
-    held ``[n_rows, n]`` (float32): the rows, and either their normalised copy while the features are chosen
-    (:func:`~gradpatch.circuits.select.feature_rounds`) or the graph's rows gathered from them at the end.
+    Fixed: what the forward pass of the prompt keeps for backward passes, twice (a forward pass of its first
+    positions is held beside it, one at a time, and keeps no more), and its peak above that (measured,
+    :func:`~gradpatch.circuits.backward.measure_saved_bytes`); the source vectors of a chunk ``[FEATURE_CHUNK,
+    d_out]`` (float32); and, when the model is on the CPU (elsewhere the rows are moved to the CPU as they are
+    made), twice the rows held ``[n_rows, n]`` (float32): the rows, and either their normalised copy while the
+    features are chosen (:func:`~gradpatch.circuits.select.feature_rounds`) or the graph's rows gathered from them
+    at the end. Per row: the gradients read from the MLP outputs and the embeddings and those injected (each at most
+    ``[seq, Σ widths]``); the row ``[n]`` (float32); a chunk's products, twice ``[FEATURE_CHUNK]``, and a copy of
+    one gradient ``[seq, d_out]`` (float32); and a backward pass's working gradients, taken as 8 ``[seq,
+    d_model]``.
 
     Args:
         n_nodes: n, the columns of a row.
@@ -191,9 +137,10 @@ def memory_per_row(model: ReplacementModel, n_nodes: int, n_rows: int) -> tuple[
     d_model = model.embeddings.shape[-1]
     widths = sum(s.transcoder.d_out + s.transcoder.d_in for s in model.layers.values()) + d_model
     d_out = max(s.transcoder.d_out for s in model.layers.values())
-    per_row = (saved.per_row + saved.transient_per_row + 2 * seq * widths * itemsize + 4 * n_nodes
-               + 2 * FEATURE_CHUNK * d_out * 4 + 8 * seq * d_model * itemsize)
-    fixed = saved.fixed + (2 * 4 * n_rows * n_nodes if model.embeddings.device.type == "cpu" else 0)
+    per_row = (2 * seq * widths * itemsize + 4 * n_nodes + 2 * FEATURE_CHUNK * 4 + seq * d_out * 4
+               + 8 * seq * d_model * itemsize)
+    fixed = (2 * saved.kept + saved.transient + FEATURE_CHUNK * d_out * 4
+             + (2 * 4 * n_rows * n_nodes if model.embeddings.device.type == "cpu" else 0))
     return fixed, per_row
 
 
@@ -214,8 +161,8 @@ def attribute(model: ReplacementModel, *, max_feature_nodes: int | None = DEFAUL
               max_n_logits: int = 10, desired_logit_prob: float = 0.95, batch_size: int = 16,
               update_interval: int = 4, max_memory_bytes: int | None = None, zero_first_position: bool = True,
               completeness_tolerance: float | None = None) -> AttributionGraph:
-    """The unpruned attribution graph of ``model``'s prompt (module docstring): one forward pass of ``batch``
-    copies of the prompt, then one backward pass per ``batch`` targets: the logits first, then at most
+    """The unpruned attribution graph of ``model``'s prompt (module docstring): a forward pass of the prompt, then
+    backward passes of up to ``batch`` targets each: the logits first, then at most
     ``max_feature_nodes`` features chosen by influence (:func:`~gradpatch.circuits.select.feature_rounds`); only
     those features' rows are computed, and the graph keeps them alone.
 
@@ -224,7 +171,7 @@ def attribute(model: ReplacementModel, *, max_feature_nodes: int | None = DEFAUL
         max_feature_nodes: the feature nodes kept, at most (circuit-tracer's ``max_feature_nodes``; default 7,500,
             its command's default); ``None``: every active feature.
         max_n_logits, desired_logit_prob: the logit nodes (circuit-tracer's defaults 10 and 0.95).
-        batch_size: targets per backward pass (rows of the forward pass), at most; with ``update_interval``, the
+        batch_size: targets per backward pass, at most; with ``update_interval``, the
             features chosen per round (``update_interval · batch_size``, whatever ``max_memory_bytes`` makes of the
             backward passes, so that the features chosen do not depend on the bound).
         update_interval: backward passes of ``batch_size`` per round of the choice (circuit-tracer's, 4).
@@ -258,22 +205,21 @@ def attribute(model: ReplacementModel, *, max_feature_nodes: int | None = DEFAUL
     limit = total if max_feature_nodes is None else min(max_feature_nodes, total)
     logit_ids, logit_p = salient_logits(model.logits[0, -1], max_n_logits, desired_logit_prob)
     seq, n_logits = model.ids.shape[1], len(logit_ids)
-    columns = _Columns(layers, seq, total, total + len(layers) * seq, total + (len(layers) + 1) * seq + n_logits,
-                       first)
-    n = columns.n_nodes
+    n = total + (len(layers) + 1) * seq + n_logits
     logit_nodes = torch.arange(n - n_logits, n)
     batch = plan_batch_size(model, n, limit + n_logits, batch_size, max_memory_bytes)
     rows = torch.zeros(limit + n_logits, n)  # the visited features' rows in visiting order, then the logits'
-    sources = _sources(model, active, activations)
+    blocks = source_blocks(model, active, activations, total, total + len(layers) * seq, n, first)
     forward = RetainedForward(model, batch)
+    prefixes = causal(model)
     logits = [Target("logit", 0, 0, t) for t in logit_ids.tolist()]
-    _fill_rows(model, forward, batch, columns, sources, logits, rows[limit:])
+    _fill_rows(model, forward, blocks, n, logits, rows[limit:], prefixes)
     weights = torch.zeros(n)
     weights[logit_nodes] = logit_p.float().cpu()
     order, done = [], 0
     for chosen in feature_rounds(rows, logit_nodes, weights, total, update_interval * batch_size):
         features = [Target("feature", l, p, f) for l, p, f in active[chosen].tolist()]
-        _fill_rows(model, forward, batch, columns, sources, features, rows[done:done + len(chosen)])
+        _fill_rows(model, forward, blocks, n, features, rows[done:done + len(chosen)], prefixes)
         order.append(chosen)
         done += len(chosen)
     del forward  # its kept autograd graph, before the check's forward pass

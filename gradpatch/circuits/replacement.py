@@ -14,12 +14,12 @@ perturbation (zero, or a parameter whose gradient is ∂target/∂y_ℓ). The to
 Everything from embeddings and MLP outputs to the transcoders' pre-activations h_ℓ = x_ℓ W_enc + b_enc and to the
 logits is then affine, which is what makes the attribution graph's edges exact.
 
-What a batched pass computes for nothing is left out where the graph allows it, values and gradients unchanged:
+What a pass computes for nothing is left out where the graph allows it, values and gradients unchanged:
 
 - a replaced MLP whose transcoder reads its graph's own input (``<mlp>.x``) and writes its output (``<mlp>.output``)
-  runs on the recorded one-row input x_ℓ⁰ once the transcoder has read the live one (its output is replaced, so
-  only the transcoder sees x_ℓ; patches inside the MLP's graph see x_ℓ⁰): on SmolLM2 the MLPs were two thirds of a
-  64-row forward pass;
+  runs on no position once the transcoder has read the live input (its output is replaced, so only the transcoder
+  sees x_ℓ; patches inside the MLP's graph see ``[batch, 0, d_in]``): on SmolLM2 the MLPs were two thirds of a
+  64-row forward pass, and their weights most of what a one-row pass reads;
 - an SDPA call whose pattern is frozen (:class:`~gradpatch.circuits.freeze.FrozenPattern`) returns its own value
   (bit for bit) plus A⁰ (v − v), so that gradients reach v through A⁰ᵀ alone, not through SDPA's backward.
 """
@@ -46,6 +46,8 @@ from .clt_layers import CLTLayerView, clt_layer_views
 from .errors import CircuitError
 from .freeze import FrozenLayerNorm, FrozenNodes, FrozenPattern, LinearisedOp, find_frozen_nodes
 from .paths import check_paths
+from .replacement_ops import (frozen_op, layer_norm_op, linearised_op, output_op, pattern_op,
+                              recorded_op)
 
 __all__ = ["ReplacementModel", "ReplacementRun", "SplicedLayer"]
 
@@ -223,8 +225,9 @@ class ReplacementModel:
 
     def run(self, batch: int = 1, deltas: Mapping[int, torch.Tensor] | None = None,
             embed_delta: torch.Tensor | None = None,
-            patches: Mapping[str, Sequence[Patch]] | None = None) -> ReplacementRun:
-        """One forward pass of the replacement model on ``batch`` copies of the prompt.
+            patches: Mapping[str, Sequence[Patch]] | None = None, length: int | None = None) -> ReplacementRun:
+        """One forward pass of the replacement model on ``batch`` copies of the prompt (or of its first ``length``
+        positions).
 
         Args:
             batch: rows (each a copy of the prompt; rows are independent, so one backward pass of a sum of per-row
@@ -232,118 +235,82 @@ class ReplacementModel:
             deltas: layer -> δ_ℓ ``[batch or 1, seq, d_out]`` added to the MLP output (zero when absent).
             embed_delta: δ_E ``[batch or 1, seq, d_model]`` added to the token embeddings.
             patches: more patches, NodePath -> patches applied after the replacement model's own.
+            length: run the first ``length`` positions alone (2 ≤ ``length`` ≤ seq; ``None``: every position; the
+                ``seq`` of ``deltas`` and ``embed_delta`` is then ``length``). The model is causal, so these
+                positions' values are the whole prompt's; every recorded value is cut to them (a frozen node's
+                along each dimension where it is longer than the live value: the positions, and both of an
+                attention pattern's).
 
         Returns:
             A :class:`ReplacementRun` (runs with autograd on: take gradients of it).
+
+        Raises:
+            CircuitError: ``length`` outside 2..seq (a 1-position run would need graphs of its own).
         """
+        seq = self.ids.shape[1]
+        if length is None:
+            length = seq
+        elif not 2 <= length <= seq:
+            raise CircuitError(f"length={length}: give 2 to {seq} positions of the prompt (or None for all)")
+        def first(recorded: torch.Tensor) -> torch.Tensor:  # a recorded [1, seq, ...] at the positions run
+            return recorded if length == seq else recorded[:, :length]
+
         deltas = dict(deltas or {})
-        patch_map: dict[str, list[Patch]] = {path: [ReplacePatch(value=value)]
-                                             for path, value in self.frozen_values.items()}
+        patch_map: dict[str, list[Patch]] = {
+            path: [ReplacePatch(value=value) if length == seq
+                   else CustomPatch(custom_op=frozen_op(value), requires_clone=False)]
+            for path, value in self.frozen_values.items()}
         if embed_delta is not None:
             patch_map.setdefault(self.embed, []).append(AddPatch(value=embed_delta))
         for norm, x0, y0, sigma0 in self.layer_norm_values:
             reader = HoldPatch()
             patch_map.setdefault(norm.input, []).append(reader)
-            frozen = CustomPatch(custom_op=self._layer_norm_op(norm, reader, x0, y0, sigma0), requires_clone=False)
+            frozen = CustomPatch(custom_op=layer_norm_op(norm, reader, *map(first, (x0, y0, sigma0))),
+                                 requires_clone=False)
             patch_map.setdefault(norm.output, []).append(frozen)
         for op, z0, y0, slope in self.linearised_values:
             reader = HoldPatch()
             patch_map.setdefault(op.input, []).append(reader)
-            tangent = CustomPatch(custom_op=self._linearised_op(reader, z0, y0, slope), requires_clone=False)
+            tangent = CustomPatch(custom_op=linearised_op(reader, *map(first, (z0, y0, slope))),
+                                  requires_clone=False)
             patch_map.setdefault(op.output, []).append(tangent)
         for pattern, a0 in self.pattern_values:
             if pattern.query in self.frozen_values and pattern.key in self.frozen_values:
                 reader = HoldPatch()
                 patch_map.setdefault(pattern.value, []).append(reader)
-                mixed = CustomPatch(custom_op=self._pattern_op(reader, a0), requires_clone=False)
+                cut = a0 if length == seq else a0[:, :, :length, :length].contiguous()
+                mixed = CustomPatch(custom_op=pattern_op(reader, cut), requires_clone=False)
                 patch_map.setdefault(pattern.output, []).append(mixed)
         readers: dict[int, TranscoderInput] = {}
         for layer, spliced in self.layers.items():
             readers[layer] = TranscoderInput(width=spliced.transcoder.d_in)
             patch_map.setdefault(spliced.input_node, []).append(readers[layer])
-            output = CustomPatch(custom_op=self._output_op(spliced, readers[layer], deltas.get(layer)),
+            output = CustomPatch(custom_op=output_op(spliced, readers[layer], deltas.get(layer), first),
                                  requires_clone=False)
             patch_map.setdefault(spliced.output_node, []).append(output)
         for path, extra in (patches or {}).items():
             patch_map.setdefault(path, []).extend(extra)
         for spliced in self.layers.values():  # after every reader of the live input
             if self._runs_alone(spliced):
-                patch_map[spliced.input_node].append(CustomPatch(custom_op=self._recorded_op(spliced.inputs),
-                                                                 requires_clone=False))
+                patch_map[spliced.input_node].append(
+                    CustomPatch(custom_op=recorded_op(spliced.inputs[:, :0]), requires_clone=False))
+        ids = self.ids[:, :length]
         if batch > 1:  # the graphs of batched calls, extracted on two rows (not on the batch) and without a warning
-            self.pg.prepare(self.ids.expand(2, -1), **self.forward_kwargs)
+            self.pg.prepare(ids.expand(2, -1), **self.forward_kwargs)
         with self.pg.patch(patch_map):
-            logits = self.pg(self.ids.expand(batch, -1), **self.forward_kwargs).logits
+            logits = self.pg(ids.expand(batch, -1), **self.forward_kwargs).logits
         return ReplacementRun(logits, {layer: readers[layer].held for layer in self.layers},
                               {layer: spliced.transcoder for layer, spliced in self.layers.items()})
 
     def _runs_alone(self, spliced: SplicedLayer) -> bool:
         """Whether the transcoder reads the input of the graph whose output it writes (``<mlp>.x`` and
-        ``<mlp>.output``, the graph's one input): the MLP's own computation can then run on the recorded input."""
+        ``<mlp>.output``, the graph's one input): the MLP's own computation, whose result is replaced, can then run
+        on no position."""
         graph, _, leaf = spliced.output_node.rpartition(".")
         if leaf != "output" or spliced.input_node.rpartition(".")[0] != graph:
             return False
         inputs = [child for child in self.pg.node(graph) if child._gp_op.startswith("placeholder")]
         return [child._path for child in inputs] == [spliced.input_node]
-
-    @staticmethod
-    def _recorded_op(recorded: torch.Tensor) -> Any:
-        """The recorded value ``recorded``, whatever the node's live value (for a computation whose result is
-        replaced)."""
-        def replay(original: torch.Tensor) -> torch.Tensor:
-            return recorded.to(original.dtype)
-        return replay
-
-    @staticmethod
-    def _pattern_op(reader: HoldPatch, a0: torch.Tensor) -> Any:
-        """An SDPA call's replacement: its own value (bit for bit: v − v is 0) plus A⁰ (v − v) with v read live by
-        ``reader``, so that the gradient reaching v is A⁰ᵀ g (:meth:`FrozenPattern.mixed`) and SDPA's backward
-        never runs."""
-        def mixed(original: torch.Tensor) -> torch.Tensor:
-            value = reader.held
-            return original.detach() + FrozenPattern.mixed(a0.to(value.dtype), value - value.detach())
-        return mixed
-
-    @staticmethod
-    def _layer_norm_op(norm: FrozenLayerNorm, reader: HoldPatch, x0: torch.Tensor, y0: torch.Tensor,
-                       sigma0: torch.Tensor) -> Any:
-        """A ``layer_norm`` op's replacement with its scale frozen (:meth:`FrozenLayerNorm.frozen`)."""
-        def frozen(original: torch.Tensor) -> torch.Tensor:
-            return norm.frozen(reader.held, x0, y0, sigma0).to(original.dtype)
-        return frozen
-
-    @staticmethod
-    def _linearised_op(reader: HoldPatch, z0: torch.Tensor, y0: torch.Tensor, slope: torch.Tensor) -> Any:
-        """An elementwise op's replacement by its tangent at the prompt, y⁰ + f′(z⁰) ⊙ (z − z⁰) with z read live by
-        ``reader`` (:meth:`LinearisedOp.linearised`). Where the unembedding runs on the last positions alone
-        (:mod:`gradpatch.circuits.backward`), z ``[batch, k, ...]`` is compared with the last k positions of the
-        recorded ``[1, seq, ...]``."""
-        def tangent(original: torch.Tensor) -> torch.Tensor:
-            k = original.shape[1]
-            z_0, y_0, slope_0 = (t[:, t.shape[1] - k:] for t in (z0, y0, slope))
-            return LinearisedOp.linearised(reader.held, z_0, y_0, slope_0).to(original.dtype)
-        return tangent
-
-    @staticmethod
-    def _output_op(spliced: SplicedLayer, reader: TranscoderInput, delta: torch.Tensor | None) -> Any:
-        """The MLP output's replacement ``[batch, seq, d_out]``, c_ℓ + x_ℓ W_skipᵀ + δ_ℓ with x_ℓ read live by
-        ``reader``, computed as y_ℓ + (x_ℓ − x_ℓ⁰) W_skipᵀ + δ_ℓ (x_ℓ⁰ the recorded input): the same value and
-        gradient, and y_ℓ bit for bit when nothing is perturbed. Without a skip term or δ_ℓ the value is a leaf
-        requiring gradients where autograd is on (the gradient at the MLP output is read there)."""
-        with torch.no_grad():
-            skip_recorded = spliced.transcoder.skip(spliced.inputs)
-
-        def output(original: torch.Tensor) -> torch.Tensor:
-            shape = (*reader.held.shape[:-1], spliced.outputs.shape[-1])  # the MLP may have run on one row
-            value = spliced.outputs.to(original.dtype).expand(shape)
-            if skip_recorded is not None:
-                value = value + (spliced.transcoder.skip(reader.held) - skip_recorded).to(original.dtype)
-            if delta is not None:
-                return value + delta.to(original.dtype)
-            if torch.is_grad_enabled() and not value.requires_grad:  # no skip term: a leaf, so gradients reach it
-                value = value.clone().requires_grad_()
-            return value
-        return output
 
 
 def _check_inputs(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], ids: torch.Tensor,

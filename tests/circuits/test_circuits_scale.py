@@ -17,6 +17,7 @@ from gradpatch.circuits import (AttributionGraph, attribute, completeness, compu
                                 normalize_matrix)
 from gradpatch.circuits.attribute import memory_per_row
 from gradpatch.circuits.backward import measure_saved_bytes
+from gradpatch.circuits.edges import FEATURE_CHUNK
 from gradpatch.dictionaries import SkipTranscoder, save_dictionary
 from gradpatch.files.loaders import load_model
 from recipes import cli
@@ -72,7 +73,9 @@ def test_the_graph_holds_only_the_visited_rows_and_stays_complete() -> None:
     assert graph.total_features > 1000 and graph.rows.shape == (n_rows, graph.n_nodes)
     n = graph.total_features + (len(graph.layers) + 1) * graph.n_pos + len(graph.logit_tokens)  # every node
     fixed, _ = memory_per_row(replacement, n, n_rows)  # the rows are made over every node's column
-    assert fixed == measure_saved_bytes(replacement).fixed + 2 * 4 * n_rows * n
+    saved = measure_saved_bytes(replacement)
+    chunk = FEATURE_CHUNK * max(s.transcoder.d_out for s in replacement.layers.values()) * 4
+    assert fixed == 2 * saved.kept + saved.transient + chunk + 2 * 4 * n_rows * n
     assert fixed < 4 * n ** 2 / 10
     found = completeness(replacement, graph)
     assert float(found.errors.max()) <= 1e-4
