@@ -10,7 +10,9 @@ resident memory during it (``VmHWM`` reset before it, benchmarks.harness) with t
 - ``qk``: the QK decomposition of the top 10 heads (largest pattern weight on a key other than position 0 from the
   last position), each at that key: ``qk_attributions`` with ``--batch-size`` rows per pass; and the worst
   reconstruction of the ten, |Σ T + m − s| / |s| and / Σ|T|;
-- ``head_loadings``: the edges into the top logit from its 20 strongest sources, split at every layer;
+- ``head_loadings``: the edges into the top logit from its 20 strongest sources, split at every layer (the rows
+  computed on a float64 copy of the model, its building included), and the worst |Σ_h loading + bypass − A| / |A|
+  over the edges and layers;
 - ``example`` (docs/attention.md's worked example): the head of layers ≥ 1 that weighs " Mary" (position 2) most
   from the last position (a name-mover candidate), its score at that key decomposed, the top 10 terms with labels.
 
@@ -81,8 +83,11 @@ def main() -> None:
                                                               batch_size=args.batch_size))
     misses = [a.reconstruction() + (abs(a.score),) for a in attributions]
     strongest = graph.rows[graph.n_features, :graph.logit_start].abs().topk(20).indices.tolist()
-    _, loading_cost = _measured(lambda: head_loadings(replacement, graph, [graph.logit_start], [strongest],
-                                                      batch_size=512))
+    loadings, loading_cost = _measured(lambda: head_loadings(replacement, graph, [graph.logit_start], [strongest],
+                                                             batch_size=512))
+    split_misses = [abs(float(per_head.sum()) + bypass - weight) / abs(weight)
+                    for target, source, weight in loadings.edges.tolist()
+                    for per_head, bypass in loadings.edge(int(target), int(source)).values()]
     mary = 2
     candidates = rows[1:, :, mary].flatten()
     best = int(candidates.argmax())
@@ -104,7 +109,8 @@ def main() -> None:
           "attribute": attribute_cost, "patterns": pattern_cost, "qk_top10": qk_cost,
           "qk_worst_miss_of_score": max(m / s for m, _, s in misses),
           "qk_worst_miss_of_terms": max(m / t for m, t, _ in misses),
-          "head_loadings_top_logit_20_edges": loading_cost, "example": worked})
+          "head_loadings_top_logit_20_edges": loading_cost, "head_loadings_worst_miss_of_edge": max(split_misses),
+          "example": worked})
 
 
 def _single(decode: Callable[[list[int]], str]) -> Callable[[int], str]:

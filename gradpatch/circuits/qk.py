@@ -9,7 +9,9 @@ the score product reads it, :mod:`gradpatch.circuits.attention`) is therefore
     q = Σ_s q_s + q_bias,      q_s = J_q · contribution_s     ``[head_dim]``
 
 over the graph's source nodes s (features a·W_dec[f], error nodes, token embeddings; paths through earlier attention
-layers under their frozen patterns included), q_bias being q with every source removed; likewise the key k of
+layers under their frozen patterns included; a cross-layer transcoder's feature writes a·W_dec[ℓ → ℓ'][f] into every
+MLP output ℓ' ≥ ℓ, all of them in q_s: :func:`~gradpatch.circuits.sources.contract_sources` and
+:func:`~gradpatch.circuits.sources.source_deltas`), q_bias being q with every source removed; likewise the key k of
 position j (of the key/value head h // (heads / kv_heads) under GQA). The pre-softmax score is bilinear:
 
     s = scale · q · k + m = Σ_{s, s'} scale · q_s · k_s' + m,

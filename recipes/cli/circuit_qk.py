@@ -14,6 +14,8 @@ every logit node from its ``--head-loading-sources`` strongest sources, split pe
 loadings and a bypass (:func:`gradpatch.circuits.heads.head_loadings`): ``OUT/head_loadings.safetensors`` (sparse
 indices and values) and ``OUT/head_loadings.json`` (per edge, per layer: the heads' loadings and the bypass).
 
+Both work with any ``--dictionaries`` the command takes, per-layer transcoders or a cross-layer transcoder (a CLT
+feature's query-, key- and edge-side contributions go through its decoder blocks into every later MLP output).
 The circuit command calls :func:`add_qk_options` on its parser and, after attribution, :func:`write_qk_results` with
 the replacement model, the graph and the staged output folder.
 """
