@@ -1,7 +1,8 @@
 # gradpatch — set up, demo, test, benchmark.
 #   make demo       create .venv (once) and run the main job: the ROME demo on the embedded SmolLM2-135M
 #   make demo-circuits  skip transcoders trained at all 30 MLPs of SmolLM2 (cached), three prompts traced with them
-#   make test       create .venv (once) and run all tests, real-model (slow) ones included
+#   make test       create .venv (once) and run all tests, real-model (slow) ones included, one pytest-xdist
+#                   worker per core (tests/conftest.py gives each worker its share of torch's threads)
 #   make test-fast  skip the slow real-model tests
 #   make bench      forward-overhead benchmark (prints JSON)
 #   make peers      build the peers' virtualenvs under .peers/ from benchmarks/peers/<peer>/requirements*.txt
@@ -42,10 +43,10 @@ demo-circuits: venv
 	$(PY) -m demos.circuits.demo
 
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not slow"
 
 bench: venv
 	$(PY) -m benchmarks.engine.forward_overhead

@@ -14,7 +14,7 @@ from torch import nn
 
 from gradpatch.testing import tiny_llama
 
-__all__ = ["WORDS", "save_tiny_backbone", "tiny_backbone", "tiny_tokenizer"]
+__all__ = ["WORDS", "save_tiny_backbone", "save_tiny_transcoders", "tiny_backbone", "tiny_tokenizer"]
 
 #: The tiny tokenizer's vocabulary after its special tokens (``<pad>`` 0, ``<unk>`` 1, ``<eos>`` 2).
 WORDS: tuple[str, ...] = tuple(
@@ -66,4 +66,23 @@ def save_tiny_backbone(directory: str | Path, seed: int = 0, layers: int = 2) ->
     model, tokenizer = tiny_backbone(seed, layers)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    return directory
+
+
+def save_tiny_transcoders(directory: str | Path, model: nn.Module, seed: int = 0) -> Path:
+    """Random ReLU skip transcoders (64 latents, seed ``seed``) at both MLPs of the tiny backbone ``model``, saved
+    with its fingerprint as ``directory/layer_0`` and ``directory/layer_1`` (what ``gradpatch circuit
+    --dictionaries`` reads).
+
+    Returns:
+        ``directory``.
+    """
+    from gradpatch.dictionaries import SkipTranscoder, save_dictionary
+
+    directory = Path(directory)
+    generator = torch.Generator().manual_seed(seed)
+    for layer in range(2):
+        transcoder = SkipTranscoder(64, 64, activation="relu", input_node=f"model.layers_{layer}.mlp.x",
+                                    output_node=f"model.layers_{layer}.mlp.output", generator=generator)
+        save_dictionary(transcoder, directory / f"layer_{layer}", model=model)
     return directory

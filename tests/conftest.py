@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -32,6 +34,14 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, scale: float = 1.0) -> dict[str, torch.Tensor]:
         hidden = torch.relu(self.up(x))
         return {"out": self.down(self.dropout(hidden)) * scale, "hidden": hidden}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``make test`` runs ``-n auto``), each worker's torch gets its share of the cores, so that
+    the workers do not oversubscribe them (``PYTEST_XDIST_WORKER_COUNT`` is set in the workers only)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

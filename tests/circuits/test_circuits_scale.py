@@ -6,6 +6,7 @@ bounds its memory (``--max-memory``), reports its peak, and takes several prompt
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,10 @@ from gradpatch.circuits import (AttributionGraph, attribute, completeness, compu
 from gradpatch.circuits.attribute import memory_per_row
 from gradpatch.circuits.backward import measure_saved_bytes
 from gradpatch.circuits.edges import FEATURE_CHUNK
-from gradpatch.dictionaries import SkipTranscoder, save_dictionary
 from gradpatch.files.loaders import load_model
 from recipes import cli
 from recipes.cli.memory import PeakMemory, parse_bytes
-from recipes.testing import save_tiny_backbone
+from recipes.testing import save_tiny_backbone, save_tiny_transcoders
 
 
 def _prompt(seq: int) -> torch.Tensor:
@@ -94,9 +94,11 @@ def test_parse_bytes_and_peak_memory() -> None:
     for bad in ("8 parsecs", "", "GiB", "0"):
         with pytest.raises(ValueError, match="is not a size: write e.g. 8GiB"):
             parse_bytes(bad)
-    with PeakMemory("cpu") as memory:
-        block = torch.ones(16 * 2**20)  # 64 MiB, written
-        del block
+    with PeakMemory("cpu") as memory:  # 64 MiB of fresh anonymous pages, each written (never freed heap reused)
+        block = mmap.mmap(-1, 64 * 2**20)
+        for offset in range(0, 64 * 2**20, mmap.PAGESIZE):
+            block[offset] = 1
+        block.close()
     assert memory.kind in ("rss", "process_max_rss") and memory.peak >= memory.before + 60 * 2**20
     assert memory.record()["peak_bytes"] == memory.peak
 
@@ -107,11 +109,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("circuit_scale")
     model_dir = save_tiny_backbone(folder / "tiny")
     model, _ = load_model(model_dir)
-    generator = torch.Generator().manual_seed(0)
-    for layer in range(2):
-        transcoder = SkipTranscoder(64, 64, activation="relu", input_node=f"model.layers_{layer}.mlp.x",
-                                    output_node=f"model.layers_{layer}.mlp.output", generator=generator)
-        save_dictionary(transcoder, folder / "dictionaries" / f"layer_{layer}", model=model)
+    save_tiny_transcoders(folder / "dictionaries", model)
     return {"model": model_dir, "dictionaries": folder / "dictionaries"}
 
 

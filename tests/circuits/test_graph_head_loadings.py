@@ -26,10 +26,9 @@ from gradpatch.circuits import (AttributionGraph, CircuitError, HeadLoadings, Re
                                 parse_node_id, save_graph)
 from gradpatch.circuits.files import graph_node_ids
 from gradpatch.circuits.html_heads import HEADS_SCRIPT, TOP_HEADS
-from gradpatch.dictionaries import SkipTranscoder, save_dictionary
 from gradpatch.files.loaders import load_model
 from recipes import cli
-from recipes.testing import save_tiny_backbone
+from recipes.testing import save_tiny_backbone, save_tiny_transcoders
 
 SCHEMA = json.loads(Path(__file__).with_name("neuronpedia_graph_schema.json").read_text())
 
@@ -251,11 +250,7 @@ def test_the_circuit_command_puts_head_loadings_into_graph_json(tmp_path: Path) 
     split edge within float rounding of the terms), and graph.html lists them."""
     model_dir = save_tiny_backbone(tmp_path / "tiny")
     model, _ = load_model(model_dir)
-    generator = torch.Generator().manual_seed(0)
-    for layer in range(2):
-        transcoder = SkipTranscoder(64, 64, activation="relu", input_node=f"model.layers_{layer}.mlp.x",
-                                    output_node=f"model.layers_{layer}.mlp.output", generator=generator)
-        save_dictionary(transcoder, tmp_path / "dictionaries" / f"layer_{layer}", model=model)
+    save_tiny_transcoders(tmp_path / "dictionaries", model)
     out = tmp_path / "out"
     assert cli.main(["circuit", "--prompt", "the capital of France is Paris and the capital of Italy is",
                      "--dictionaries", str(tmp_path / "dictionaries"), "--model", str(model_dir), "--device", "cpu",
