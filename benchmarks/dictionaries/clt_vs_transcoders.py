@@ -6,7 +6,8 @@ Both sides are ``gradpatch fit`` as a user runs it (``python -m recipes.cli fit`
 the other, never together), from their YAMLs (``recipes/configs/clt_smollm2.yaml`` and
 ``recipes/configs/transcoders_smollm2.yaml``) with the same overrides: the token budget ``--tokens`` (the same
 corpus, chunks and order: both configs use seed 0 and the same data settings), the same number of latents per layer
-(``--expansion-factor`` × 576) and the same activation (``--activation topk --k K``: k latents per token and layer on
+(``--expansion-factor`` × 576), the same optimizer steps (``--batch-size`` chunks a step, ``--buffer-rows`` in
+the shuffle buffer) and the same activation (``--activation topk --k K``: k latents per token and layer on
 both sides; ``jumprelu``: the CLT's tanh penalty and the transcoders' own JumpReLU settings). The CLT's layer l
 latents write to every MLP output l..29 (Ameisen et al. 2025); each transcoder writes its own MLP output, with a
 linear skip term (Paulo et al. 2025) — the CLT has none, as circuit-tracer's CLT files hold none. The figures are
@@ -40,7 +41,8 @@ def overrides(side: str, args: argparse.Namespace, folder: Path) -> list[str]:
     part = "clt" if side == "clt" else "dictionary"
     common = ["--trainer.default_root_dir", str(folder), "--trainer.accelerator", "cpu",
               "--data.train_tokens", str(args.tokens), f"--model.{part}.expansion_factor", str(args.expansion_factor),
-              f"--model.{part}.activation", args.activation]
+              f"--model.{part}.activation", args.activation, "--model.buffer_rows", str(args.buffer_rows),
+              "--data.batch_size", str(args.batch_size)]
     return common + ([f"--model.{part}.k", str(args.k)] if args.activation == "topk" else [])
 
 
@@ -69,6 +71,8 @@ def main() -> None:
     parser.add_argument("--expansion-factor", type=int, default=2, help="latents per layer / 576")
     parser.add_argument("--activation", choices=["topk", "jumprelu"], default="topk")
     parser.add_argument("--k", type=int, default=32, help="topk: active latents per token and layer")
+    parser.add_argument("--batch-size", type=int, default=2, help="chunks of 128 tokens per optimizer step")
+    parser.add_argument("--buffer-rows", type=int, default=2048, help="rows of each side's shuffle buffer")
     parser.add_argument("--keep", help="a folder to keep both runs in (default: a temporary one)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
