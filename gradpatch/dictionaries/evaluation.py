@@ -155,6 +155,7 @@ def _add_batch(pg: Any, spliced: Splice, inputs: dict[str, Any], sums: _Sums) ->
     scored = mask[:, :-1] & mask[:, 1:]
     probes = {spliced.input_node: ProbePatch(), spliced.output_node: ProbePatch()}  # one probe when they coincide
     first = spliced.patch.dictionary.config.exclude_first_positions
+    pg.prepare(**inputs, use_cache=False)  # this batch's graphs, extracted without a warning the user cannot act on
     with torch.no_grad():
         with pg.patch(probes):
             original = pg(**inputs, use_cache=False).logits

@@ -182,6 +182,7 @@ def _add_layer_batch(pg: Any, layers: DictionaryLayers, positions: Any, inputs: 
     counted = mask[:, layers.exclude_first_positions:]
     nodes = list(dict.fromkeys(layers.input_nodes + layers.output_nodes))
     probes = {node: ProbePatch(slice=positions) for node in nodes}
+    pg.prepare(**inputs, use_cache=False)  # this batch's graphs, extracted without a warning the user cannot act on
     with pg.patch(probes):
         original = pg(**inputs, use_cache=False).logits
 

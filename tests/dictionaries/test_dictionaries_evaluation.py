@@ -5,6 +5,7 @@ exactly."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -136,3 +137,18 @@ def test_transcoder_metrics_read_the_output_node(llama_graph) -> None:
     with torch.no_grad():
         fvu = float((y - transcoder(x)).pow(2).sum() / (y - y.mean(0)).pow(2).sum())
     assert math.isclose(metrics.fvu, fvu, rel_tol=1e-5) and metrics.n_tokens == 18
+
+
+def test_evaluation_extracts_a_new_class_of_sizes_without_a_warning(tiny_llama, llama_graph) -> None:
+    """A fit trains on batches of several rows and evaluates one document at a time: the one-row calls are a new
+    class of sizes, whose graphs the evaluation extracts itself (``pg.prepare``) without the warning meant for a
+    user's own calls; the metrics are those of the same evaluation without that earlier call."""
+    sae = SparseAutoencoder(64, 128, "topk", k=4, node=NODE, generator=torch.Generator().manual_seed(0))
+    one_row = [BATCHES[0][:1]]
+    expected = evaluate_dictionary(PatchableGraph(tiny_llama, one_row[0], use_cache=False), sae, one_row)
+    with torch.no_grad():
+        llama_graph(BATCHES[0], use_cache=False)  # three rows first, as a fit's training does
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        metrics = evaluate_dictionary(llama_graph, sae, one_row)
+    assert metrics.to_dict() == expected.to_dict()
