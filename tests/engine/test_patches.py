@@ -46,6 +46,21 @@ def test_each_patch_kind(linear_graph):
     torch.testing.assert_close(pg(x), clean)  # nothing stays patched after the block
 
 
+
+def test_nested_blocks_of_probes_exit_in_any_state(linear_graph):
+    """An inner block of probes leaves while the outer block's probes hold tensors: each block is removed by
+    identity, so no patch's fields (tensors, which have no truth value) are compared."""
+    pg, linear, x = linear_graph
+    outer, inner = ProbePatch(), ProbePatch()
+    with pg.patch({"output": outer}):
+        pg(x)
+        with pg.patch({"output": inner}):
+            pg(x[:1])
+        pg(x)
+    torch.testing.assert_close(inner.activation, linear(x[:1]))
+    torch.testing.assert_close(outer.activation, linear(x))
+    torch.testing.assert_close(pg(x), linear(x))
+
 def test_slices_apply_to_part_of_the_activation(linear_graph):
     pg, linear, x = linear_graph
     clean = linear(x)
