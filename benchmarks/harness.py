@@ -241,6 +241,15 @@ def save_for_peers(model: Any, tokenizer: Any | None, directory: Path) -> None:
         tokenizer.save_pretrained(directory)
 
 
+def offline_environment(threads: int | None = None) -> dict[str, str]:
+    """This process's environment for a side process: Hugging Face offline, no tokenizer threads and, with
+    ``threads``, ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` set to it (else inherited)."""
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if threads is not None:
+        environment.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return environment
+
+
 def run_module(python: str, module: str, arguments: Sequence[str] = (), *, env: dict[str, str] | None = None,
                extra_path: Sequence[str] = (), check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``python -m module arguments`` from the repository's root with the repository (then ``extra_path``) on

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import ROOT, emit, peer_python, run_module
+from benchmarks.harness import ROOT, emit, offline_environment, peer_python, run_module
 
 GRAPHS = "benchmarks.circuits.circuit_tracer_graphs"
 SIDE = "benchmarks.peers.circuit_tracer.graphs_side"
@@ -52,8 +52,7 @@ PROMPTS = ["The capital of France is Paris. The capital of Italy is",
 
 
 def _environment() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+    return {**offline_environment(1), "PYTHONPATH": str(ROOT)}
 
 
 def _measured(command: list[str]) -> dict[str, Any]:

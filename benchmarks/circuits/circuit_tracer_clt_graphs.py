@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 
 from benchmarks.circuits.circuit_tracer_graphs import (NODES, build_model, compare, mlp_inputs, ours, prompt_ids,
                                                       save_model_folder)
-from benchmarks.harness import emit, peer_python, run_module
+from benchmarks.harness import emit, offline_environment, peer_python, run_module
 from gradpatch.dictionaries import (CLTConfig, CrossLayerTranscoder, export_circuit_tracer_clt,
                                     load_circuit_tracer_clt)
 
@@ -94,8 +93,7 @@ def main() -> None:
     if args.ours:
         ours(args, Path(args.ours), load_clt)
         return
-    environment = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-                   "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    environment = offline_environment(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(args.keep or scratch).resolve()
         folder.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks.harness import emit, max_rss_mib, peak_mib, peer_python, reset_peak, resident_mib, run_module
+from benchmarks.harness import (emit, max_rss_mib, offline_environment, peak_mib, peer_python, reset_peak,
+                                resident_mib, run_module)
 from gradpatch import PatchableGraph
 from gradpatch.circuits import ReplacementModel, attribute
 from gradpatch.dictionaries import SkipTranscoder, export_circuit_tracer, load_circuit_tracer
@@ -289,8 +290,7 @@ def main() -> None:
     if args.ours:
         ours(args, Path(args.ours))
         return
-    environment = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-                   "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    environment = offline_environment(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(args.keep or scratch).resolve()
         folder.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -61,7 +60,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.circuits.circuit_tracer_graphs import save_model_folder
-from benchmarks.harness import ROOT, emit, max_rss_mib, peak_mib, peer_python, reset_peak, resident_mib, run_module
+from benchmarks.harness import (ROOT, emit, max_rss_mib, offline_environment, peak_mib, peer_python, reset_peak,
+                                resident_mib, run_module)
 from gradpatch import PatchableGraph, testing
 from gradpatch.circuits import (AttributionGraph, ReplacementModel, attribute, completeness, graph_influence,
                                 graph_scores, prune_graph)
@@ -234,8 +234,7 @@ def _peer_point(args: argparse.Namespace, argv: list[str], tokens: int) -> dict[
         point: dict[str, Any] = {"tokens": tokens, "gradpatch": ours}
         if "exit_status" in ours:
             return point
-        environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                       "TOKENIZERS_PARALLELISM": "false"}
+        environment = offline_environment()
         theirs = _run_point(peer_python("circuit_tracer", args.peer_python), PEER_SIDE, ["graph", str(folder)],
                             env=environment)
         if "exit_status" not in theirs:
