@@ -53,14 +53,16 @@ def _is_pr114_edge(graph: AttributionGraph, target: int, source: int, weight: fl
 def _check_sums(graph: AttributionGraph, loadings, relative: float = 1e-5, of_terms: float = 1e-9) -> tuple[int, int]:
     """Assert that at every attention layer the heads' loadings and the bypass sum to the split edge: within
     ``relative`` of the edge for every edge with |A| > 1e-4 (module docstring), within ``of_terms`` of the terms'
-    Σ|·| for every edge; and that the split edge is the graph's (float32 rounding of its row). Returns how many
-    (edge, layer) splits were checked, and how many of them PR 114's check applies to."""
+    Σ|·| for every edge; and that the split edge is the graph's row entry (float64 loadings against the float32 graph:
+    within 1e-4 of it or 1e-5 of the row's largest, as circuit-tracer's graphs are compared; on SmolLM2 they differ
+    by up to 1.8e-5 of the entry on some CPUs). Returns how many (edge, layer) splits were checked, and how many of
+    them PR 114's check applies to."""
     checked = pr114 = 0
     for target, source, weight in loadings.edges.tolist():
         row = graph.rows[int(target) if target < graph.n_features else graph.n_features + int(target)
                          - graph.logit_start]
         largest = float(row.abs().max())
-        assert weight == pytest.approx(float(row[int(source)]), rel=1e-5, abs=1e-6 * largest)
+        assert weight == pytest.approx(float(row[int(source)]), rel=1e-4, abs=1e-5 * largest)
         for per_head, bypass in loadings.edge(int(target), int(source)).values():
             missed = abs(float(per_head.sum()) + bypass - weight)
             assert missed <= of_terms * (float(per_head.abs().sum()) + abs(bypass))
