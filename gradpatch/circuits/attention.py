@@ -26,7 +26,7 @@ from typing import Any
 
 from ..patchable_graph import PatchableGraph
 from .errors import AttentionFitError
-from .freeze import _argument, _argument_path, _call
+from .freeze import argument_path, call_argument
 
 __all__ = ["AttentionFitError", "AttentionSite", "find_attention_sites"]
 
@@ -69,17 +69,17 @@ def _op_name(fx: Any) -> str:
 
 
 def _sdpa_site(pg: PatchableGraph, layer: int, path: str) -> AttentionSite:
-    call = _call(pg, path)
-    query, key = _argument(call, 0, "query"), _argument(call, 1, "key")
-    mask, scale = _argument(call, 3, "attn_mask"), _argument(call, 6, "scale")
-    causal = bool(_argument(call, 5, "is_causal"))
-    query_path, key_path = _argument_path(pg, path, query), _argument_path(pg, path, key)
+    call = pg.node(path).fx_node
+    query, key = call_argument(call, 0, "query"), call_argument(call, 1, "key")
+    mask, scale = call_argument(call, 3, "attn_mask"), call_argument(call, 6, "scale")
+    causal = bool(call_argument(call, 5, "is_causal"))
+    query_path, key_path = argument_path(pg, path, query), argument_path(pg, path, key)
     if scale is None:
         scale = 1.0 / math.sqrt(pg.node(query_path).tensor_shape[-1])
     elif hasattr(scale, "op"):
         raise AttentionFitError(f"the attention at '{path}' takes a scale computed in the graph ({scale!r}); a "
                                 f"QK attribution needs a number")
-    mask_path = _argument_path(pg, path, mask) if hasattr(mask, "op") else None
+    mask_path = argument_path(pg, path, mask) if hasattr(mask, "op") else None
     return AttentionSite(layer, query_path, key_path, path, float(scale), mask_path, causal, (query_path, key_path))
 
 
@@ -97,7 +97,7 @@ def _eager_site(pg: PatchableGraph, layer: int, path: str, bilinear: bool) -> At
 
 def _eager_score(pg: PatchableGraph, path: str) -> tuple[str, str, float, str | None]:
     """(query, key, scale, mask) of the eager softmax at ``path`` (its input walked back to ``matmul(q, kᵀ)``)."""
-    fx = _call(pg, path).args[0]
+    fx = pg.node(path).fx_node.args[0]
     scale, mask = 1.0, None
     while not (fx.op == "call_function" and _op_name(fx) == "matmul"):
         name = _op_name(fx)
@@ -110,9 +110,9 @@ def _eager_score(pg: PatchableGraph, path: str) -> tuple[str, str, float, str | 
             fx = tensors[0]
         elif name in ("add", "iadd") and len(tensors) == 2 and mask is None:
             # the scores are the operand whose shape has the heads (the mask broadcasts over them)
-            shapes = [pg.node(_argument_path(pg, path, t)).tensor_shape for t in tensors]
+            shapes = [pg.node(argument_path(pg, path, t)).tensor_shape for t in tensors]
             scores = 0 if shapes[0] is not None and len(shapes[0]) == 4 and shapes[0][1] > 1 else 1
-            mask = _argument_path(pg, path, tensors[1 - scores])
+            mask = argument_path(pg, path, tensors[1 - scores])
             fx = tensors[scores]
         else:
             raise AttentionFitError(f"between the scores and the softmax at '{path}' runs '{name}' ({fx.name}), "
@@ -124,18 +124,18 @@ def _eager_score(pg: PatchableGraph, path: str) -> tuple[str, str, float, str | 
         raise AttentionFitError(f"the score product '{fx.name}' before the softmax at '{path}' does not take the "
                                 f"keys transposed ({transposed!r}); QK attributions need matmul(q, k.transpose)")
     key = transposed.args[0] if hasattr(transposed.args[0], "op") else transposed
-    return _argument_path(pg, path, query), _argument_path(pg, path, key), scale, mask
+    return argument_path(pg, path, query), argument_path(pg, path, key), scale, mask
 
 
 def _pattern_output(pg: PatchableGraph, path: str) -> str:
     """The NodePath of the ``matmul`` that applies the softmax at ``path`` to the values (through casts)."""
-    frontier = [_call(pg, path)]
+    frontier = [pg.node(path).fx_node]
     while frontier:
         fx = frontier.pop()
         for user in fx.users:
             name = _op_name(user)
             if name == "matmul" and user.args[0] is fx:
-                return _argument_path(pg, path, user)
+                return argument_path(pg, path, user)
             if name in _CASTS:
                 frontier.append(user)
     raise AttentionFitError(f"no matmul(pattern, values) follows the softmax at '{path}'; head loadings need the "
@@ -160,9 +160,9 @@ def find_attention_sites(pg: PatchableGraph, bilinear: bool = True) -> list[Atte
             continue
         node = pg.node(path)
         shape = node.tensor_shape
-        if node._gp_op.endswith(_SDPA):
+        if node.op_name.endswith(_SDPA):
             sites.append(_sdpa_site(pg, len(sites), path))
-        elif node._gp_op in _SOFTMAX and shape is not None and len(shape) == 4:
+        elif node.op_name in _SOFTMAX and shape is not None and len(shape) == 4:
             sites.append(_eager_site(pg, len(sites), path, bilinear))
     if not sites:
         raise AttentionFitError("the graph has no attention layer (a scaled_dot_product_attention call or a softmax "

@@ -28,7 +28,7 @@ from ..patchable_graph import PatchableGraph
 from ..patches import CustomPatch, HoldPatch, Patch
 from .clt_layers import CLTLayerView
 from .errors import CircuitError, FrozenNodesNotFoundError
-from .freeze import _argument_path, _call
+from .freeze import argument_path
 from .replacement import ReplacementModel
 
 __all__ = ["cast_nodes", "float64_casts", "float64_replacement"]
@@ -101,14 +101,14 @@ def cast_nodes(model: ReplacementModel) -> list[tuple[str, str]]:
     pg = model.pg
     found = []
     for path in pg.node_paths():
-        if "|" in path or pg.node(path)._gp_op not in _CASTS:
+        if "|" in path or pg.node(path).op_name not in _CASTS:
             continue
-        call = _call(pg, path)
+        call = pg.node(path).fx_node
         source = call.args[0] if call.args else None
         if getattr(source, "op", "get_attr") == "get_attr":
             continue
         try:
-            found.append((path, _argument_path(pg, path, source)))
+            found.append((path, argument_path(pg, path, source)))
         except FrozenNodesNotFoundError:  # an input from outside this graph's nodes: left as the model casts it
             continue
     return found

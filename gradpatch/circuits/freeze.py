@@ -177,13 +177,7 @@ class FrozenNodes:
         return self.attention + self.norms
 
 
-def _call(pg: PatchableGraph, path: str) -> Any:
-    """The torch.fx node of the op at ``path``."""
-    node = pg.node(path)
-    return next(fx for fx in node._gp_owner.graph.nodes if fx.name == node._gp_key)
-
-
-def _argument_path(pg: PatchableGraph, path: str, argument: Any) -> str:
+def argument_path(pg: PatchableGraph, path: str, argument: Any) -> str:
     """The NodePath of ``argument`` (a torch.fx node) of the op at ``path``: a sibling whose key is the argument's
     name (or, for a placeholder, its target).
 
@@ -195,13 +189,15 @@ def _argument_path(pg: PatchableGraph, path: str, argument: Any) -> str:
     if getattr(argument, "op", "") == "placeholder":
         names.add(argument.target)
     for child in pg.node(parent) if parent else pg.graph:
-        if "|" not in child._path and child._gp_key in names:
+        if "|" not in child._path and child.fx_name in names:
             return child._path
     raise FrozenNodesNotFoundError(f"the op at '{path}' takes {argument!r}, which is not a node of the graph; run the "
                                    f"model with attn_implementation='eager' (attention) or freeze it by hand")
 
 
-def _argument(call: Any, index: int, name: str) -> Any:
+def call_argument(call: Any, index: int, name: str) -> Any:
+    """The argument ``name`` of the torch.fx node ``call``: its keyword, else its ``index``-th positional argument;
+    ``None`` when it has neither."""
     return call.kwargs.get(name, call.args[index] if len(call.args) > index else None)
 
 
@@ -212,34 +208,34 @@ def _layer_norm(pg: PatchableGraph, path: str) -> FrozenLayerNorm:
     Raises:
         FrozenNodesNotFoundError: its input is not a node, or its weight is not a parameter.
     """
-    call = _call(pg, path)
-    shape = _argument(call, 1, "normalized_shape")
-    weight = _argument(call, 2, "weight")
-    eps = _argument(call, 4, "eps")
+    call = pg.node(path).fx_node
+    shape = call_argument(call, 1, "normalized_shape")
+    weight = call_argument(call, 2, "weight")
+    eps = call_argument(call, 4, "eps")
     if weight is not None and getattr(weight, "op", "") != "get_attr":
         raise FrozenNodesNotFoundError(f"the layer_norm op at '{path}' takes a weight computed in the graph "
                                        f"({weight!r}), not a parameter; freeze its scale by hand")
-    owner = pg.node(path)._gp_owner
+    owner = pg.node(path).graph_module
     tensor = functools.reduce(getattr, weight.target.split("."), owner) if weight is not None else None
-    return FrozenLayerNorm(_argument_path(pg, path, _argument(call, 0, "input")), path, tensor,
+    return FrozenLayerNorm(argument_path(pg, path, call_argument(call, 0, "input")), path, tensor,
                            tuple(range(-len(shape), 0)), 1e-5 if eps is None else float(eps))
 
 
 def _pattern(pg: PatchableGraph, path: str, query: str, key: str) -> FrozenPattern | None:
     """The :class:`FrozenPattern` of the SDPA call at ``path`` (its query and key at ``query`` and ``key``), or
     ``None`` for a call with dropout, a mask that is not a node, or a value that is not a node."""
-    call = _call(pg, path)
-    mask = _argument(call, 3, "attn_mask")
-    if _argument(call, 4, "dropout_p") not in (None, 0, 0.0) or (mask is not None and not hasattr(mask, "op")):
+    call = pg.node(path).fx_node
+    mask = call_argument(call, 3, "attn_mask")
+    if call_argument(call, 4, "dropout_p") not in (None, 0, 0.0) or (mask is not None and not hasattr(mask, "op")):
         return None
     try:
-        value = _argument_path(pg, path, _argument(call, 2, "value"))
-        mask_path = _argument_path(pg, path, mask) if mask is not None else None
+        value = argument_path(pg, path, call_argument(call, 2, "value"))
+        mask_path = argument_path(pg, path, mask) if mask is not None else None
     except FrozenNodesNotFoundError:
         return None
-    options = tuple((name, _argument(call, index, name)) for index, name in ((5, "is_causal"), (6, "scale"),
+    options = tuple((name, call_argument(call, index, name)) for index, name in ((5, "is_causal"), (6, "scale"),
                                                                             (7, "enable_gqa"))
-                    if _argument(call, index, name) is not None)
+                    if call_argument(call, index, name) is not None)
     if any(hasattr(option, "op") for _, option in options):
         return None
     return FrozenPattern(path, query, key, value, mask_path, options)
@@ -253,14 +249,14 @@ def _linearised(pg: PatchableGraph, path: str) -> LinearisedOp:
         FrozenNodesNotFoundError: the op takes a second tensor of the graph (it is not a function of one input), or
             its input is not a node.
     """
-    call = _call(pg, path)
+    call = pg.node(path).fx_node
     z, constants = call.args[0], call.args[1:]
     if any(hasattr(arg, "op") for arg in (*constants, *call.kwargs.values())):
         raise FrozenNodesNotFoundError(f"the {call.target} op at '{path}' (after the last frozen node) takes more than "
                                        f"one tensor of the graph, so it cannot be linearised as an elementwise op; "
                                        f"freeze it by hand")
     function = functools.partial(_apply, call.op == "call_method", call.target, constants, dict(call.kwargs))
-    return LinearisedOp(_argument_path(pg, path, z), path, function)
+    return LinearisedOp(argument_path(pg, path, z), path, function)
 
 
 def _apply(method: bool, target: Any, constants: tuple[Any, ...], kwargs: dict[str, Any],
@@ -287,13 +283,14 @@ def find_frozen_nodes(pg: PatchableGraph) -> FrozenNodes:
     last = -1
     for index, path in enumerate(paths):
         node = pg.node(path)
-        op = node._gp_op
+        op = node.op_name
         shape = node.tensor_shape
         if op in _SOFTMAX and shape is not None and len(shape) == 4:
             attention.append(path)
         elif op.endswith(_SDPA):
-            call = _call(pg, path)
-            query, key = (_argument_path(pg, path, _argument(call, i, name)) for i, name in enumerate(("query", "key")))
+            call = pg.node(path).fx_node
+            query, key = (argument_path(pg, path, call_argument(call, i, name))
+                          for i, name in enumerate(("query", "key")))
             attention.extend((query, key))
             pattern = _pattern(pg, path, query, key)
             if pattern is not None:
@@ -315,5 +312,5 @@ def find_frozen_nodes(pg: PatchableGraph) -> FrozenNodes:
         raise FrozenNodesNotFoundError(f"the local replacement model freezes {' and '.join(missing)}, but the graph "
                                        f"has none; print pg.graph to see its ops")
     linearised = tuple(_linearised(pg, path) for path in paths[last + 1:]
-                       if pg.node(path)._gp_op in _ELEMENTWISE_OPS)
+                       if pg.node(path).op_name in _ELEMENTWISE_OPS)
     return FrozenNodes(tuple(attention), tuple(norms), tuple(layer_norms), linearised, tuple(patterns))

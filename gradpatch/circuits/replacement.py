@@ -309,7 +309,7 @@ class ReplacementModel:
         graph, _, leaf = spliced.output_node.rpartition(".")
         if leaf != "output" or spliced.input_node.rpartition(".")[0] != graph:
             return False
-        inputs = [child for child in self.pg.node(graph) if child._gp_op.startswith("placeholder")]
+        inputs = [child for child in self.pg.node(graph) if child.op_name.startswith("placeholder")]
         return [child._path for child in inputs] == [spliced.input_node]
 
 

@@ -71,7 +71,7 @@ class DictionaryMetrics:
         return {**fields, **{saelens: fields[ours] for saelens, ours in SAELENS_NAMES.items()}}
 
 
-class _Sums:
+class MetricSums:
     """Running float64 sums over tokens."""
 
     def __init__(self, d_out: int, d_sae: int) -> None:
@@ -111,7 +111,7 @@ class _Sums:
             kl=self.kl / max(self.kl_positions, 1), n_tokens=self.tokens)
 
 
-def _next_token_losses(logits: torch.Tensor, ids: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+def next_token_losses(logits: torch.Tensor, ids: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
     """Σ of −log p(next token) over the ``scored`` positions ``[batch, seq − 1]`` (scalar)."""
     losses = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
     return (losses * scored.flatten()).sum()
@@ -136,7 +136,7 @@ def evaluate_dictionary(pg: Any, dictionary: SparseDictionary, batches: Iterable
     """
     spliced = splice(pg, dictionary, node, output_node=output_node, error_term=False,
                      slice=trained_positions(dictionary))
-    sums = _Sums(dictionary.d_out, dictionary.d_sae)
+    sums = MetricSums(dictionary.d_out, dictionary.d_sae)
     training = dictionary.training
     dictionary.eval()  # BatchTopK: per-token latents with its threshold, no update of it
     try:
@@ -148,7 +148,7 @@ def evaluate_dictionary(pg: Any, dictionary: SparseDictionary, batches: Iterable
     return sums.metrics()
 
 
-def _add_batch(pg: Any, spliced: Splice, inputs: dict[str, Any], sums: _Sums) -> None:
+def _add_batch(pg: Any, spliced: Splice, inputs: dict[str, Any], sums: MetricSums) -> None:
     """The three forward passes of one batch, added to ``sums``."""
     ids = inputs["input_ids"]
     mask = inputs.get("attention_mask", torch.ones_like(ids)).bool()
@@ -170,7 +170,7 @@ def _add_batch(pg: Any, spliced: Splice, inputs: dict[str, Any], sums: _Sums) ->
             latents = spliced.latents[counted]  # the spliced pass read the unchanged input node
             sums.add_activations(y, spliced.patch.dictionary.output(x, latents), latents)
         for name, value in (("original", original), ("spliced", logits), ("zero", zero)):
-            sums.losses[name] += float(_next_token_losses(value, ids, scored))
+            sums.losses[name] += float(next_token_losses(value, ids, scored))
         log_p, log_q = F.log_softmax(original.float(), -1), F.log_softmax(logits.float(), -1)
         sums.kl += float(((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum())
         sums.positions += int(scored.sum())

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..patches import CustomPatch, HoldPatch, ProbePatch, ZeroPatch
-from .evaluation import DictionaryMetrics, _next_token_losses, _Sums
+from .evaluation import DictionaryMetrics, MetricSums, next_token_losses
 from .modules import SparseDictionary
 
 __all__ = ["AllSplicedMetrics", "DictionaryLayers", "LayerMetrics", "cross_layer_layers", "evaluate_layers",
@@ -150,8 +150,8 @@ def evaluate_layers(pg: Any, layers: DictionaryLayers,
     first = layers.exclude_first_positions
     positions = Tokens(slice(first, None)) if first else None
     count = len(layers.output_nodes)
-    sums = [_Sums(1, m) for m in layers.d_sae]  # d_out is set from the first batch
-    together = _Sums(1, 1)
+    sums = [MetricSums(1, m) for m in layers.d_sae]  # d_out is set from the first batch
+    together = MetricSums(1, 1)
     modes = [module.training for module in layers.modules]
     for module in layers.modules:
         module.eval()
@@ -172,8 +172,8 @@ def evaluate_layers(pg: Any, layers: DictionaryLayers,
     return LayerMetrics({node: one.metrics() for node, one in zip(layers.output_nodes, sums)}, all_spliced)
 
 
-def _add_layer_batch(pg: Any, layers: DictionaryLayers, positions: Any, inputs: dict[str, Any], sums: list[_Sums],
-                     together: _Sums) -> None:
+def _add_layer_batch(pg: Any, layers: DictionaryLayers, positions: Any, inputs: dict[str, Any], sums: list[MetricSums],
+                     together: MetricSums) -> None:
     """One batch of :func:`evaluate_layers`: the original pass, each layer spliced alone and zero-ablated alone,
     every layer spliced and zero-ablated at once."""
     ids = inputs["input_ids"]
@@ -186,8 +186,8 @@ def _add_layer_batch(pg: Any, layers: DictionaryLayers, positions: Any, inputs: 
     with pg.patch(probes):
         original = pg(**inputs, use_cache=False).logits
 
-    def add_losses(target: _Sums, name: str, logits: torch.Tensor) -> None:
-        target.losses[name] += float(_next_token_losses(logits, ids, scored))
+    def add_losses(target: MetricSums, name: str, logits: torch.Tensor) -> None:
+        target.losses[name] += float(next_token_losses(logits, ids, scored))
         if name == "spliced":
             log_p, log_q = F.log_softmax(original.float(), -1), F.log_softmax(logits.float(), -1)
             target.kl += float(((log_p.exp() * (log_p - log_q)).sum(-1) * mask).sum())

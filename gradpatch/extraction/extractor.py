@@ -35,7 +35,7 @@ from .options import ExtractionOptions
 from ..patch_table import LEAF_NAME
 from .reads import ReadRecording
 from .reuse import TemplateStore
-from .tracer import ValueTracer, _map_proxies, check_traceable, concrete_execution, contains_proxy, resolve_attribute
+from .tracer import ValueTracer, check_traceable, concrete_execution, contains_proxy, map_proxies, resolve_attribute
 from ..value_info import ValueInfo, describe, holds_input
 from .wrappers import assemble_wrapper, group_calls, replayed_wrapper
 
@@ -156,7 +156,7 @@ class Extractor:
             proxy = tracer.create_proxy_with_value("call_module", site, tuple(args), node_kwargs, output)
             calls.setdefault(site, []).append((proxy.node, wrapper))
             if recording is not None and id(child) in sites:
-                call_records[proxy.node] = (site, _map_proxies(tuple(args), _node_of), _map_proxies(kwargs, _node_of),
+                call_records[proxy.node] = (site, map_proxies(tuple(args), _node_of), map_proxies(kwargs, _node_of),
                                             output)
             return proxy
 

@@ -110,6 +110,39 @@ class NodeData:
         return self._code
 
     @property
+    def op_name(self) -> str:
+        """The operation that computes this leaf as extraction names it (``"call_function:softmax"``,
+        ``"placeholder:…"``, ``"input:x"`` in an opaque module); a dig's is its leaf's with ``"|part"``; ``""`` for
+        graphs."""
+        return self._gp_op
+
+    @property
+    def graph_module(self) -> nn.Module | None:
+        """The graph module whose code computes this leaf (its torch.fx graph holds :attr:`fx_node`; its
+        ``get_attr`` targets are its own attributes); ``None`` for graphs."""
+        return self._gp_owner
+
+    @property
+    def fx_name(self) -> str:
+        """The name of the torch.fx node that computes this leaf in :attr:`graph_module`'s graph (a dig's is its
+        leaf's); ``""`` for graphs."""
+        return self._gp_key
+
+    @property
+    def fx_node(self) -> fx.Node:
+        """The torch.fx node that computes this leaf (a dig's is its leaf's), in :attr:`graph_module`'s graph.
+
+        Raises:
+            NodePathError: this node is a graph, or a leaf of an opaque module (no torch.fx graph).
+        """
+        graph = getattr(self._gp_owner, "graph", None)
+        found = next((n for n in graph.nodes if n.name == self._gp_key), None) if graph is not None else None
+        if found is None:
+            raise NodePathError(f"'{self._path}' is not computed by a torch.fx node (a graph, or a value of an opaque "
+                                f"module); take a leaf of a compiled graph")
+        return found
+
+    @property
     def tensor_shape(self) -> torch.Size | None:
         """The example value's shape when this node holds a tensor (``[batch, seq, d_model]`` for a layer output);
         ``None`` for graphs, containers and values that are not tensors."""

@@ -222,7 +222,7 @@ class ValueTracer(fx.Tracer):
 
     def value_of(self, argument: Any) -> Any:
         """Replace every proxy inside ``argument`` (nested containers too) by its example value."""
-        return _map_proxies(argument, lambda proxy: self.values[proxy.node])
+        return map_proxies(argument, lambda proxy: self.values[proxy.node])
 
     def _evaluate(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
         if kind == "get_attr":
@@ -262,18 +262,20 @@ class OutputRebuilder:
         return tree_unflatten(leaves, self.spec)
 
 
-def _map_proxies(argument: Any, fn: Callable[[fx.Proxy], Any]) -> Any:
+def map_proxies(argument: Any, fn: Callable[[fx.Proxy], Any]) -> Any:
+    """``argument`` (a proxy, or tuples / lists / dicts / slices holding proxies) with every torch.fx proxy replaced
+    by ``fn(proxy)``; other values as they are."""
     if isinstance(argument, fx.Proxy):
         return fn(argument)
     if isinstance(argument, (tuple, list)):
-        mapped = [_map_proxies(item, fn) for item in argument]
+        mapped = [map_proxies(item, fn) for item in argument]
         if isinstance(argument, tuple) and hasattr(argument, "_fields"):
             return type(argument)(*mapped)
         return type(argument)(mapped)
     if isinstance(argument, dict):
-        return type(argument)((key, _map_proxies(item, fn)) for key, item in argument.items())
+        return type(argument)((key, map_proxies(item, fn)) for key, item in argument.items())
     if isinstance(argument, slice):
-        return slice(*(_map_proxies(part, fn) for part in (argument.start, argument.stop, argument.step)))
+        return slice(*(map_proxies(part, fn) for part in (argument.start, argument.stop, argument.step)))
     return argument
 
 
@@ -364,7 +366,7 @@ def contains_proxy(argument: Any) -> bool:
         nonlocal found
         found = True
 
-    _map_proxies(argument, mark)
+    map_proxies(argument, mark)
     return found
 
 

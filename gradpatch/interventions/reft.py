@@ -32,7 +32,7 @@ from ..errors import InterventionLoadError, SubspaceConfigError
 from ..files.atomic import read_json
 from .intervention import JSON_NAME
 from ..patches import Patch, Slice
-from .subspace import TRAINABLE_KINDS, TrainablePatch, _orthogonal_linear
+from .subspace import TRAINABLE_KINDS, TrainablePatch, orthogonal_linear
 
 __all__ = ["AddVectorPatch", "DiReFTPatch", "LoReFTPatch", "PromptPositionsPatch", "ReFTPatch", "ReFTPositions",
            "Part", "check_saved_reft", "prefill_patch_map", "reft_patch_map"]
@@ -158,7 +158,7 @@ class LoReFTPatch(ReFTPatch):
     def __init__(self, width: int, rank: int, positions: str = "l1", part: Part = "all", slice: Slice = None) -> None:
         super().__init__(width, positions, part, slice)
         self.rank = _check_rank("LoReFTPatch", rank, width)
-        self.rotation = _orthogonal_linear(rank, width)
+        self.rotation = orthogonal_linear(rank, width)
         self.projection = nn.Linear(width, rank)
 
     @property

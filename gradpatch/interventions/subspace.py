@@ -153,7 +153,7 @@ class TrainablePatch(nn.Module, Patch):
         return {}
 
 
-def _orthogonal_linear(rows: int, width: int) -> nn.Linear:
+def orthogonal_linear(rows: int, width: int) -> nn.Linear:
     """An ``nn.Linear(width, rows)`` whose weight ``[rows, width]`` has orthonormal rows (torch's parametrization)."""
     linear = nn.Linear(width, rows, bias=False)
     return parametrizations.orthogonal(linear)
@@ -201,7 +201,7 @@ class RotatedSubspacePatch(TrainablePatch):
             raise SubspaceConfigError(f"RotatedSubspacePatch: dim={dim!r} must be an int in 1..{width} (the node's "
                                       f"width); choose a subspace no larger than the activation")
         self.dim = dim
-        self.rotation = _orthogonal_linear(dim, width)
+        self.rotation = orthogonal_linear(dim, width)
 
     @property
     def R(self) -> torch.Tensor:  # noqa: N802 (the paper's name)
@@ -237,7 +237,7 @@ class BoundlessSubspacePatch(TrainablePatch):
         if not 0.0 <= float(boundary) <= 1.0:
             raise SubspaceConfigError(f"BoundlessSubspacePatch: boundary={boundary!r} must lie in [0, 1] (a fraction "
                                       f"of the width)")
-        self.rotation = _orthogonal_linear(width, width)
+        self.rotation = orthogonal_linear(width, width)
         self.boundary = nn.Parameter(torch.tensor(float(boundary)))
         self.register_buffer("index", torch.arange(width, dtype=torch.float32), persistent=False)
 

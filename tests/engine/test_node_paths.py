@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gradpatch import MultiplyInvokedModule, PatchableGraph, ZeroPatch
+from gradpatch.errors import NodePathError
 
 
 @pytest.fixture
@@ -36,6 +37,20 @@ def test_llama_mlp_ops_are_nodes(llama_graph):
     assert mlp.down_proj.output._shape == torch.Size([2, 7, 64])
     assert mlp.down_proj.weight._shape == torch.Size([64, 128])
     assert {"input", "weight", "linear", "output"} <= set(dir(mlp.down_proj))
+
+
+def test_a_leaf_names_its_fx_node_and_graph_module(llama_graph):
+    """op_name / fx_name / fx_node / graph_module: what freezing reads (the SDPA call's query argument, a get_attr
+    weight of the graph module); a graph node has no fx node."""
+    attention = llama_graph.graph.model.layers_0.self_attn
+    leaf = attention.attn_output
+    assert leaf.op_name.endswith("scaled_dot_product_attention")
+    assert leaf.fx_node.name == leaf.fx_name and leaf.fx_node in leaf.graph_module.graph.nodes
+    assert leaf.fx_node.args[0].name == attention.q_embed.fx_name  # the query after rotary
+    assert attention.q_proj.output.op_name != leaf.op_name
+    with pytest.raises(NodePathError, match="not computed by a torch.fx node"):
+        attention.fx_node
+    assert attention.graph_module is None and attention.op_name == "" and attention.fx_name == ""
 
 
 def test_tree_repr_code_and_paths(llama_graph):
