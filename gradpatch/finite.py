@@ -29,15 +29,25 @@ __all__ = ["StepGuard", "check_finite", "non_finite_names"]
 
 
 def non_finite_names(named: Mapping[str, torch.Tensor | float]) -> list[str]:
-    """Names whose tensor (any element) or float is NaN or ±inf, in mapping order."""
-    bad = []
+    """Names whose tensor (any element) or float is NaN or ±inf, in mapping order.
+
+    Tensors are screened by their sums, one reduction each and one host synchronisation per device (a NaN or ±inf
+    element makes the sum NaN or ±inf); only a tensor whose sum is not finite is checked element by element, so a
+    sum that overflows from finite elements is not reported."""
+    bad: set[str] = set()
+    tensors = {name: value.detach() for name, value in named.items()
+               if isinstance(value, torch.Tensor) and value.numel()}
     for name, value in named.items():
-        if isinstance(value, torch.Tensor):
-            if value.numel() and not bool(torch.isfinite(value.detach()).all()):
-                bad.append(name)
-        elif not math.isfinite(float(value)):
-            bad.append(name)
-    return bad
+        if not isinstance(value, torch.Tensor) and not math.isfinite(float(value)):
+            bad.add(name)
+    by_device: dict[torch.device, list[str]] = {}
+    for name, value in tensors.items():
+        by_device.setdefault(value.device, []).append(name)
+    for names in by_device.values():
+        screened = torch.isfinite(torch.stack([tensors[name].sum().float() for name in names])).tolist()
+        bad.update(name for name, finite in zip(names, screened)
+                   if not finite and not bool(torch.isfinite(tensors[name]).all()))
+    return [name for name in named if name in bad]
 
 
 def check_finite(named: Mapping[str, torch.Tensor], what: str, fix: str) -> None:
