@@ -4,7 +4,8 @@ buffer, with the settings that matter at small budgets.
 :class:`StreamingModule` reads every node its dictionaries need in one forward pass of the frozen graph that stops
 after the deepest one (:func:`gradpatch.capture.node_activations`), pushes the rows (the first
 ``exclude_first_positions`` of each sequence left out) into an :class:`~recipes.dictionary.buffer.ActivationBuffer`
-and, once it is full, trains on as many rows drawn at random; before the first optimizer step it sets the decoder
+and, once it is full, trains on as many rows drawn at random (more in the run's last batches, so that it ends empty:
+:meth:`StreamingModule.rows_to_draw`); before the first optimizer step it sets the decoder
 biases from those rows (``b_dec_init``); each optimizer step runs at the scheduled learning rate
 (:func:`~recipes.dictionary.settings.lr_factor`). Subclasses: :class:`~recipes.dictionary.DictionaryModule`
 (SAEs and transcoders, one per node), :class:`~recipes.dictionary.CrossLayerTranscoderModule`.
@@ -104,15 +105,34 @@ class StreamingModule(FrozenGraphModule):
         activations = node_activations(self.graph, self.nodes, ids)
         rows = torch.cat([a[:, first:].reshape(-1, a.shape[-1]).float() for a in activations], dim=-1)
         self.buffer.push(rows)
-        if not self.buffer.ready(rows.shape[0]):
+        # Lightning counts the batches that only filled the buffer as steps: global_step > fill_batches once a
+        # step has trained; from then on the buffer is not refilled (rows_to_draw empties it by the run's end).
+        if self.global_step <= int(self.fill_batches) and not self.buffer.ready(rows.shape[0]):
             self.fill_batches += 1
             return None
-        drawn = self.buffer.pop(rows.shape[0])
+        drawn = self.buffer.pop(self.rows_to_draw(rows.shape[0], batch_idx))
         if bool(self.b_dec_pending):
             with torch.no_grad():
                 self.initialize_from_rows(drawn)
             self.b_dec_pending.fill_(False)
         return super().training_step(drawn, batch_idx)
+
+    def rows_to_draw(self, pushed: int, batch_idx: int) -> int:
+        """The rows this step trains on: as many as were ``pushed``, more in the run's last batches so that the
+        buffer is empty after the last one (each of the ``r`` batches left draws at least ``1 / r`` of the rows
+        held), so every row streamed is trained on once. The run's end is ``max_steps`` or the last epoch's last
+        batch, whichever Lightning reaches first; a run that ``max_time`` stops earlier leaves the rows it held."""
+        trainer = self.trainer
+        left = []
+        if trainer.max_steps > 0:
+            left.append(trainer.max_steps - self.global_step)
+        batches = trainer.num_training_batches
+        if trainer.max_epochs is not None and trainer.current_epoch == trainer.max_epochs - 1 and math.isfinite(
+                batches):
+            left.append(int(batches) - batch_idx)
+        if not left or min(left) < 1:
+            return pushed
+        return min(len(self.buffer), max(pushed, math.ceil(len(self.buffer) / min(left))))
 
     def data_center(self, rows: torch.Tensor) -> torch.Tensor:
         """The ``b_dec_init`` statistic of ``rows`` ``[n, d]`` (mean or geometric median, float64), averaged over

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
@@ -155,25 +155,28 @@ def test_several_dictionaries_train_end_to_end_spliced_together(llama_graph, tmp
 
 @pytest.mark.parametrize("end_to_end", [False, True])
 def test_resuming_from_a_checkpoint_continues_the_run(llama_graph, tmp_path: Path, end_to_end: bool) -> None:
-    """Fit an epoch, checkpoint, resume for a second: the weights, Adam's moments and the firing counters of the
-    uninterrupted two-epoch run (a local buffer of 3 batches: its rows and generator travel in the checkpoint)."""
+    """A two-epoch run checkpointed after its first epoch, resumed from there: the weights, Adam's moments and the
+    firing counters of the uninterrupted run (a local buffer of 3 batches: its rows and generator travel in the
+    checkpoint, and it is drained in the run's last batches, not the first epoch's)."""
     def module() -> DictionaryModule:
         sae = _sae("model.layers_0.output")
         if end_to_end:
             return EndToEndDictionaryModule(llama_graph, sae, lr=1e-2)
         return DictionaryModule(llama_graph, sae, buffer_rows=96, lr=1e-2, dead_after_tokens=48)
 
+    class FirstEpoch(Callback):
+        def on_train_epoch_end(self, trainer: Trainer, pl_module: DictionaryModule) -> None:
+            if trainer.current_epoch == 0:
+                trainer.save_checkpoint(tmp_path / "epoch1.ckpt")
+                self.W_enc = pl_module.dictionary.W_enc.detach().clone()
+
     data = DataLoader(CHUNKS[:24], batch_size=4)  # 6 batches an epoch
-    straight = module()
-    _trainer(tmp_path / "straight", max_epochs=2).fit(straight, data)
-    first = module()
-    trainer = _trainer(tmp_path / "first", max_epochs=1)
-    trainer.fit(first, data)
-    trainer.save_checkpoint(tmp_path / "epoch1.ckpt")
+    straight, first = module(), FirstEpoch()
+    _trainer(tmp_path / "straight", max_epochs=2, callbacks=[first]).fit(straight, data)
     resumed = module()
     _trainer(tmp_path / "resumed", max_epochs=2).fit(resumed, data, ckpt_path=tmp_path / "epoch1.ckpt")
     assert resumed.global_step == straight.global_step == 12
     expected = straight.trainable_state_dict()
     for name, tensor in resumed.trainable_state_dict().items():
         torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-6)
-    assert not torch.equal(first.dictionary.W_enc, straight.dictionary.W_enc)
+    assert not torch.equal(first.W_enc, straight.dictionary.W_enc)

@@ -112,6 +112,26 @@ def test_training_streams_within_the_buffer_bound(llama_graph, tmp_path: Path) -
     assert len(set(storages)) == 1 and module.buffer.storage.shape == (64, 64)  # allocated once, never grown
 
 
+@pytest.mark.parametrize("stop", ["max_epochs", "max_steps"])
+def test_every_streamed_row_is_trained_on_once(llama_graph, tmp_path: Path, stop: str) -> None:
+    """The buffer is drained in the run's last batches (whether max_epochs or max_steps ends it): the optimizer steps
+    draw every row streamed, each once, and the buffer ends empty."""
+    sae = SparseAutoencoder(64, 128, "topk", k=8, node="model.layers_0.output",
+                            generator=torch.Generator().manual_seed(0))
+    module = DictionaryModule(llama_graph, sae, buffer_rows=96, lr=1e-2)
+    pushed, drawn = [], []
+    push, pop = module.buffer.push, module.buffer.pop
+    module.buffer.push = lambda rows: (pushed.append(rows.clone()), push(rows))[1]  # type: ignore[method-assign]
+    module.buffer.pop = lambda count: drawn.append(pop(count)) or drawn[-1]  # type: ignore[method-assign]
+    ends = {"max_epochs": 1} if stop == "max_epochs" else {"max_steps": 10, "max_epochs": 2}
+    Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=str(tmp_path), **ends).fit(
+        module, DataLoader(CHUNKS, batch_size=4))  # 12 batches of 32 rows; the first two only fill the buffer
+    rows = torch.cat(pushed)  # 12 batches, or 10 (Lightning counts the batches that only filled as steps)
+    assert len(module.buffer) == 0 and [len(d) for d in drawn][:4] == [32] * 4 and len(drawn[-1]) > 32
+    assert sorted(map(tuple, torch.cat(drawn).tolist())) == sorted(map(tuple, rows.tolist()))
+
+
 def test_a_dictionary_without_nodes_is_refused(llama_graph) -> None:
     with pytest.raises(RecipeConfigError, match="names no node"):
         DictionaryModule(llama_graph, Transcoder(64, 32, activation="relu", input_node="model.layers_0.mlp.x"))
