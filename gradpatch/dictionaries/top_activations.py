@@ -4,13 +4,12 @@ circuit-tracer's and Neuronpedia's "top activations").
 
 Each document runs once through the model without gradients, stopping after the deepest input node read
 (:func:`gradpatch.capture.node_activations`); each dictionary encodes its input there, and a running top-k per latent
-keeps (activation, document, position). A snippet is the ``context`` tokens up to and including the activating one,
-that token marked ``«…»``.
+keeps (activation, document, position), merged with each document's top k for all of a layer's latents at once. A
+snippet is the ``context`` tokens up to and including the activating one, that token marked ``«…»``.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -77,32 +76,34 @@ def top_activating_snippets(pg: torch.nn.Module, encoders: Mapping[int, Encoder]
         wanted.setdefault(layer, []).append(latent)
     layers = sorted(wanted)
     nodes = [encoders[layer][0] for layer in layers]
-    heaps: dict[tuple[int, int], list[tuple[float, int, int]]] = {key: [] for key in dict.fromkeys(latents)}
+    # Per layer, the running top k of each wanted latent: values [k, n] (-inf: none yet), documents and positions.
+    best = {layer: (torch.full((k, len(wanted[layer])), -torch.inf),
+                    *(torch.zeros((k, len(wanted[layer])), dtype=torch.long) for _ in range(2))) for layer in layers}
+    chosen = {layer: torch.tensor(wanted[layer]) for layer in layers}
     for index, ids in enumerate(documents):
         ids = ids.reshape(1, -1)
         if ids.shape[1] <= skip_first_positions:
             continue
         values = node_activations(pg, nodes, ids)
         for layer, x in zip(layers, values):
-            chosen = torch.tensor(wanted[layer])
-            z = encoders[layer][1](x)[0, skip_first_positions:, chosen].float()  # [seq - skip, n_wanted]
+            z = encoders[layer][1](x)[0, skip_first_positions:].float().cpu()[:, chosen[layer]]  # [seq - skip, n]
             top = torch.topk(z, min(k, z.shape[0]), dim=0)
-            for column, latent in enumerate(wanted[layer]):
-                heap = heaps[(layer, latent)]
-                for value, row in zip(top.values[:, column].tolist(), top.indices[:, column].tolist()):
-                    if value <= 0:
-                        break
-                    entry = (value, -index, row + skip_first_positions)
-                    if len(heap) < k:
-                        heapq.heappush(heap, entry)
-                    elif entry > heap[0]:
-                        heapq.heapreplace(heap, entry)
+            kept_values, kept_documents, kept_positions = best[layer]
+            merged = torch.cat([kept_values, top.values])
+            order = torch.topk(merged, k, dim=0).indices  # [k, n]: rows of merged
+            sources = torch.cat([kept_documents, torch.full_like(top.indices, index)])
+            positions = torch.cat([kept_positions, top.indices + skip_first_positions])
+            best[layer] = (merged.gather(0, order), sources.gather(0, order), positions.gather(0, order))
     found: dict[tuple[int, int], list[Snippet]] = {}
-    for key, heap in heaps.items():
-        snippets = []
-        for value, negative_index, position in sorted(heap, reverse=True):
-            ids = documents[-negative_index].reshape(-1).tolist()
-            before = decode(ids[max(0, position - context + 1):position])
-            snippets.append(Snippet(f"{before}«{decode([ids[position]])}»", value, -negative_index, position))
-        found[key] = snippets
-    return found
+    for layer in layers:
+        kept_values, kept_documents, kept_positions = (t.T.tolist() for t in best[layer])  # [n, k] each
+        for column, latent in enumerate(wanted[layer]):
+            snippets = []
+            for value, document, position in zip(kept_values[column], kept_documents[column], kept_positions[column]):
+                if value <= 0:
+                    break
+                tokens = documents[document].reshape(-1).tolist()
+                before = decode(tokens[max(0, position - context + 1):position])
+                snippets.append(Snippet(f"{before}«{decode([tokens[position]])}»", value, document, position))
+            found[(layer, latent)] = snippets
+    return {key: found[key] for key in dict.fromkeys(latents)}
