@@ -10,8 +10,9 @@ Steps (each timed; the timings go to ``<out>/summary.json``):
    recovered per layer and with all 30 spliced) are printed;
 2. for each prompt (a two-hop fact, an IOI sentence, an addition): its attribution graph, replacement and completeness
    scores, its top features with their top activating snippets from the corpus (documents the training did not
-   read) and the tokens they promote, and ablations of the features the graph says carry the answer
-   (:mod:`demos.circuits.pipeline`), written to ``<out>/<name>/`` (graph.json, graph.html, TensorBoard).
+   read; one pass over them for every feature node of the three graphs) and the tokens they promote, and ablations
+   of the features the graph says carry the answer (:mod:`demos.circuits.pipeline`), written to ``<out>/<name>/``
+   (graph.json, graph.html, TensorBoard).
 
 Run::
 
@@ -41,7 +42,7 @@ from gradpatch.files.loaders import default_device, load_model
 from gradpatch.circuits import with_special_first
 from recipes.dictionary.corpus import read_documents
 
-from .pipeline import PromptReport, trace_prompt
+from .pipeline import PromptReport, graph_snippets, report_prompt, trace_graph
 
 __all__ = ["PROMPTS", "main", "trained_transcoders"]
 
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     documents = [torch.tensor(tokenizer(text).input_ids[:128]) for text in read_documents(None)[-SNIPPET_DOCUMENTS:]]
     timings["load_s"] = time.perf_counter() - start
     decode = lambda token: tokenizer.decode([token])  # noqa: E731
-    reports = []
+    traced = []
     pg = None
     for name, prompt in PROMPTS:
         start = time.perf_counter()
@@ -124,9 +125,18 @@ def main(argv: list[str] | None = None) -> int:
         if pg is None:
             with torch.no_grad():
                 pg = PatchableGraph(model, ids[:, :2], use_cache=False).eval()
-        report = trace_prompt(pg, transcoders, ids, name=name, prompt=prompt, decode=decode, documents=documents,
-                              out=out / name, max_feature_nodes=args.max_feature_nodes)
-        timings[f"{name}_s"] = time.perf_counter() - start
+        traced.append(trace_graph(pg, transcoders, ids, name=name, prompt=prompt,
+                                  max_feature_nodes=args.max_feature_nodes))
+        timings[f"{name}_graph_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    snippets = graph_snippets(pg, transcoders, traced, documents, decode)
+    timings["snippets_s"] = time.perf_counter() - start
+    reports = []
+    for prompt_graph in traced:
+        start = time.perf_counter()
+        report = report_prompt(pg, transcoders, prompt_graph, snippets=snippets, decode=decode,
+                               out=out / prompt_graph.name)
+        timings[f"{prompt_graph.name}_report_s"] = time.perf_counter() - start
         _print_report(report)
         reports.append(report)
     summary: dict[str, Any] = {"command": sys.argv, "transcoders": str(folder), "tokens": args.tokens,

@@ -8,8 +8,8 @@ import json
 
 import torch
 
-from demos.circuits.pipeline import trace_prompt
-from gradpatch.circuits import FeatureEdit, attribute, graph_influence, graph_scores, intervene
+from demos.circuits.pipeline import graph_snippets, report_prompt, trace_graph, trace_prompt
+from gradpatch.circuits import FeatureEdit, attribute, graph_influence, graph_scores, intervene, parse_node_id
 
 from test_circuits import tiny_replacement
 
@@ -50,3 +50,32 @@ def test_trace_prompt_reports_the_graph_and_its_ablations(tmp_path) -> None:
     features = [node for node in frontend["nodes"] if node["feature_type"] == "cross layer transcoder"]
     assert features and all("top_logits" in node for node in features)
     assert (tmp_path / "tiny" / "interventions.json").is_file()
+
+
+def test_prompts_sharing_one_snippet_pass_report_as_each_alone(tmp_path) -> None:
+    """trace_graph for two prompts, graph_snippets once for both, report_prompt for each: the reports trace_prompt
+    gives each prompt alone, and graph.json carries the snippets of every feature node that fired in the corpus."""
+    prompts = [torch.randint(3, 100, (1, n), generator=torch.Generator().manual_seed(n)) for n in (6, 8)]
+    for ids in prompts:
+        ids[0, 0] = 1
+    replacement = tiny_replacement("llama", prompts[0])
+    pg, transcoders = replacement.pg, {layer: s.transcoder for layer, s in replacement.layers.items()}
+    documents = [torch.randint(3, 100, (12,), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    decode = lambda t: f"<{t}>"  # noqa: E731
+    traced = [trace_graph(pg, transcoders, ids, name=f"p{i}", prompt="p", max_feature_nodes=None, top_features=3)
+              for i, ids in enumerate(prompts)]
+    snippets = graph_snippets(pg, transcoders, traced, documents, decode)
+    assert set(snippets) == {(layer, feature) for t in traced for layer, _, feature in t.feature_keys()}
+    for i, (ids, prompt_graph) in enumerate(zip(prompts, traced)):
+        shared = report_prompt(pg, transcoders, prompt_graph, snippets=snippets, decode=decode, out=tmp_path / f"s{i}",
+                               n_ablate=2)
+        alone = trace_prompt(pg, transcoders, ids, name=f"p{i}", prompt="p", decode=decode, documents=documents,
+                             out=tmp_path / f"a{i}", max_feature_nodes=None, top_features=3, n_ablate=2)
+        assert shared.to_dict() == alone.to_dict()
+        frontend = json.loads((tmp_path / f"s{i}" / "graph.json").read_text())
+        nodes = [n for n in frontend["nodes"] if n["feature_type"] == "cross layer transcoder"]
+        for node in nodes:
+            layer, _, feature = parse_node_id(node["node_id"])
+            fired = [s.text for s in snippets[(layer, feature)]]
+            assert [s["text"] for s in node.get("top_snippets", [])] == fired and bool(fired) == ("top_snippets" in node)
+        assert any("top_snippets" in node for node in nodes)
