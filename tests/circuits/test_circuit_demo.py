@@ -77,5 +77,6 @@ def test_prompts_sharing_one_snippet_pass_report_as_each_alone(tmp_path) -> None
         for node in nodes:
             layer, _, feature = parse_node_id(node["node_id"])
             fired = [s.text for s in snippets[(layer, feature)]]
-            assert [s["text"] for s in node.get("top_snippets", [])] == fired and bool(fired) == ("top_snippets" in node)
+            assert [s["text"] for s in node.get("top_snippets", [])] == fired
+            assert bool(fired) == ("top_snippets" in node)
         assert any("top_snippets" in node for node in nodes)
