@@ -185,11 +185,12 @@ def _no_position(value: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class SavedBytes:
-    """What one forward pass of the replacement model keeps for backward passes, measured (parameters, held
-    anyway, left out).
+    """What one forward pass of the replacement model keeps for backward passes, measured (the parameters and what
+    the replacement model recorded, :meth:`~gradpatch.circuits.ReplacementModel.recorded_tensors`, held anyway, left
+    out: the frozen attention patterns are most of a long prompt's).
 
     Attributes:
-        kept: bytes kept after the pass (e.g. the frozen attention patterns and normalisation scales).
+        kept: bytes kept after the pass beyond those (0 where every nonlinearity is frozen or replaced).
         transient: bytes saved during the pass and freed before its end (the replaced MLPs' and frozen nodes' own
             computations): an upper estimate of the pass's peak above what it keeps.
     """
@@ -203,11 +204,12 @@ def measure_saved_bytes(model: ReplacementModel) -> SavedBytes:
     the forward pass runs one row)."""
     saved: list[tuple[weakref.ref[torch.Tensor], int]] = []
     modules = [model.pg.wrapped_model, *(spliced.transcoder for spliced in model.layers.values())]
-    parameters = {p.untyped_storage().data_ptr() for module in modules for p in module.parameters()}
+    held = {p.untyped_storage().data_ptr() for module in modules for p in module.parameters()}
+    held |= {t.untyped_storage().data_ptr() for t in model.recorded_tensors()}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         packed = tensor.detach()  # the tensor itself would make a cycle with its grad_fn (never freed)
-        if tensor.untyped_storage().data_ptr() not in parameters:
+        if tensor.untyped_storage().data_ptr() not in held:
             saved.append((weakref.ref(packed), tensor.untyped_storage().nbytes()))
         return packed
 

@@ -223,6 +223,17 @@ class ReplacementModel:
             self.layers[layer] = SplicedLayer(view, view.config.input_node, view.config.output_node, x,
                                               recorded[view.index], y - output, y, decoded + (y - output))
 
+    def recorded_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the recording pass left held here, which :meth:`run` reads without copying (at the whole
+        prompt's length): the frozen values, the normalisations' and linearised ops' values, the attention patterns,
+        the embeddings, the logits, and each spliced layer's x, a, e, y and c."""
+        found = [*self.frozen_values.values(), self.embeddings, self.logits]
+        found += [t for values in (*self.layer_norm_values, *self.linearised_values) for t in values[1:]]
+        found += [pattern for _, pattern in self.pattern_values]
+        found += [t for spliced in self.layers.values()
+                  for t in (spliced.inputs, spliced.activations, spliced.errors, spliced.outputs, spliced.constant)]
+        return [t for t in found if isinstance(t, torch.Tensor)]
+
     def run(self, batch: int = 1, deltas: Mapping[int, torch.Tensor] | None = None,
             embed_delta: torch.Tensor | None = None,
             patches: Mapping[str, Sequence[Patch]] | None = None, length: int | None = None) -> ReplacementRun:
