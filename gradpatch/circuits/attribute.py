@@ -116,9 +116,10 @@ def memory_per_row(model: ReplacementModel, n_nodes: int, n_rows: int) -> tuple[
     """An estimate of the bytes :func:`attribute` holds on the model's device beyond the model's and transcoders'
     parameters and the replacement model's recorded values, (fixed, per row of a backward pass).
 
-    Fixed: what the forward pass of the prompt keeps for backward passes, twice (a forward pass of its first
-    positions is held beside it, one at a time, and keeps no more), and its peak above that (measured,
-    :func:`~gradpatch.circuits.backward.measure_saved_bytes`); the source vectors of a chunk ``[FEATURE_CHUNK,
+    Fixed: what the forward pass of the prompt keeps for backward passes beyond the recording, twice (a forward pass
+    of its first positions is held beside it, one at a time, and keeps no more), and its peak above that (measured,
+    :func:`~gradpatch.circuits.backward.measure_saved_bytes`); the recorded attention patterns once more (that
+    shorter pass multiplies by cut copies of them, at most their size); the source vectors of a chunk ``[FEATURE_CHUNK,
     d_out]`` (float32); and, when the model is on the CPU (elsewhere the rows are moved to the CPU as they are
     made), twice the rows held ``[n_rows, n]`` (float32): the rows, and either their normalised copy while the
     features are chosen (:func:`~gradpatch.circuits.select.feature_rounds`) or the graph's rows gathered from them
@@ -139,7 +140,8 @@ def memory_per_row(model: ReplacementModel, n_nodes: int, n_rows: int) -> tuple[
     d_out = max(s.transcoder.d_out for s in model.layers.values())
     per_row = (2 * seq * widths * itemsize + 4 * n_nodes + 2 * FEATURE_CHUNK * 4 + seq * d_out * 4
                + 8 * seq * d_model * itemsize)
-    fixed = (2 * saved.kept + saved.transient + FEATURE_CHUNK * d_out * 4
+    patterns = sum(pattern.untyped_storage().nbytes() for _, pattern in model.pattern_values)
+    fixed = (2 * saved.kept + saved.transient + patterns + FEATURE_CHUNK * d_out * 4
              + (2 * 4 * n_rows * n_nodes if model.embeddings.device.type == "cpu" else 0))
     return fixed, per_row
 

@@ -75,7 +75,8 @@ def test_the_graph_holds_only_the_visited_rows_and_stays_complete() -> None:
     fixed, _ = memory_per_row(replacement, n, n_rows)  # the rows are made over every node's column
     saved = measure_saved_bytes(replacement)
     chunk = FEATURE_CHUNK * max(s.transcoder.d_out for s in replacement.layers.values()) * 4
-    assert fixed == 2 * saved.kept + saved.transient + chunk + 2 * 4 * n_rows * n
+    patterns = sum(pattern.untyped_storage().nbytes() for _, pattern in replacement.pattern_values)
+    assert fixed == 2 * saved.kept + saved.transient + patterns + chunk + 2 * 4 * n_rows * n
     assert fixed < 4 * n ** 2 / 10
     found = completeness(replacement, graph)
     assert float(found.errors.max()) <= 1e-4
