@@ -173,6 +173,11 @@ def git_commit() -> str | None:
         return None
 
 
+#: The commit this process started from (:func:`git_commit` when the harness was imported): what a report records,
+#: so that a long run outliving a commit reports the code it imported, not the repository's state at its end.
+STARTING_COMMIT = git_commit()
+
+
 def device_name(device: str = "cpu") -> str:
     """What ``device`` is on this machine: the GPU's name for a CUDA device, else the processor's model name
     (``/proc/cpuinfo``), else its architecture."""
@@ -187,13 +192,13 @@ def device_name(device: str = "cpu") -> str:
 
 
 def header(device: str = "cpu") -> dict[str, Any]:
-    """The JSON header of a report: git commit, the versions of python and of :data:`VERSIONED` in this
+    """The JSON header of a report: the git commit the process started from (:data:`STARTING_COMMIT`), the versions of python and of :data:`VERSIONED` in this
     interpreter (each ``None`` where this process has not imported it: a peer's side reports no gradpatch), the
     device measured on and its name, torch's thread count and the interpreter's path."""
     threads = None
     if "torch" in sys.modules:
         threads = sys.modules["torch"].get_num_threads()
-    return {"git_commit": git_commit(), "python": platform.python_version(),
+    return {"git_commit": STARTING_COMMIT, "python": platform.python_version(),
             **{name: version_of(name) if name in sys.modules else None for name in VERSIONED},
             "device": device, "device_name": device_name(device), "torch_threads": threads,
             "interpreter": sys.executable}

@@ -185,13 +185,16 @@ def _sweep(model: ReplacementModel, graph: AttributionGraph, forwards: int) -> d
 
 def _run_point(python: str, module: str, arguments: list[str], env: dict[str, str] | None = None
                ) -> dict[str, Any]:
-    """One process's JSON report (without its header; none: ``{}``), or its exit status and output's tail when it
-    failed; ``process_seconds`` its wall-clock seconds."""
+    """One process's JSON report (of its header only the commit it started from, ``git_commit``: points of one
+    curve run one after the other; none: ``{}``), or its exit status and output's tail when it failed;
+    ``process_seconds`` its wall-clock seconds."""
     start = time.perf_counter()
     result = run_module(python, module, arguments, env=env, check=False)
     if result.returncode == 0:
         point = json.loads(result.stdout[result.stdout.index("{"):]) if "{" in result.stdout else {}
-        point.pop("header", None)
+        commit = point.pop("header", {}).get("git_commit")
+        if commit is not None:
+            point["git_commit"] = commit
     else:
         point = {"exit_status": result.returncode, "output_tail": (result.stdout + result.stderr)[-2000:]}
     point["process_seconds"] = round(time.perf_counter() - start, 1)
