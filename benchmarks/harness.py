@@ -192,9 +192,10 @@ def device_name(device: str = "cpu") -> str:
 
 
 def header(device: str = "cpu") -> dict[str, Any]:
-    """The JSON header of a report: the git commit the process started from (:data:`STARTING_COMMIT`), the versions of python and of :data:`VERSIONED` in this
-    interpreter (each ``None`` where this process has not imported it: a peer's side reports no gradpatch), the
-    device measured on and its name, torch's thread count and the interpreter's path."""
+    """The JSON header of a report: the git commit the process started from (:data:`STARTING_COMMIT`), the versions
+    of python and of :data:`VERSIONED` in this interpreter (each ``None`` where this process has not imported it: a
+    peer's side reports no gradpatch), the device measured on and its name, torch's thread count and the
+    interpreter's path."""
     threads = None
     if "torch" in sys.modules:
         threads = sys.modules["torch"].get_num_threads()

@@ -10,9 +10,9 @@ model is changed: the wrapped model and the transcoders are copied (the graph is
 from the same example inputs: :meth:`PatchableGraph.save` and :meth:`PatchableGraph.load`).
 
 A model may cast to a fixed dtype inside its graph (Llama's RMSNorm computes x · rsqrt in float32 whatever its
-input's dtype): :func:`float64_casts` of :func:`cast_nodes` gives patches under which such a cast passes its float64 input on unchanged
-(a cast is the identity up to rounding, so the affine map is the same), so that no step of a pass rounds to float32
-(on the tiny Llama, the casts alone left head loadings 2.9e-5 relative off their edges).
+input's dtype): :func:`float64_casts` of :func:`cast_nodes` gives patches under which such a cast passes its float64
+input on unchanged (a cast is the identity up to rounding, so the affine map is the same), so that no step of a pass
+rounds to float32 (on the tiny Llama, the casts alone left head loadings 2.9e-5 relative off their edges).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ def test_nan_and_inf_elements_and_floats_are_named_in_order() -> None:
     values = torch.zeros(1000)
     named = {"fine": torch.ones(3, 4), "nan": values.clone().index_fill_(0, torch.tensor([517]), math.nan),
              "loss": math.inf, "inf": values.clone().index_fill_(0, torch.tensor([3]), -math.inf),
-             "empty": torch.empty(0), "scalar": 2.5, "ints": torch.arange(5), "both": torch.tensor([math.inf, -math.inf])}
+             "empty": torch.empty(0), "scalar": 2.5, "ints": torch.arange(5),
+             "both": torch.tensor([math.inf, -math.inf])}
     assert non_finite_names(named) == ["nan", "loss", "inf", "both"]
 
 
