@@ -5,7 +5,11 @@ For SmolLM2-135M-Instruct (the embedded GGUF, float32 on CPU; its config with ra
 (``time.process_time``) and wall seconds of:
 
 - ``gradpatch.first_in_fresh_process``: ``PatchableGraph(model, ids, use_cache=False)`` as the first extraction of
-  a new process (a subprocess that loads the model, then extracts once; ``--fresh`` of them, min reported);
+  a new process (a subprocess that loads the model, then extracts once; ``--fresh`` of them, min reported), with
+  the seconds the garbage collector ran during it (``gc_s``) and its full collections per process; and
+  ``first_in_fresh_process_gc_frozen``, the same after ``gc.freeze()`` (the collector's first full pass over
+  torch's, transformers' and the model's objects, which the first extraction's allocations trigger, is what a
+  fresh process adds: a user who calls ``gc.freeze()`` after loading avoids it, process-wide);
 - ``gradpatch.repeated``: the same extraction repeated ``--repeats`` times in this process after one untimed one;
 - ``gradpatch.repeated_without_reuse``: the same with every module traced (``graph_reuse_disabled()``, no graph
   reused across repeated modules: :mod:`gradpatch.extraction.reuse`);
@@ -27,6 +31,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.engine.extraction [--rep
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -77,25 +82,44 @@ def _extract(model: Any, ids: Any) -> Any:
     return PatchableGraph(model, ids, use_cache=False)
 
 
-def _child(name: str, random_weights: bool) -> None:
-    """The fresh process: load the model, extract once, print the timing as JSON."""
+def _child(name: str, random_weights: bool, freeze: bool) -> None:
+    """The fresh process: load the model, extract once, print the timing and the garbage collector's share of it
+    (seconds in collections, full collections) as JSON; with ``freeze``, ``gc.freeze()`` after the load (the objects
+    of torch, transformers and the model moved out of the collector's reach)."""
     import torch
 
     model, ids, _ = _model_and_inputs(name, random_weights)
     model.eval()
     with torch.no_grad():
         model(ids, use_cache=False)  # the model's own first-call work (kernels, lazy imports) is not extraction's
-    print(json.dumps(_timings(lambda: _extract(model, ids), 1)), flush=True)
+    if freeze:
+        gc.freeze()
+    starts: dict[int, float] = {}
+    collected = {"gc_s": 0.0, "full_collections": 0}
+
+    def watch(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            starts[info["generation"]] = time.perf_counter()
+        else:
+            collected["gc_s"] += time.perf_counter() - starts.pop(info["generation"])
+            collected["full_collections"] += info["generation"] == 2
+
+    gc.callbacks.append(watch)
+    timings = _timings(lambda: _extract(model, ids), 1)
+    gc.callbacks.remove(watch)
+    print(json.dumps({**timings, **collected}), flush=True)
 
 
-def _fresh(name: str, count: int, threads: int, random_weights: bool) -> dict[str, Any]:
+def _fresh(name: str, count: int, threads: int, random_weights: bool, freeze: bool = False) -> dict[str, Any]:
     runs = []
     for _ in range(count):
-        arguments = ["--child", name, "--threads", str(threads)] + (["--random-weights"] if random_weights else [])
+        arguments = (["--child", name, "--threads", str(threads)] + (["--random-weights"] if random_weights else [])
+                     + (["--gc-freeze"] if freeze else []))
         stdout = run_module(sys.executable, "benchmarks.engine.extraction", arguments).stdout
         runs.append(json.loads(stdout.strip().splitlines()[-1]))
     return {"runs": count, **{key: round(min(run[key] for run in runs), 4)
-                              for key in ("cpu_s_min", "wall_s_min")}}
+                              for key in ("cpu_s_min", "wall_s_min", "gc_s")},
+            "full_collections": [run["full_collections"] for run in runs]}
 
 
 def _fx_mlp_traces(model: Any) -> Callable[[], None]:
@@ -121,6 +145,7 @@ def _bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
     with torch.no_grad():
         model(ids, use_cache=False)
     fresh = _fresh(name, args.fresh, args.threads, args.random_weights) if args.fresh else None
+    frozen = _fresh(name, args.fresh, args.threads, args.random_weights, freeze=True) if args.fresh else None
     _extract(model, ids)  # untimed: this process's first extraction
     repeated = _timings(lambda: _extract(model, ids), args.repeats)
     with graph_reuse_disabled():
@@ -140,7 +165,8 @@ def _bench(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "graphs": len(graphs),
         "fx_nodes": sum(len(module.graph.nodes) for module in graphs),
         "node_paths": len(pg.node_paths()),
-        "gradpatch": {"first_in_fresh_process": fresh, "repeated": repeated,
+        "gradpatch": {"first_in_fresh_process": fresh, "first_in_fresh_process_gc_frozen": frozen,
+                      "repeated": repeated,
                       "repeated_without_reuse": without_reuse},
         "reference": references,
         "ratio_repeated_cpu_min_over": {key: round(repeated["cpu_s_min"] / value["cpu_s_min"], 3)
@@ -158,13 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-real", action="store_true", help="skip SmolLM2-135M")
     parser.add_argument("--skip-tiny", action="store_true", help="skip the tiny Llama")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--gc-freeze", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch loads (here and in the subprocesses)
     import torch
 
     torch.set_num_threads(args.threads)
     if args.child is not None:
-        _child(args.child, args.random_weights)
+        _child(args.child, args.random_weights, args.gc_freeze)
         return 0
     report: dict[str, Any] = {"command": " ".join(["python -m benchmarks.engine.extraction", *(argv or sys.argv[1:])]),
                               "threads": args.threads}
