@@ -16,7 +16,8 @@ resident memory during it (``VmHWM`` reset before it, benchmarks.harness) with t
 - ``example`` (docs/attention.md's worked example): the head of layers ≥ 1 that weighs " Mary" (position 2) most
   from the last position (a name-mover candidate), its score at that key decomposed, the top 10 terms with labels.
 
-Run: ``.venv/bin/python -m benchmarks.circuits.qk_cost`` (``--k 4 --batch-size 256 --threads N``).
+Run: ``.venv/bin/python -m benchmarks.circuits.qk_cost`` (``--k 4 --batch-size 256 --threads N
+--loadings-batch-size 512``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="active latents per position (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=256, help="rows per QK pass (default %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--loadings-batch-size", type=int, default=512,
+                        help="rows per head-loading pass (default %(default)s: the target's 301 rows in one pass; "
+                             "61: five passes of 6 attention layers)")
     args = parser.parse_args()
 
     import torch
@@ -84,7 +88,7 @@ def main() -> None:
     misses = [a.reconstruction() + (abs(a.score),) for a in attributions]
     strongest = graph.rows[graph.n_features, :graph.logit_start].abs().topk(20).indices.tolist()
     loadings, loading_cost = _measured(lambda: head_loadings(replacement, graph, [graph.logit_start], [strongest],
-                                                             batch_size=512))
+                                                             batch_size=args.loadings_batch_size))
     split_misses = [abs(float(per_head.sum()) + bypass - weight) / abs(weight)
                     for target, source, weight in loadings.edges.tolist()
                     for per_head, bypass in loadings.edge(int(target), int(source)).values()]

@@ -117,19 +117,41 @@ def _target_gradient(model: ReplacementModel, graph: AttributionGraph, run_input
     return outputs, injected
 
 
-def _masks(sites: list[AttentionSite], heads: list[int], n_targets: int, device: torch.device) -> list[torch.Tensor]:
+def _masks(sites: list[AttentionSite], heads: list[int], n_targets: int, device: torch.device,
+           layers: Sequence[int] | None = None) -> list[torch.Tensor]:
     """Per site, the 0/1 mask ``[rows, heads, 1, 1]`` of the row layout (module docstring): per target, row 0 all
-    open; per site L, a row with L closed and one row per head with only that head of L open."""
-    per_target = 1 + sum(h + 1 for h in heads)
+    open; per site L of ``layers`` (default: every site, in order), a row with L closed and one row per head with
+    only that head of L open."""
+    chosen = list(range(len(heads))) if layers is None else list(layers)
+    per_target = 1 + sum(heads[index] + 1 for index in chosen)
     masks = [torch.ones(n_targets * per_target, h, 1, 1, device=device) for h in heads]
     for k in range(n_targets):
         row = k * per_target + 1
-        for index, h in enumerate(heads):
+        for index in chosen:
+            h = heads[index]
             masks[index][row:row + h + 1] = 0
             for head in range(h):
                 masks[index][row + 1 + head, head] = 1
             row += h + 1
     return masks
+
+
+def _layer_groups(heads: list[int], batch_size: int) -> list[list[int]]:
+    """The attention layers in consecutive groups whose rows (1 + Σ (heads + 1)) fit ``batch_size``.
+
+    Raises:
+        CircuitError: ``batch_size`` below one layer's rows.
+    """
+    need = 1 + max(h + 1 for h in heads)
+    if batch_size < need:
+        raise CircuitError(f"batch_size={batch_size} cannot hold one attention layer's rows ({need}: the edge, the "
+                           f"bypass and one per head); give at least {need}")
+    groups: list[list[int]] = [[]]
+    for index, h in enumerate(heads):
+        if groups[-1] and 1 + sum(heads[i] + 1 for i in groups[-1]) + h + 1 > batch_size:
+            groups.append([])
+        groups[-1].append(index)
+    return groups
 
 
 def _stop_op(mask: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -151,7 +173,9 @@ def head_loadings(model: ReplacementModel, graph: AttributionGraph, targets: Seq
         graph: its attribution graph.
         targets: feature or logit node indices.
         sources: per target, the source nodes whose edges to split (default: every source with a non-zero edge).
-        batch_size: rows per forward pass, at least one target's (1 + Σ_L (heads_L + 1) rows).
+        batch_size: rows per forward pass (memory grows with it): whole targets' rows (1 + Σ_L (heads_L + 1) each)
+            when one fits, else one target's in passes over groups of attention layers (1 + Σ (heads + 1) rows of
+            the group's layers each).
         float64: compute the rows on a float64 copy of ``model`` (module docstring; it holds 8 bytes per parameter
             while it runs); ``False``: in the model's own dtype, without a copy (the loadings then miss their edge by
             the rounding of the rows: up to 6.2e-4 relative on the tiny GPT-2 in float32).
@@ -160,7 +184,8 @@ def head_loadings(model: ReplacementModel, graph: AttributionGraph, targets: Seq
         :class:`HeadLoadings` (on the CPU; float64 with ``float64``).
 
     Raises:
-        CircuitError: a target that is not a feature or logit node.
+        CircuitError: a target that is not a feature or logit node; a ``batch_size`` below one attention layer's
+            rows (1 + heads + 1).
         AttentionFitError: the graph's attention is not found (:func:`find_attention_sites`; a score that is not
             bilinear, such as Gemma 2's soft-capped one, is no obstacle here).
     """
@@ -175,12 +200,17 @@ def head_loadings(model: ReplacementModel, graph: AttributionGraph, targets: Seq
     casts = cast_nodes(exact) if exact.embeddings.dtype == torch.float64 else []
     per_target = 1 + sum(h + 1 for h in heads)
     per_pass = max(1, batch_size // per_target)
+    groups = _layer_groups(heads, batch_size) if per_target > batch_size else None
     indices: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     edges: list[torch.Tensor] = []
     for start in range(0, len(targets), per_pass):
         chunk = list(targets[start:start + per_pass])
-        rows = _rows(exact, graph, sites, heads, chunk, casts)  # [len(chunk) · per_target, n_sources]
+        if groups is None:
+            rows = _rows(exact, graph, sites, heads, chunk, casts)  # [len(chunk) · per_target, n_sources]
+        else:  # one target, its layers in groups of passes; the edge's row from the first
+            parts = [_rows(exact, graph, sites, heads, chunk, casts, group) for group in groups]
+            rows = torch.cat([parts[0][:1], *(part[1:] for part in parts)])
         for k, target in enumerate(chunk):
             block = rows[k * per_target:(k + 1) * per_target]
             chosen = (torch.as_tensor(list(sources[start + k]), dtype=torch.long) if sources is not None
@@ -205,12 +235,12 @@ def head_loadings(model: ReplacementModel, graph: AttributionGraph, targets: Seq
 
 
 def _rows(model: ReplacementModel, graph: AttributionGraph, sites: list[AttentionSite], heads: list[int],
-          targets: list[int], casts: list[tuple[str, str]]) -> torch.Tensor:
-    """One forward pass (the row layout of :func:`_masks`) and one backward pass, each of ``casts`` passing its
-    float64 input on (:func:`~gradpatch.circuits.float64.float64_casts`): g · contribution for every source
-    ``[rows, graph.logit_start]`` (on the CPU)."""
+          targets: list[int], casts: list[tuple[str, str]], layers: Sequence[int] | None = None) -> torch.Tensor:
+    """One forward pass (the row layout of :func:`_masks`, over ``layers``) and one backward pass, each of ``casts``
+    passing its float64 input on (:func:`~gradpatch.circuits.float64.float64_casts`): g · contribution for every
+    source ``[rows, graph.logit_start]`` (on the CPU)."""
     device = model.embeddings.device
-    masks = _masks(sites, heads, len(targets), device)
+    masks = _masks(sites, heads, len(targets), device, layers)
     batch = masks[0].shape[0]
     embed = HoldPatch(leaf=True)
     held = {layer: HoldPatch() for layer in model.layers}

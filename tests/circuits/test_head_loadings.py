@@ -99,6 +99,27 @@ def test_loadings_sum_to_each_edge_in_float32(built) -> None:
     assert next(model.pg.wrapped_model.parameters()).dtype == torch.float32
 
 
+def test_layers_in_groups_of_passes_give_the_loadings_of_one_pass(built) -> None:
+    """A batch smaller than one target's rows splits its attention layers over passes (each with the edge's row):
+    the same loadings as one pass for all; a batch below one layer's rows is refused."""
+    model, graph = built
+    targets = _targets(graph)[:3]
+    layers = len(find_attention_sites(model.pg, bilinear=False))
+    per_layer = 1 + _most_heads(model) + 1
+    whole = head_loadings(model, graph, targets, batch_size=10_000)
+    grouped = head_loadings(model, graph, targets, batch_size=per_layer)  # one attention layer per pass
+    assert layers > 1 and torch.equal(grouped.indices, whole.indices) and torch.equal(grouped.edges, whole.edges)
+    torch.testing.assert_close(grouped.values, whole.values, rtol=1e-12, atol=1e-14)
+    with pytest.raises(CircuitError, match=f"give at least {per_layer}"):
+        head_loadings(model, graph, targets, batch_size=per_layer - 1)
+
+
+def _most_heads(model: ReplacementModel) -> int:
+    """The most heads of one attention layer of ``model``."""
+    return max(int(model.pg.node(site.output).tensor_shape[1]) for site in find_attention_sites(model.pg,
+                                                                                               bilinear=False))
+
+
 def _logit_change(model: ReplacementModel, graph: AttributionGraph, source: int, layer: int, live_head: int | None,
                   epsilon: float = 0.5) -> float:
     """Δ(logit − mean logit) / ε of the first logit node when ``source`` moves by ε, in the frozen model whose
