@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +46,8 @@ __all__ = ["QKAttribution", "QKCheck", "QKTerm", "check_qk_term", "pattern_row",
 
 #: The node index that stands for the bias (q or k with every source removed) in :class:`QKTerm`.
 BIAS = -1
+#: Query rows of T made at a time by :meth:`QKAttribution.reconstruction` and :meth:`QKAttribution.top_terms`.
+TERM_ROWS = 4096
 
 
 @dataclass(frozen=True)
@@ -89,22 +91,38 @@ class QKAttribution:
         return self.scale * float(self.query.double() @ self.key.double()) + self.mask
 
     def terms(self) -> torch.Tensor:
-        """T = scale · query_parts · key_partsᵀ ``[n_q + 1, n_k + 1]`` (rows: query side, last = bias)."""
+        """T = scale · query_parts · key_partsᵀ ``[n_q + 1, n_k + 1]`` (rows: query side, last = bias), float64:
+        8 (n_q + 1)(n_k + 1) bytes (:meth:`reconstruction` and :meth:`top_terms` never hold it whole)."""
         return self.scale * self.query_parts.double() @ self.key_parts.double().T
 
+    def _term_rows(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """T in blocks of :data:`TERM_ROWS` query rows: (first row, ``[rows, n_k + 1]``)."""
+        keys = self.key_parts.double().T
+        for start in range(0, self.query_parts.shape[0], TERM_ROWS):
+            yield start, self.scale * self.query_parts[start:start + TERM_ROWS].double() @ keys
+
     def reconstruction(self) -> tuple[float, float]:
-        """(|Σ T + m − s|, Σ |T|): how far the terms miss the score, and their scale."""
-        terms = self.terms()
-        return abs(float(terms.sum()) + self.mask - self.score), float(terms.abs().sum())
+        """(|Σ T + m − s|, Σ |T|): how far the terms miss the score, and their scale (T in blocks of rows)."""
+        total = magnitude = 0.0
+        for _, block in self._term_rows():
+            total += float(block.sum())
+            magnitude += float(block.abs().sum())
+        return abs(total + self.mask - self.score), magnitude
 
     def top_terms(self, k: int = 10) -> list[QKTerm]:
-        """The ``k`` terms of largest |value|, largest first."""
-        terms = self.terms()
-        _, flat = terms.flatten().abs().topk(min(k, terms.numel()))
+        """The ``k`` terms of largest |value|, largest first (T in blocks of rows, a running top k)."""
+        width = self.key_parts.shape[0]
+        values = torch.zeros(0, dtype=torch.float64)
+        where = torch.zeros(0, dtype=torch.long)
+        for start, block in self._term_rows():
+            values = torch.cat([values, block.flatten()])
+            where = torch.cat([where, start * width + torch.arange(block.numel())])
+            kept = values.abs().topk(min(k, values.numel())).indices
+            values, where = values[kept], where[kept]
         nodes_q = self.query_nodes.tolist() + [BIAS]
         nodes_k = self.key_nodes.tolist() + [BIAS]
-        width = terms.shape[1]
-        return [QKTerm(nodes_q[i // width], nodes_k[i % width], float(terms.flatten()[i])) for i in flat.tolist()]
+        return [QKTerm(nodes_q[i // width], nodes_k[i % width], float(v)) for v, i in zip(values.tolist(),
+                                                                                          where.tolist())]
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,26 @@ def test_scores_of_several_layers_in_one_pass_are_those_of_separate_passes(built
         torch.testing.assert_close(one.terms(), other.terms(), rtol=1e-5, atol=1e-6 * float(one.terms().abs().sum()))
 
 
+def test_terms_in_blocks_of_rows_give_the_whole_matrix_figures(built, monkeypatch) -> None:
+    """reconstruction and top_terms over blocks of 3 query rows (a running top k) equal those of T made whole."""
+    import gradpatch.circuits.qk as qk
+
+    model, graph = built
+    (attribution,) = qk_attributions(model, graph, [(1, 2, 6, 3)])
+    terms = attribution.terms()
+    expected_order = terms.flatten().abs().argsort(descending=True)[:7]
+    monkeypatch.setattr(qk, "TERM_ROWS", 3)
+    assert terms.shape[0] > 3
+    missed, size = attribution.reconstruction()
+    assert size == pytest.approx(float(terms.abs().sum()), rel=1e-12)
+    assert missed == pytest.approx(abs(float(terms.sum()) + attribution.mask - attribution.score), abs=1e-12 * size)
+    top = attribution.top_terms(7)
+    assert [t.value for t in top] == pytest.approx(terms.flatten()[expected_order].tolist(), rel=1e-12)
+    assert all(terms[(attribution.query_nodes.tolist() + [BIAS]).index(t.query_node),
+                     (attribution.key_nodes.tolist() + [BIAS]).index(t.key_node)] == pytest.approx(t.value, rel=1e-12)
+               for t in top)
+
+
 def test_a_query_part_is_zero_for_a_later_position(built) -> None:
     """A source at a position after the query cannot reach it; a key's parts come from positions ≤ the key."""
     model, graph = built
