@@ -213,7 +213,7 @@ def test_smollm2_loadings_and_qk_terms() -> None:
     eligible[:graph.n_features][layers >= layers[feature]] = 0
     eligible[graph.error_start:graph.token_start] = 0
     sources = [graph.rows[graph.n_features].abs().topk(20).indices.tolist(), eligible.topk(20).indices.tolist()]
-    loadings = head_loadings(model, graph, [graph.logit_start, feature], sources=sources, batch_size=512)
+    loadings = head_loadings(model, graph, [graph.logit_start, feature], sources=sources, batch_size=64)
     assert len(loadings.heads) == 30 and set(loadings.heads) == {9}
     checked, pr114 = _check_sums(graph, loadings)
     assert checked == 40 * 30 and pr114 >= 10 * 30
