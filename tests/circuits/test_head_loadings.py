@@ -150,6 +150,14 @@ def test_a_loading_is_the_edge_through_its_head(built) -> None:
     loadings = head_loadings(model, graph, [graph.logit_start])
     order = loadings.edges[:, 2].abs().argsort(descending=True)
     target, source = (int(v) for v in loadings.edges[order[0], :2])
+    _assert_split_is_measured(model, graph, loadings, target, source)
+
+
+def _assert_split_is_measured(model: ReplacementModel, graph: AttributionGraph, loadings, target: int,
+                              source: int) -> None:
+    """At every attention layer, the bypass and bypass + the largest head's loading of the edge (target, source)
+    equal :func:`_logit_change` with every head held, and with that head live (within 1e-3, or 1e-5 of the split's
+    Σ|·|)."""
     for layer, (per_head, bypass) in loadings.edge(target, source).items():
         size = float(per_head.abs().sum()) + abs(bypass)
         assert _logit_change(model, graph, source, layer, None) == pytest.approx(bypass, rel=1e-3, abs=1e-5 * size)

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from test_head_loadings import _check_sums, _logit_change
+from test_head_loadings import _assert_split_is_measured, _check_sums
 from test_qk import prompt
 
 from gradpatch import PatchableGraph, testing
@@ -109,12 +109,7 @@ def test_head_loadings_sum_to_each_edge_and_match_perturbations(built) -> None:
     assert checked > 100 and pr114 > 50 and len(loadings.heads) == LAYERS
     layer_0 = [n for n in range(graph.n_features) if int(graph.active_features[n, 0]) == 0]
     source = max(layer_0, key=lambda n: abs(float(graph.rows[graph.n_features, n])))
-    for layer, (per_head, bypass) in loadings.edge(graph.logit_start, source).items():
-        size = float(per_head.abs().sum()) + abs(bypass)
-        assert _logit_change(model, graph, source, layer, None) == pytest.approx(bypass, rel=1e-3, abs=1e-5 * size)
-        head = int(per_head.abs().argmax())
-        assert _logit_change(model, graph, source, layer, head) == pytest.approx(bypass + float(per_head[head]),
-                                                                                 rel=1e-3, abs=1e-5 * size)
+    _assert_split_is_measured(model, graph, loadings, graph.logit_start, source)
 
 
 def test_the_circuit_command_takes_a_clt_with_qk_and_head_loadings(tmp_path) -> None:
