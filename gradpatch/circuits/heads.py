@@ -117,13 +117,19 @@ def _target_gradient(model: ReplacementModel, graph: AttributionGraph, run_input
     return outputs, injected
 
 
+def _target_rows(heads: list[int], layers: Sequence[int]) -> int:
+    """One target's rows over the attention ``layers`` (site indices): the edge's, and per layer the bypass's and
+    one per head."""
+    return 1 + sum(heads[index] + 1 for index in layers)
+
+
 def _masks(sites: list[AttentionSite], heads: list[int], n_targets: int, device: torch.device,
            layers: Sequence[int] | None = None) -> list[torch.Tensor]:
     """Per site, the 0/1 mask ``[rows, heads, 1, 1]`` of the row layout (module docstring): per target, row 0 all
     open; per site L of ``layers`` (default: every site, in order), a row with L closed and one row per head with
     only that head of L open."""
     chosen = list(range(len(heads))) if layers is None else list(layers)
-    per_target = 1 + sum(heads[index] + 1 for index in chosen)
+    per_target = _target_rows(heads, chosen)
     masks = [torch.ones(n_targets * per_target, h, 1, 1, device=device) for h in heads]
     for k in range(n_targets):
         row = k * per_target + 1
@@ -142,13 +148,13 @@ def _layer_groups(heads: list[int], batch_size: int) -> list[list[int]]:
     Raises:
         CircuitError: ``batch_size`` below one layer's rows.
     """
-    need = 1 + max(h + 1 for h in heads)
+    need = max(_target_rows(heads, [index]) for index in range(len(heads)))
     if batch_size < need:
         raise CircuitError(f"batch_size={batch_size} cannot hold one attention layer's rows ({need}: the edge, the "
                            f"bypass and one per head); give at least {need}")
     groups: list[list[int]] = [[]]
-    for index, h in enumerate(heads):
-        if groups[-1] and 1 + sum(heads[i] + 1 for i in groups[-1]) + h + 1 > batch_size:
+    for index in range(len(heads)):
+        if groups[-1] and _target_rows(heads, [*groups[-1], index]) > batch_size:
             groups.append([])
         groups[-1].append(index)
     return groups
@@ -198,7 +204,7 @@ def head_loadings(model: ReplacementModel, graph: AttributionGraph, targets: Seq
     heads = [int(model.pg.node(site.output).tensor_shape[1]) for site in sites]
     exact = float64_replacement(model) if float64 else model
     casts = cast_nodes(exact) if exact.embeddings.dtype == torch.float64 else []
-    per_target = 1 + sum(h + 1 for h in heads)
+    per_target = _target_rows(heads, range(len(heads)))
     per_pass = max(1, batch_size // per_target)
     groups = _layer_groups(heads, batch_size) if per_target > batch_size else None
     indices: list[torch.Tensor] = []
