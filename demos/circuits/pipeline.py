@@ -102,19 +102,20 @@ def _answer_change(result: Any, answer: int) -> float:
     return float((after[answer] - after.mean()) - (before[answer] - before.mean()))
 
 
-def _ablations(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], ids: torch.Tensor,
-               graph: AttributionGraph, decode: Callable[[int], str], n_ablate: int) -> list[Ablation]:
-    """Each of the ``n_ablate`` features of largest positive direct edge into the answer's logit node ablated
-    alone, then all of them together (module docstring, step 3)."""
+def _ablations(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary], traced: TracedGraph,
+               decode: Callable[[int], str], n_ablate: int) -> list[Ablation]:
+    """Each of the ``n_ablate`` features of largest positive direct edge into the answer's logit node of
+    ``traced``'s graph ablated alone, then all of them together (module docstring, step 3)."""
+    graph = traced.graph
     answer = int(graph.logit_tokens[0])
     edges = graph.rows[graph.n_features, :graph.n_features]  # the answer's logit row, feature columns
     chosen = [int(i) for i in torch.argsort(edges, descending=True)[:n_ablate] if float(edges[i]) > 0]
     groups = [[i] for i in chosen] + ([chosen] if len(chosen) > 1 else [])
     found = []
     for group in groups:
-        features = [tuple(int(v) for v in graph.active_features[i].tolist()) for i in group]
+        features = traced.feature_keys(group)
         edits = [FeatureEdit(layer, position, feature, "ablate") for layer, position, feature in features]
-        result = intervene(pg, transcoders, ids, edits)
+        result = intervene(pg, transcoders, traced.ids, edits)
         record = intervention_record(result, edits, decode)
         found.append(Ablation(features, [float(edges[i]) for i in group], _answer_change(result, answer),
                               [(t["text"], t["probability"]) for t in record["top_before"][:3]],
@@ -187,7 +188,7 @@ def report_prompt(pg: PatchableGraph, transcoders: Mapping[int, SparseDictionary
     ``node_threshold`` / ``edge_threshold``."""
     graph, replacement, unpruned = traced.graph, traced.replacement, traced.unpruned
     influence = unpruned.influence[:graph.n_features]
-    ablations = _ablations(pg, transcoders, traced.ids, graph, decode, n_ablate)
+    ablations = _ablations(pg, transcoders, traced, decode, n_ablate)
     annotate = partial(annotate_frontend, graph=graph, replacement=replacement, decode=decode, unpruned=unpruned,
                        snippets=snippets)
     record = {"ablations": [{**vars(a), "agrees": a.agrees} for a in ablations]}
