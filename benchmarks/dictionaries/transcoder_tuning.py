@@ -236,10 +236,9 @@ def dev_scores(pg: Any, dictionaries: list[Any], inputs: list[str], outputs: lis
                 x, y = acts[i], acts[len(inputs) + i]
                 z = tc.encode(x)
                 prediction = tc.output(x, z)
-                full = y.clone()
-                full[:, EXCLUDED:] = prediction[:, EXCLUDED:]
-                spliced[i] += ce(ids, {outputs[i]: CustomPatch(custom_op=lambda o, v=full: v.to(o.dtype),
-                                                                slice=positions, requires_clone=False)})
+                spliced[i] += ce(ids, {outputs[i]: CustomPatch(  # the op gets and returns positions 2.. only
+                    custom_op=lambda o, v=prediction[:, EXCLUDED:]: v.to(o.dtype), slice=positions,
+                    requires_clone=False)})
                 kept = slice(EXCLUDED, None)
                 sums[i]["error"] += float((prediction[0, kept] - y[0, kept]).double().pow(2).sum())
                 sums[i]["ys"].append(y[0, kept].double())
