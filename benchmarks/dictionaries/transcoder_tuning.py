@@ -135,7 +135,8 @@ def trial(args: argparse.Namespace) -> dict[str, Any]:
     rows = cached["rows"][:max(args.tokens // args.chunk, 1) * (args.chunk - EXCLUDED)]
     pg, _, inputs, outputs = graph_and_nodes(layers)
     torch.manual_seed(args.seed)
-    order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(args.seed))
+    generator = torch.Generator().manual_seed(args.seed)
+    order = torch.cat([torch.randperm(rows.shape[0], generator=generator) for _ in range(args.epochs)])
     d = rows.shape[1] // (2 * len(layers))
     start = time.perf_counter()
     dictionaries = []
@@ -164,7 +165,7 @@ def trial(args: argparse.Namespace) -> dict[str, Any]:
 def record(work: Path, args: argparse.Namespace, steps: int, train_rows: int, train_seconds: float, start: float,
            per_layer: dict[str, Any], together: float | None) -> dict[str, Any]:
     """The trial's JSON line, appended to ``work/trials.jsonl``."""
-    settings = {key: getattr(args, key) for key in ("tokens", "batch_rows", "lr", "k", "expansion", "skip_init",
+    settings = {key: getattr(args, key) for key in ("tokens", "epochs", "batch_rows", "lr", "k", "expansion", "skip_init",
                                                     "init_rows", "ridge", "warmup", "decay", "auxk", "dead_after",
                                                     "enc_scale", "seed")}
     result = {"settings": settings, "steps": steps, "train_rows": train_rows, "layers": per_layer,
@@ -267,6 +268,7 @@ def main() -> None:
     parser.add_argument("--dev-tokens", type=int, default=1024, help="development tokens scored")
     parser.add_argument("--dev-documents", type=int, default=200, help="the corpus's last documents, for dev")
     parser.add_argument("--batch-rows", type=int, default=1008, help="rows (tokens) per optimizer step")
+    parser.add_argument("--epochs", type=int, default=1, help="passes over the --tokens rows, each in a new order")
     parser.add_argument("--lr", type=float, default=0.002)
     parser.add_argument("--k", type=int, default=32)
     parser.add_argument("--expansion", type=int, default=2)
