@@ -12,15 +12,15 @@ documents after them, in order. Settings are chosen here on *development* text i
    :class:`recipes.dictionary.DictionaryModule` trains it (TopK decoded from its k active latents, FVU + α AuxK over
    latents dead for ``--dead-after`` tokens, unit-norm decoder rows with the parallel gradient removed, Adam at
    :func:`recipes.dictionary.lr_factor`'s schedule), the rows drawn in a random order (the recipe's shuffle buffer
-   mixes ``buffer_rows``); its initialisation: b_dec the first step's target mean, or with ``--skip-init
-   least_squares`` W_skip and b_dec by :func:`recipes.dictionary.least_squares_skip` on the first
-   ``--init-rows`` rows. Then scored on the development documents (one per forward pass, from position 2): per
-   layer FVU, L0, dead fraction (latents unfired on them) and CE loss recovered with that layer spliced alone, as
-   :func:`gradpatch.dictionaries.evaluate_layers` defines them (the model's CE and the zero-ablated CEs computed once
-   per ``WORK``); ``--fvu-only``: FVU, L0 and dead fraction only, from the documents' activations kept in ``WORK``
-   (no forward pass: for quick screening); ``--full-eval``: :func:`~gradpatch.dictionaries.evaluate_layers` itself,
-   which adds the CE loss recovered with the listed layers spliced at once. Prints one JSON line (and appends it to
-   ``WORK/trials.jsonl``).
+   mixes ``buffer_rows``), ``--epochs`` times, each pass in a new order; its initialisation: b_dec the first step's
+   target mean, or with ``--skip-init least_squares`` W_skip and b_dec by
+   :func:`recipes.dictionary.least_squares_skip` on the first ``--init-rows`` rows. Then scored on the development
+   documents (one per forward pass, from position 2): per layer FVU, L0, dead fraction (latents unfired on them)
+   and CE loss recovered with that layer spliced alone, as :func:`gradpatch.dictionaries.evaluate_layers` defines
+   them (the model's CE and the zero-ablated CEs computed once per ``WORK``); ``--fvu-only``: FVU, L0 and dead
+   fraction only, from the documents' activations kept in ``WORK`` (no forward pass: for quick screening);
+   ``--full-eval``: :func:`~gradpatch.dictionaries.evaluate_layers` itself, which adds the CE loss recovered with the
+   listed layers spliced at once. Prints one JSON line (and appends it to ``WORK/trials.jsonl``).
 
 Run: ``OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.dictionaries.transcoder_tuning cache --work W --tokens 32768``
 then ``... trial --work W --tokens 16384 --batch-rows 252 --lr 0.002``.
@@ -165,9 +165,9 @@ def trial(args: argparse.Namespace) -> dict[str, Any]:
 def record(work: Path, args: argparse.Namespace, steps: int, train_rows: int, train_seconds: float, start: float,
            per_layer: dict[str, Any], together: float | None) -> dict[str, Any]:
     """The trial's JSON line, appended to ``work/trials.jsonl``."""
-    settings = {key: getattr(args, key) for key in ("tokens", "epochs", "batch_rows", "lr", "k", "expansion", "skip_init",
-                                                    "init_rows", "ridge", "warmup", "decay", "auxk", "dead_after",
-                                                    "enc_scale", "seed")}
+    settings = {key: getattr(args, key) for key in ("tokens", "epochs", "batch_rows", "lr", "k", "expansion",
+                                                    "skip_init", "init_rows", "ridge", "warmup", "decay", "auxk",
+                                                    "dead_after", "enc_scale", "seed")}
     result = {"settings": settings, "steps": steps, "train_rows": train_rows, "layers": per_layer,
               "together_ce_recovered": together, "train_minutes": round(train_seconds / 60, 2),
               "minutes": round((time.perf_counter() - start) / 60, 2)}
