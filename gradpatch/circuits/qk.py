@@ -365,7 +365,7 @@ def check_qk_term(model: ReplacementModel, graph: AttributionGraph, attribution:
     q = queries[:, attribution.head, attribution.query_position].double()
     k = keys[:, kv, attribution.key_position].double()
     i, j = int(q_index[0]), int(k_index[0])
-    term = float(attribution.terms()[i, j])
+    term = attribution.scale * float(attribution.query_parts[i].double() @ attribution.key_parts[j].double())
     row = attribution.scale * float(attribution.query_parts[i].double() @ attribution.key.double())
     measured = attribution.scale * float((q[1] - q[0]) @ (k[2] - k[0])) / epsilon ** 2
     measured_row = attribution.scale * float((q[1] - q[0]) @ k[0]) / epsilon
